@@ -1,0 +1,5 @@
+import sys
+
+from coppelius.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""Model configuration (SPEC section 1) and the learner's hyperparameters
+(SPEC section 7), with the identity strings of SPEC section 10.
+
+Dimension vocabulary used throughout the project:
+    B batch, T context, D d_model, H n_head, E head dim (D/H), F d_ff,
+    V vocab, L n_layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .errors import ConfigError
+
+LAYERNORM_EPS = Fraction(1, 100000)
+ROPE_BASE = 10000
+SEED = 20260925
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A model shape. Validated on construction; the error names the field."""
+
+    vocab: int  # V
+    context: int  # T
+    d_model: int  # D
+    n_layer: int  # L
+    n_head: int  # H
+    d_ff: int  # F
+    steps: int = 8  # default steps of one invocation (run policy, not model)
+    interval: int = 4  # default checkpoint interval (run policy, not model)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field {field.name}={value!r}: must be a positive integer")
+        if self.d_model % self.n_head != 0:
+            raise ConfigError(
+                f"config field n_head={self.n_head}: must divide d_model={self.d_model}")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(
+                f"config field n_head={self.n_head}: head dim d_model/n_head={self.head_dim} must be even")
+
+    @property
+    def head_dim(self) -> int:  # E
+        return self.d_model // self.n_head
+
+    def identity(self) -> str:
+        """The model identity of SPEC section 10."""
+        return (f"vocab={self.vocab}|context={self.context}|d_model={self.d_model}"
+                f"|n_layer={self.n_layer}|n_head={self.n_head}|d_ff={self.d_ff}"
+                f"|norm=layernorm|eps={LAYERNORM_EPS}|rope_base={ROPE_BASE}|tied=1")
+
+
+PRESETS = {
+    "coppelius": Config(vocab=12288, context=1024, d_model=512, n_layer=16, n_head=8,
+                        d_ff=1408, steps=10000, interval=1000),
+    "tiny": Config(vocab=2048, context=256, d_model=128, n_layer=4, n_head=4, d_ff=352,
+                   steps=1000, interval=250),
+    "test": Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
+                   steps=8, interval=4),
+}
+
+
+def preset(name: str) -> Config:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"preset {name!r}: unknown (choose from {', '.join(PRESETS)})") from None
+
+
+def parse_rational(text, field: str) -> Fraction:
+    """'3/10000', '0.0003' or '3e-4' -> an exact Fraction; the error names the field."""
+    try:
+        value = Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"{field}={text!r}: not a number (write e.g. 3/10000 or 0.0003)") from None
+    return value
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """AdamW hyperparameters, exact rationals (SPEC section 7)."""
+
+    lr: Fraction = Fraction(3, 10000)
+    beta1: Fraction = Fraction(9, 10)
+    beta2: Fraction = Fraction(95, 100)
+    weight_decay: Fraction = Fraction(1, 10)
+    epsilon: Fraction = Fraction(1, 100000000)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, Fraction):
+                object.__setattr__(self, field.name, parse_rational(value, field.name))
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr}: must be positive")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay}: must be >= 0")
+        if self.epsilon <= 0:
+            raise ConfigError(f"epsilon={self.epsilon}: must be positive")
+
+    def identity(self, precision: str) -> str:
+        """The learner identity of SPEC section 10."""
+        check_precision(precision)
+        return (f"objective=next-token-cross-entropy|precision={precision}|optimizer=adamw"
+                f"|lr={self.lr}|beta1={self.beta1}|beta2={self.beta2}"
+                f"|weight_decay={self.weight_decay}|epsilon={self.epsilon}|decay=matrices")
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: must be one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def schema_identity(config: Config) -> str:
+    return (f"coppelius-raw-pmv-f32-v1|parameter-order:p-then-m-then-v"
+            f"|payload={12 * parameter_count(config)}")
+
+
+def data_identity(config: Config, batch: int, tokenizer_sha: str | None, stream_sha: str) -> str:
+    return (f"coppelius-token-stream|vocabulary={config.vocab}|context={config.context}"
+            f"|header=16|token=4|batch={batch}|tokenizer={tokenizer_sha or 'none'}"
+            f"|stream={stream_sha}")
+
+
+def initialization_identity(seed: int = SEED) -> str:
+    return (f"coppelius-initialization:random-normal|generator=splitmix64-boxmuller"
+            f"|seed={seed}")
+
+
+def parameter_count(config: Config) -> int:
+    from .params import registry
+
+    return registry(config).total

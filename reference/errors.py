@@ -1,0 +1,39 @@
+"""Error types. Each names what is wrong; the command line turns them into
+one line and an exit status (2 for bad input or a refusal, 3 for a run
+stopped by non-finite values)."""
+
+
+class CoppeliusError(Exception):
+    """An expected error: shown to a user as one line, exit status 2."""
+
+    exit_status = 2
+
+
+class ConfigError(CoppeliusError, ValueError):
+    """A configuration or hyperparameter field is invalid (names the field)."""
+
+
+class StreamError(CoppeliusError):
+    """A token stream file is malformed (names the file and the offset)."""
+
+
+class CheckpointError(CoppeliusError):
+    """A checkpoint file is malformed or cannot be published (names the file)."""
+
+
+class IdentityMismatch(CheckpointError):
+    """A checkpoint's identity differs from the run's (names the key, both values)."""
+
+
+class ResultFileError(CoppeliusError):
+    """A result file is malformed or would be overwritten (names the file)."""
+
+
+class RunError(CoppeliusError):
+    """A run cannot start as asked (too few contexts, bad options, ...)."""
+
+
+class NonFiniteError(CoppeliusError):
+    """A row loss or parameter became non-finite: the run stops, exit status 3."""
+
+    exit_status = 3

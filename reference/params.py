@@ -1,0 +1,155 @@
+"""The one parameter registry (SPEC section 2) and the initialization
+generator.
+
+Everything that iterates over parameters (the model, every backend, the
+checkpoint, the binding, the tests) iterates over `registry(config).specs`.
+A parameter is a named view into the flat float32 vector; offsets are in
+elements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import SEED, Config
+
+ALIASES = {"lm_head.weight": "tok_embedding.weight"}  # tied unembedding, no storage
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple
+    offset: int  # in elements, into the flat parameter vector
+    ordinal: int  # k of the initialization generator
+    init: str  # "normal", "ones" or "zeros"
+    std: float  # for "normal"; 0.0 otherwise
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def decay(self) -> bool:
+        """Weight decay applies to two-dimensional parameters only (SPEC 7)."""
+        return len(self.shape) == 2
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.offset, self.offset + self.size)
+
+
+class Registry:
+    """Names, shapes, offsets, decay and aliases of one configuration."""
+
+    def __init__(self, config: Config):
+        V, D, F, L = config.vocab, config.d_model, config.d_ff, config.n_layer
+        small = 0.02 / math.sqrt(2 * L)  # residual projections; sqrt in float64
+        table = [("tok_embedding.weight", (V, D), "normal", 0.02)]
+        for l in range(L):
+            p = f"layers.{l}."
+            table += [
+                (p + "attn_norm.weight", (D,), "ones", 0.0),
+                (p + "attn_norm.bias", (D,), "zeros", 0.0),
+                (p + "attn.q.weight", (D, D), "normal", 0.02),
+                (p + "attn.k.weight", (D, D), "normal", 0.02),
+                (p + "attn.v.weight", (D, D), "normal", 0.02),
+                (p + "attn.o.weight", (D, D), "normal", small),
+                (p + "mlp_norm.weight", (D,), "ones", 0.0),
+                (p + "mlp_norm.bias", (D,), "zeros", 0.0),
+                (p + "mlp.gate.weight", (F, D), "normal", 0.02),
+                (p + "mlp.up.weight", (F, D), "normal", 0.02),
+                (p + "mlp.down.weight", (D, F), "normal", small),
+            ]
+        table += [("final_norm.weight", (D,), "ones", 0.0),
+                  ("final_norm.bias", (D,), "zeros", 0.0)]
+        self.config = config
+        self.specs: list[ParamSpec] = []
+        offset = 0
+        for ordinal, (name, shape, init, std) in enumerate(table):
+            spec = ParamSpec(name, shape, offset, ordinal, init, std)
+            self.specs.append(spec)
+            offset += spec.size
+        self.total = offset
+        self.by_name = {spec.name: spec for spec in self.specs}
+        self.aliases = dict(ALIASES)
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __getitem__(self, name: str) -> ParamSpec:
+        return self.by_name[self.aliases.get(name, name)]
+
+    def views(self, flat: np.ndarray) -> dict:
+        """name -> view of `flat` with the parameter's shape (no copy).
+        Aliases are included and share their owner's view."""
+        out = {s.name: flat[s.slice].reshape(s.shape) for s in self.specs}
+        for alias, owner in self.aliases.items():
+            out[alias] = out[owner]
+        return out
+
+    def decay_mask(self) -> np.ndarray:
+        """(total,) bool: True where weight decay applies."""
+        mask = np.zeros(self.total, dtype=bool)
+        for s in self.specs:
+            if s.decay:
+                mask[s.slice] = True
+        return mask
+
+    def describe(self) -> list:
+        """[{name, shape, offset}] in canonical order (the checkpoint header)."""
+        return [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in self.specs]
+
+
+@functools.lru_cache(maxsize=None)
+def registry(config: Config) -> Registry:
+    return Registry(config)
+
+
+# ---------------------------------------------------------------- initialization
+# splitmix64 + Box-Muller, SPEC section 2. All integer arithmetic modulo 2^64:
+# NumPy uint64 arrays wrap on overflow, which is exactly that.
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def normal_values(seed: int, ordinal: int, start: int, count: int) -> np.ndarray:
+    """Standard normal z (float64) of elements [start, start+count) of parameter `ordinal`."""
+    with np.errstate(over="ignore"):
+        base = np.array([(seed + (ordinal + 1) * int(GAMMA)) % 2**64], dtype=np.uint64)
+        key = _mix(base)[0]
+        i1 = np.arange(start + 1, start + count + 1, dtype=np.uint64)  # i + 1
+        r = _mix(key + i1 * GAMMA)
+    u1 = ((r >> np.uint64(40)).astype(np.float64) + 0.5) / 2.0**24
+    u2 = ((r & np.uint64(0xFFFFFF)).astype(np.float64) + 0.5) / 2.0**24
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def initialize(config: Config, seed: int = SEED) -> np.ndarray:
+    """The fresh parameter vector P, (total,) float32, bit-identical everywhere."""
+    reg = registry(config)
+    flat = np.empty(reg.total, dtype=np.float32)
+    chunk = 1 << 22  # bounded temporaries for the 57.7M-element preset
+    for spec in reg:
+        out = flat[spec.slice]
+        if spec.init == "ones":
+            out[...] = 1.0
+        elif spec.init == "zeros":
+            out[...] = 0.0
+        else:
+            for start in range(0, spec.size, chunk):
+                n = min(chunk, spec.size - start)
+                z = normal_values(seed, spec.ordinal, start, n)
+                out[start:start + n] = (spec.std * z).astype(np.float32)  # round to nearest
+    return flat
