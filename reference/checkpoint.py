@@ -1,0 +1,313 @@
+"""The checkpoint file (SPEC section 10).
+
+    offset 0    magic b"CPLSCKPT", uint32 LE version = 1, uint32 LE header length Hn
+    offset 16   header: Hn bytes of UTF-8 JSON, keys sorted, no insignificant spaces
+    then        zero bytes up to the next multiple of 4096 (the payload offset)
+    payload     P, then M, then V, each (N,) float32 LE: 12 N bytes
+    trailer     b"CPLSDONE", uint64 LE payload bytes, SHA-256 of bytes [0, trailer start)
+
+Writing and reading stream the payload in CHUNK_BYTES pieces: the coppelius
+preset's payload is 692 MB and is never held twice. A file is checked from
+the cheap end (magic, version, lengths, header, size, trailer) before the
+SHA-256 pass, so a hostile length field is refused before anything large is
+allocated or read. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import (SEED, Config, data_identity, initialization_identity, schema_identity)
+from .errors import CheckpointError, IdentityMismatch
+from .fsutil import publish
+from .params import registry
+from .state import State
+
+CHUNK_BYTES = 4194304  # 4 MiB: the unit of streamed reads, writes and hashing
+MAGIC = b"CPLSCKPT"
+VERSION = 1
+TRAILER_MAGIC = b"CPLSDONE"
+MAX_HEADER = 16 * 1024 * 1024  # a longer header length field is refused unread
+ALIGN = 4096  # the payload starts on a page boundary
+
+PREFIX = struct.Struct("<8sII")  # magic, version, header length Hn
+TRAILER = struct.Struct("<8sQ32s")  # magic, payload bytes, SHA-256
+
+STRING_KEYS = ("schema", "model", "learner", "data", "initialization")
+IDENTITY_KEYS = STRING_KEYS + ("chunk_bytes",)  # compared with the run's (SPEC 10)
+COUNT_KEYS = ("chunk_bytes", "step", "contexts")
+
+
+@dataclass
+class CheckpointInfo:
+    """What validation learned about a file; nothing of the payload is held."""
+
+    path: str
+    header: dict
+    payload_offset: int
+    payload_bytes: int
+    file_size: int
+    sha256: str = ""  # hex digest, checked against the trailer
+
+
+@dataclass
+class Checkpoint:
+    info: CheckpointInfo
+    header: dict
+    state: State  # P, M, V (N,) float32 and t = step
+    step: int  # updates applied so far
+    contexts: int  # contexts consumed so far
+
+
+def identities(config: Config, hyper, precision: str, batch: int, tokenizer_sha: str | None,
+               stream_sha: str, seed: int = SEED) -> dict:
+    """The identity keys of the envelope, as a run computes them."""
+    return {
+        "schema": schema_identity(config),
+        "model": config.identity(),
+        "learner": hyper.identity(precision),
+        "data": data_identity(config, batch, tokenizer_sha, stream_sha),
+        "initialization": initialization_identity(seed),
+        "chunk_bytes": CHUNK_BYTES,
+    }
+
+
+def is_fresh(path) -> bool:
+    """A missing or zero-byte checkpoint path selects fresh initialization (SPEC 9)."""
+    try:
+        return os.stat(path).st_size == 0
+    except FileNotFoundError:
+        return True
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _error(path, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {os.fspath(path)}: {what}")
+
+
+# ------------------------------------------------------------------- writing
+
+def write_checkpoint(path, config: Config, identities: dict, state: State, contexts: int) -> None:
+    """Publish a checkpoint of `state` atomically and durably (SPEC 10).
+    On failure the path keeps its old content and a CheckpointError names it."""
+    path = os.fspath(path)
+    reg = registry(config)
+    for key in IDENTITY_KEYS:
+        if key not in identities:
+            raise _error(path, f"identity {key!r} missing from the run's identities")
+    arrays = []
+    for name in ("P", "M", "V"):
+        a = getattr(state, name)
+        if a.shape != (reg.total,) or a.dtype != np.float32:
+            raise _error(path, f"state.{name} is {a.dtype} {a.shape}, expected float32 ({reg.total},)")
+        arrays.append(np.ascontiguousarray(a, dtype="<f4"))  # no copy on little-endian hosts
+    header = {key: identities[key] for key in IDENTITY_KEYS}
+    header.update(step=int(state.t), contexts=int(contexts), parameters=reg.describe())
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    payload_offset = _align(PREFIX.size + len(raw))
+    payload_bytes = 12 * reg.total
+
+    def write_body(f):
+        sha = hashlib.sha256()
+
+        def put(data):
+            sha.update(data)
+            f.write(data)
+
+        put(PREFIX.pack(MAGIC, VERSION, len(raw)))
+        put(raw)
+        put(bytes(payload_offset - PREFIX.size - len(raw)))
+        for a in arrays:  # P, then M, then V
+            view = memoryview(a).cast("B")
+            for start in range(0, len(view), CHUNK_BYTES):
+                put(view[start:start + CHUNK_BYTES])
+        f.write(TRAILER.pack(TRAILER_MAGIC, payload_bytes, sha.digest()))
+
+    try:
+        publish(path, write_body)
+    except OSError as e:
+        raise _error(path, f"cannot publish: {e}") from None
+
+
+# ------------------------------------------------------------------- reading
+
+def _parse_header(path, raw: bytes) -> dict:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        raise _error(path, f"header is not UTF-8 JSON ({detail})") from None
+    if not isinstance(header, dict):
+        raise _error(path, f"header is a JSON {type(header).__name__}, expected an object")
+    for key in STRING_KEYS:
+        if key not in header:
+            raise _error(path, f"header lacks key {key!r}")
+        if not isinstance(header[key], str):
+            raise _error(path, f"header key {key!r} is {header[key]!r}, expected a string")
+    for key in COUNT_KEYS:
+        if key not in header:
+            raise _error(path, f"header lacks key {key!r}")
+        value = header[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key == "chunk_bytes"):
+            least = "a positive" if key == "chunk_bytes" else "a non-negative"
+            raise _error(path, f"header key {key!r} is {value!r}, expected {least} integer")
+    if "parameters" not in header:
+        raise _error(path, "header lacks key 'parameters'")
+    return header
+
+
+def _count_parameters(path, parameters) -> int:
+    """Check the parameter list is well-formed and contiguous; return its element count."""
+    if not isinstance(parameters, list) or not parameters:
+        raise _error(path, "header key 'parameters' must be a non-empty list")
+    count, names = 0, set()
+    for i, p in enumerate(parameters):
+        if not isinstance(p, dict) or not {"name", "shape", "offset"} <= p.keys():
+            raise _error(path, f"parameters[{i}] must be an object with name, shape and offset")
+        name, shape, offset = p["name"], p["shape"], p["offset"]
+        if not isinstance(name, str) or not name:
+            raise _error(path, f"parameters[{i}] name {name!r} is not a non-empty string")
+        if name in names:
+            raise _error(path, f"parameter {name} is listed twice")
+        names.add(name)
+        if (not isinstance(shape, list) or not shape
+                or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape)):
+            raise _error(path, f"parameter {name} shape {shape!r} is not a list of positive integers")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset != count:
+            raise _error(path, f"parameter {name} offset {offset!r}, expected {count} "
+                               "(parameters are contiguous, in order)")
+        count += math.prod(shape)
+    return count
+
+
+def _read_exact_into(f, view) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise EOFError
+        got += n
+
+
+def _scan(path, load: bool):
+    """Check a checkpoint file; with `load`, stream the payload into three
+    float32 arrays while hashing. Returns (info, [P, M, V] or None)."""
+    path = os.fspath(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise _error(path, "not a regular file")
+        f = open(path, "rb")
+    except OSError as e:
+        raise _error(path, f"cannot read: {e.strerror or e}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < PREFIX.size + TRAILER.size:
+            raise _error(path, f"file is {size} bytes, too short for a checkpoint")
+        prefix = f.read(PREFIX.size)
+        magic, version, hn = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise _error(path, f"bad magic {magic!r} (expected {MAGIC!r})")
+        if version != VERSION:
+            raise _error(path, f"format version {version}, this reader knows {VERSION}")
+        if hn > MAX_HEADER:
+            raise _error(path, f"header length {hn} exceeds the limit {MAX_HEADER}")
+        if PREFIX.size + hn + TRAILER.size > size:
+            raise _error(path, f"header length {hn} runs beyond the file ({size} bytes)")
+        raw = f.read(hn)
+        header = _parse_header(path, raw)
+        count = _count_parameters(path, header["parameters"])
+        payload_offset = _align(PREFIX.size + hn)
+        payload_bytes = 12 * count
+        expected = payload_offset + payload_bytes + TRAILER.size
+        if size != expected:
+            raise _error(path, f"file is {size} bytes, expected {expected} for {count} parameters "
+                               "(truncated or extended)")
+        padding = f.read(payload_offset - PREFIX.size - hn)
+        if padding.count(0) != len(padding):
+            raise _error(path, "nonzero bytes in the padding after the header")
+        f.seek(size - TRAILER.size)
+        tail_magic, tail_bytes, digest = TRAILER.unpack(f.read(TRAILER.size))
+        if tail_magic != TRAILER_MAGIC:
+            raise _error(path, f"bad trailer magic {tail_magic!r} (expected {TRAILER_MAGIC!r})")
+        if tail_bytes != payload_bytes:
+            raise _error(path, f"trailer says {tail_bytes} payload bytes, header says {payload_bytes}")
+
+        # The SHA-256 pass: everything before the trailer, in bounded pieces.
+        sha = hashlib.sha256()
+        for piece in (prefix, raw, padding):
+            sha.update(piece)
+        f.seek(payload_offset)
+        arrays = None
+        try:
+            if load:
+                arrays = [np.empty(count, dtype="<f4") for _ in range(3)]  # P, M, V
+                views = [memoryview(a).cast("B") for a in arrays]
+            else:
+                buffer = memoryview(bytearray(min(CHUNK_BYTES, payload_bytes)))
+                views = [buffer[:min(CHUNK_BYTES, payload_bytes - start)]
+                         for start in range(0, payload_bytes, CHUNK_BYTES)]
+            for view in views:
+                for start in range(0, len(view), CHUNK_BYTES):
+                    piece = view[start:start + CHUNK_BYTES]
+                    _read_exact_into(f, piece)
+                    sha.update(piece)
+        except EOFError:
+            raise _error(path, "file ended inside the payload (changed while reading?)") from None
+        if sha.digest() != digest:
+            raise _error(path, f"SHA-256 mismatch: trailer has {digest.hex()}, "
+                               f"content hashes to {sha.hexdigest()}")
+    info = CheckpointInfo(path, header, payload_offset, payload_bytes, size, sha.hexdigest())
+    if arrays is not None:
+        arrays = [a.astype(np.float32, copy=False) for a in arrays]
+    return info, arrays
+
+
+def validate(path) -> CheckpointInfo:
+    """Check a checkpoint file completely (structure and SHA-256) with
+    bounded memory; CheckpointError names the file and what is wrong."""
+    info, _ = _scan(path, load=False)
+    return info
+
+
+def _without_stream(data: str) -> list:
+    return [part for part in data.split("|") if not part.startswith("stream=")]
+
+
+def read_checkpoint(path, config: Config, expect: dict | None = None,
+                    new_data: bool = False) -> Checkpoint:
+    """Validate and load a checkpoint; compare its identities with `expect`
+    (the run's). `new_data` lifts only the stream part of the data identity."""
+    info, (P, M, V) = _scan(path, load=True)
+    header = info.header
+    if expect is not None:
+        for key in IDENTITY_KEYS:
+            have, want = header[key], expect[key]
+            if key == "data" and new_data:
+                if _without_stream(have) != _without_stream(want):
+                    raise IdentityMismatch(
+                        f"checkpoint {info.path}: data identity differs beyond its stream part "
+                        f"(--new-data lifts only stream=): checkpoint has {have!r}, run has {want!r}")
+            elif have != want:
+                raise IdentityMismatch(f"checkpoint {info.path}: {key} identity differs: "
+                                       f"checkpoint has {have!r}, run has {want!r}")
+    described = registry(config).describe()
+    if header["parameters"] != described:
+        for i, (have, want) in enumerate(zip(header["parameters"], described)):
+            if have != want:
+                raise _error(info.path, f"parameters[{i}] is {have}, this model has {want}")
+        raise _error(info.path, f"holds {len(header['parameters'])} parameters, "
+                                f"this model has {len(described)}")
+    state = State(P=P, M=M, V=V, t=header["step"])
+    return Checkpoint(info=info, header=header, state=state, step=header["step"],
+                      contexts=header["contexts"])

@@ -1,0 +1,156 @@
+"""The training program (SPEC section 13): one fixed-shape step captured once
+and replayed. This module holds the interface every backend implements and
+the reference's own program, whose "capture" is a recorded plan: the bound
+configuration, policy and buffers, replayed by calling `reference.step`.
+
+Interface (duck-typed; every backend's `capture(...)` returns one):
+    .backend, .config, .hyper, .precision, .batch
+    .upload_input(tokens)         # (B, T+1) ids into the input slot
+    .replay() -> event            # submit one step; event.wait() blocks
+    .replay_and_wait() -> float   # mean loss
+    .replay_timed_and_wait() -> (loss, device_seconds or nan)
+    .row_losses() -> (B,T) float32 of the last replay
+    .gradients() -> (N,) float32 G of the last replay
+    .state() -> State             # host copy of P, M, V, t
+    .logits(tokens (B,T)) -> (B,T,V) with the current parameters
+    .compilation_report(), .diagnostics() -> dict
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import Config, Hyper, check_precision
+from .errors import CoppeliusError
+from .params import registry
+from .state import State
+from .step import forward, step
+
+SCHEMA = "coppelius.training_compilation.v1"
+STAGES = ("semantic_validation", "replay_safety", "decomposition", "fusion", "placement",
+          "precision", "kernel_selection", "lowering_validation", "memory_planning",
+          "synchronization_planning", "command_recording")
+STAGE_STATES = ("not_run", "inherited", "analyzed", "applied", "failed")
+
+
+class ReplayError(CoppeliusError):
+    """A replay whose inputs or state do not match the capture."""
+
+
+def compilation_report(backend: str, stages: dict, *, kernels: int, graph_nodes: int,
+                       device_bytes: int, replays: int, **extra) -> dict:
+    """The JSON document of SPEC section 13. `stages` maps a stage name to
+    (state, inputs, outputs); stages not named are reported `not_run`."""
+    rows = []
+    for name in STAGES:
+        state, n_in, n_out = stages.get(name, ("not_run", 0, 0))
+        assert state in STAGE_STATES, state
+        rows.append({"stage": name, "state": state, "inputs": n_in, "outputs": n_out})
+    return {"schema": SCHEMA, "backend": backend, "stages": rows, "kernels": kernels,
+            "graph_nodes": graph_nodes, "device_bytes": device_bytes, "replays": replays, **extra}
+
+
+def check_tokens(config: Config, batch: int, tokens, what="input") -> np.ndarray:
+    """(B, T+1) integer ids in [0, V), else ReplayError naming the mismatch."""
+    tokens = np.asarray(tokens)
+    want = (batch, config.context + 1)
+    if tokens.shape != want:
+        raise ReplayError(f"{what} shape {tokens.shape} does not match the capture's {want}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ReplayError(f"{what} dtype {tokens.dtype} is not an integer type")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab):
+        raise ReplayError(f"{what} holds ids outside [0, {config.vocab})")
+    return tokens.astype(np.int64)
+
+
+def check_state(config: Config, state: State) -> None:
+    n = registry(config).total
+    for name in ("P", "M", "V"):
+        a = getattr(state, name)
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n,):
+            raise ReplayError(f"state.{name} must be a host float32 vector of {n} elements")
+
+
+class Event:
+    """The reference computes synchronously: the event is complete on return."""
+
+    def wait(self) -> None:
+        return None
+
+
+class ReferenceProgram:
+    backend = "reference"
+
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
+        check_precision(precision)
+        check_state(config, state)
+        self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
+        self._state = state.copy()  # the program owns its buffers, like a device backend
+        self._tokens = None
+        self._last = None
+        self._replays = 0
+
+    def upload_input(self, tokens) -> None:
+        self._tokens = check_tokens(self.config, self.batch, tokens)
+
+    def replay(self) -> Event:
+        if self._tokens is None:
+            raise ReplayError("replay before any input was uploaded")
+        self._last = step(self.config, self._state, self._tokens, self.precision, self.hyper,
+                          grads=True)
+        self._state = self._last.state
+        self._replays += 1
+        return Event()
+
+    def replay_and_wait(self) -> float:
+        self.replay().wait()
+        return float(self._last.loss)
+
+    def replay_timed_and_wait(self):
+        return self.replay_and_wait(), math.nan  # no device clock
+
+    def _need_replay(self):
+        if self._last is None:
+            raise ReplayError("no step has been replayed yet")
+        return self._last
+
+    def row_losses(self) -> np.ndarray:
+        return self._need_replay().row_losses.copy()
+
+    def gradients(self) -> np.ndarray:
+        return self._need_replay().grads.copy()
+
+    def state(self) -> State:
+        return self._state.copy()
+
+    def logits(self, tokens) -> np.ndarray:
+        return forward(self.config, self._state.P, tokens, self.precision)
+
+    def compilation_report(self) -> dict:
+        n = registry(self.config).total
+        stages = {
+            "semantic_validation": ("applied", 1, 1),
+            "replay_safety": ("analyzed", 1, 1),
+            "placement": ("inherited", 1, 1),
+            "precision": ("applied", 1, 1),
+            "kernel_selection": ("inherited", 1, 1),
+            "command_recording": ("applied", 1, 1),
+        }
+        return compilation_report(self.backend, stages, kernels=0, graph_nodes=0,
+                                  device_bytes=4 * 3 * n, replays=self._replays,
+                                  precision=self.precision)
+
+    def diagnostics(self) -> dict:
+        return {"backend": self.backend, "precision": self.precision, "batch": self.batch,
+                "update_count": self._state.t, "replays": self._replays}
+
+
+def available() -> bool:
+    return True
+
+
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> ReferenceProgram:
+    """Record the reference's plan; performs no training update."""
+    return ReferenceProgram(config, hyper, precision, batch, state)

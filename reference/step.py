@@ -1,0 +1,41 @@
+"""The training step: forward, per-row losses, backward, AdamW."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .adamw import adamw_update
+from .config import Config, Hyper, check_precision
+from .model import loss_backward, loss_forward, model_backward, model_forward
+from .params import registry
+from .state import State, StepResult
+
+
+def forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32") -> np.ndarray:
+    """tokens (B,T) ids -> logits (B,T,V) with parameters P."""
+    check_precision(policy)
+    logits, _ = model_forward(config, P, np.asarray(tokens), policy)
+    return logits
+
+
+def loss_and_grads(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32"):
+    """tokens (B,T+1) -> (row losses (B,T), G (N,)): the gradient of the mean
+    loss. Works in P's dtype (float64 for the finite-difference tests)."""
+    tokens = np.asarray(tokens)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits, cache = model_forward(config, P, inputs, policy)
+    ce, ce_cache = loss_forward(logits, targets)
+    dlogits = loss_backward(ce_cache, ce.size, P.dtype)
+    return ce, model_backward(config, P, dlogits, cache, policy)
+
+
+def step(config: Config, state: State, tokens: np.ndarray, policy: str = "fp32",
+         hyper: Hyper = Hyper(), grads: bool = False) -> StepResult:
+    """One training step on tokens (B,T+1): the update number state.t + 1."""
+    check_precision(policy)
+    ce, G = loss_and_grads(config, state.P, tokens, policy)
+    loss = ce.mean(dtype=np.float32)
+    t = state.t + 1
+    P, M, V = adamw_update(state.P, state.M, state.V, G, registry(config).decay_mask(), hyper, t)
+    return StepResult(loss=np.float32(loss), row_losses=ce, grads=G if grads else None,
+                      state=State(P, M, V, t))
