@@ -53,7 +53,7 @@ class Config:
         """The model identity of SPEC section 10."""
         return (f"vocab={self.vocab}|context={self.context}|d_model={self.d_model}"
                 f"|n_layer={self.n_layer}|n_head={self.n_head}|d_ff={self.d_ff}"
-                f"|norm=layernorm|eps={LAYERNORM_EPS}|rope_base={ROPE_BASE}|tied=1")
+                f"|norm=layernorm|eps={rational_text(LAYERNORM_EPS)}|rope_base={ROPE_BASE}|tied=1")
 
 
 PRESETS = {
@@ -80,6 +80,26 @@ def parse_rational(text, field: str) -> Fraction:
     except (ValueError, ZeroDivisionError):
         raise ConfigError(f"{field}={text!r}: not a number (write e.g. 3/10000 or 0.0003)") from None
     return value
+
+
+def rational_text(q: Fraction) -> str:
+    """The canonical text of an exact rational in an identity: a decimal
+    fraction over the smallest power of ten that holds it (95/100, 3/10000),
+    anything else in lowest terms (1/3). So 0.95, 19/20 and 95/100 all read
+    `95/100`, the form SPEC section 10 shows."""
+    q = Fraction(q)
+    den = q.denominator
+    twos = fives = 0
+    while den % 2 == 0:
+        den //= 2
+        twos += 1
+    while den % 5 == 0:
+        den //= 5
+        fives += 1
+    if den != 1:
+        return f"{q.numerator}/{q.denominator}"
+    scale = 10 ** max(twos, fives)
+    return f"{q.numerator * scale // q.denominator}/{scale}"
 
 
 @dataclass(frozen=True)
@@ -111,8 +131,9 @@ class Hyper:
         """The learner identity of SPEC section 10."""
         check_precision(precision)
         return (f"objective=next-token-cross-entropy|precision={precision}|optimizer=adamw"
-                f"|lr={self.lr}|beta1={self.beta1}|beta2={self.beta2}"
-                f"|weight_decay={self.weight_decay}|epsilon={self.epsilon}|decay=matrices")
+                f"|lr={rational_text(self.lr)}|beta1={rational_text(self.beta1)}"
+                f"|beta2={rational_text(self.beta2)}|weight_decay={rational_text(self.weight_decay)}"
+                f"|epsilon={rational_text(self.epsilon)}|decay=matrices")
 
 
 def check_precision(precision: str) -> str:
