@@ -1,0 +1,263 @@
+"""Source text -> tokenizer -> token stream (SPEC section 8), the default
+corpus, the stream cache and `coppelius tokenize`."""
+
+import hashlib
+import json
+import os
+import pathlib
+import struct
+import sysconfig
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coppelius import data
+from coppelius.cli import main
+from reference.errors import ConfigError, StreamError
+from reference.stream import open_stream, read_stream_header
+
+V = 320  # 256 byte symbols and 64 merges: trains in milliseconds
+
+
+def sample_text() -> str:
+    """A few tens of KB of real text: the json package of the running Python."""
+    root = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    return "".join(open(os.path.join(root, name), encoding="utf-8").read()
+                   for name in sorted(os.listdir(root)) if name.endswith(".py"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.train_tokenizer([sample_text()], V)
+
+
+def test_tokenizer_has_exactly_v_ids(tokenizer):
+    assert tokenizer.get_vocab_size() == V
+    assert sorted(tokenizer.get_vocab().values()) == list(range(V))
+    ids = data.encode(tokenizer, sample_text())
+    assert ids.dtype == np.uint32 and ids.max() < V
+    # merges were learnt: fewer ids than bytes
+    assert ids.size < len(sample_text().encode("utf-8"))
+
+
+def test_training_is_deterministic(tokenizer):
+    again = data.train_tokenizer([sample_text()], V)
+    assert again.to_str() == tokenizer.to_str()
+
+
+def test_pieces_train_like_the_whole_text(tokenizer):
+    text = sample_text()
+    in_pieces = data.train_tokenizer(list(data.pieces(text, 997)), V)
+    assert in_pieces.to_str() == tokenizer.to_str()
+
+
+@given(st.text())
+def test_any_text_round_trips(tokenizer, text):
+    ids = data.encode(tokenizer, text)
+    assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == text
+
+
+lines = st.lists(st.text(alphabet=st.sampled_from("ab \t'9é\u2028\r\n#"), max_size=12)
+                 | st.sampled_from(["x", "  x", "\n", "def f():", "'s", ""]), max_size=60)
+
+
+@given(lines, st.integers(1, 40))
+def test_piece_boundaries_do_not_change_the_words_or_ids(tokenizer, parts, size):
+    text = "\n".join(parts)
+    chunks = list(data.pieces(text, size))
+    assert "".join(chunks) == text
+    # the pre-tokenizer's words (BPE never merges across them), then the ids
+    split = tokenizer.pre_tokenizer.pre_tokenize_str
+    assert [w for chunk in chunks for w, _ in split(chunk)] == [w for w, _ in split(text)]
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    assert [i for chunk in chunks for i in tokenizer.encode(chunk).ids] == whole
+
+
+def test_a_source_too_small_is_refused_naming_it_and_the_count(tmp_path):
+    source = tmp_path / "small.txt"
+    source.write_text("abab abab")
+    with pytest.raises(StreamError, match=r"small\.txt: yields (\d+) distinct tokens.*V=400") as e:
+        data.train_tokenizer(source, 400)
+    assert 256 < int(e.value.args[0].split("yields ")[1].split()[0]) < 400
+
+
+def test_a_vocabulary_below_the_byte_symbols_is_refused():
+    with pytest.raises(ConfigError, match="vocab=64"):
+        data.train_tokenizer(["text"], 64)
+
+
+def test_a_source_not_utf8_is_refused_at_its_offset(tmp_path):
+    source = tmp_path / "latin.txt"
+    source.write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(StreamError, match=r"latin\.txt: not UTF-8 at byte offset 3"):
+        data.read_source(source)
+
+
+# ---------------------------------------------------------------------------
+# The default corpus
+
+def fake_stdlib(root):
+    files = {
+        "os.py": b"import sys\n",
+        "a-b.py": b"x = 1",  # no trailing newline
+        "a/x.py": "s = 'caf\u00e9'\n".encode("utf-8"),
+        "a/bad.py": b"s = 'caf\xe9'\n",  # latin-1: not UTF-8
+        "a/notes.txt": b"not python\n",
+        "site-packages/numpy.py": b"third party\n",
+        "lib/site-packages/pkg/m.py": b"third party\n",
+        "z/__init__.py": b"",
+    }
+    for rel, body in files.items():
+        path = os.path.join(root, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(body)
+    return files
+
+
+def test_default_corpus_on_a_fake_stdlib(tmp_path, monkeypatch):
+    root = str(tmp_path / "lib")
+    files = fake_stdlib(root)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": root})
+    kept = sorted(rel for rel in files
+                  if rel.endswith(".py") and "site-packages" not in rel.split("/"))
+    # plain string order of POSIX paths: "a-b.py" < "a/bad.py" ('-' < '/')
+    assert kept == ["a-b.py", "a/bad.py", "a/x.py", "os.py", "z/__init__.py"]
+    assert data.stdlib_files(root) == kept
+    expected = ("# file: a-b.py\nx = 1\n"
+                "# file: a/bad.py\ns = 'caf\ufffd'\n"
+                "# file: a/x.py\ns = 'caf\u00e9'\n"
+                "# file: os.py\nimport sys\n"
+                "# file: z/__init__.py\n")
+    assert data.default_corpus_text() == expected
+
+    path = data.materialise_default_corpus(tmp_path / "cache")
+    assert path.endswith(os.path.join("corpus", data.default_source_name() + ".txt"))
+    assert open(path, encoding="utf-8").read() == expected
+    before = os.stat(path).st_mtime_ns
+    os.utime(path, ns=(before - 10**9, before - 10**9))
+    data.materialise_default_corpus(tmp_path / "cache")  # unchanged: not rewritten
+    assert os.stat(path).st_mtime_ns == before - 10**9
+    with open(os.path.join(root, "os.py"), "ab") as f:
+        f.write(b"import io\n")
+    data.materialise_default_corpus(tmp_path / "cache")  # changed: rewritten
+    assert open(path, encoding="utf-8").read().count("import io\n") == 1
+
+
+def test_the_real_default_corpus_has_its_markers_in_order():
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                   if "site-packages" not in p.relative_to(root).parts)
+    assert data.stdlib_files(str(root)) == files and "os.py" in files
+    text = data.default_corpus_text()
+    assert text.startswith(f"# file: {files[0]}\n")
+    at = -1
+    for rel in files:  # each marker is a line of its own, after the previous one
+        at = text.index(f"# file: {rel}\n", at + 1)
+        assert at == 0 or text[at - 1] == "\n", rel
+
+
+# ---------------------------------------------------------------------------
+# The stream cache
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = data.tokenize_source
+
+    def tokenize_source(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "tokenize_source", tokenize_source)
+    return calls
+
+
+def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
+    source = tmp_path / "corpus.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    cache = tmp_path / "cache"
+    stream, tok = data.prepare_stream(source=source, vocab=V, cache_dir=cache)
+    assert stream == os.path.join(cache, f"corpus-v{V}", f"corpus-v{V}.tokens")
+    assert tok == os.path.join(cache, f"corpus-v{V}", "tokenizer.json")
+    assert len(counted) == 1
+    st = os.stat(source)
+    assert read_stream_header(stream) == (st.st_mtime_ns, st.st_size)
+    opened = open_stream(stream, V)
+    tokenizer = data.load_tokenizer(tok)
+    assert tokenizer.decode(opened.ids.tolist()) == sample_text()
+    written = os.stat(stream).st_mtime_ns
+
+    assert data.prepare_stream(source=source, vocab=V, cache_dir=cache) == (stream, tok)
+    assert len(counted) == 1 and os.stat(stream).st_mtime_ns == written
+
+    # touched (same content, new mtime): stale
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    data.prepare_stream(source=source, vocab=V, cache_dir=cache)
+    assert len(counted) == 2
+    assert read_stream_header(stream) == (st.st_mtime_ns + 10**9, st.st_size)
+
+    # the tokenizer gone: rebuilt
+    os.unlink(tok)
+    data.prepare_stream(source=source, vocab=V, cache_dir=cache)
+    assert len(counted) == 3 and os.path.exists(tok)
+
+    # another vocabulary into the same stream file: rebuilt with it
+    data.prepare_stream(source=source, vocab=V + 16, out=stream, cache_dir=cache)
+    assert len(counted) == 4
+    assert data.load_tokenizer(tok).get_vocab_size() == V + 16
+    assert data.tokenizer_sha(tok) == hashlib.sha256(open(tok, "rb").read()).hexdigest()
+    # the stored tokenizer is the JSON the library writes, with the byte-level parts
+    spec = json.loads(open(tok, encoding="utf-8").read())
+    assert spec["model"]["type"] == "BPE" and spec["pre_tokenizer"]["type"] == "ByteLevel"
+    assert spec["pre_tokenizer"]["add_prefix_space"] is False
+
+
+def test_a_given_stream_is_used_as_is(tmp_path, counted):
+    stream = tmp_path / "s.tokens"
+    stream.write_bytes(struct.pack("<qQ3I", 0, 0, 1, 2, 3))
+    assert data.prepare_stream(stream=stream, vocab=V) == (str(stream), None)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert data.prepare_stream(stream=stream, vocab=V) == (
+        str(stream), os.path.join(tmp_path, "tokenizer.json"))
+    assert counted == []
+    with pytest.raises(StreamError, match="nothere.tokens"):
+        data.prepare_stream(stream=tmp_path / "nothere.tokens", vocab=V)
+
+
+def test_a_missing_source_is_refused_naming_it(tmp_path):
+    with pytest.raises(StreamError, match=r"source .*absent\.txt: no such file"):
+        data.prepare_stream(source=tmp_path / "absent.txt", vocab=V, cache_dir=tmp_path)
+    assert os.listdir(tmp_path) == []
+    assert data.tokenizer_sha(tmp_path / "tokenizer.json") is None
+
+
+# ---------------------------------------------------------------------------
+# coppelius tokenize
+
+def test_cli_tokenize_writes_a_valid_stream(tmp_path, capsys):
+    source = tmp_path / "corpus.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    out = tmp_path / "out" / "c.tokens"
+    assert main(["tokenize", str(source), "--out", str(out), "--vocab", str(V),
+                 "--preset", "tiny"]) == 0
+    printed = capsys.readouterr().out
+    stream = open_stream(out, V)
+    tok = tmp_path / "out" / "tokenizer.json"
+    assert data.load_tokenizer(tok).decode(stream.ids.tolist()) == sample_text()
+    assert f"wrote {out}: {len(stream):,} ids, {stream.n_contexts(256):,} contexts" in printed
+    assert hashlib.sha256(tok.read_bytes()).hexdigest() in printed
+    assert main(["tokenize", str(source), "--out", str(out), "--vocab", str(V),
+                 "--preset", "tiny"]) == 0
+    assert f"up to date {out}" in capsys.readouterr().out
+
+
+def test_cli_tokenize_missing_source_exits_2_with_one_line(tmp_path, capsys):
+    status = main(["tokenize", str(tmp_path / "absent.txt"), "--vocab", str(V),
+                   "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1 and "absent.txt" in err and "Traceback" not in err
+    assert err.startswith("coppelius tokenize: error: ")
