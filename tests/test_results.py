@@ -228,7 +228,7 @@ def test_writer_refuses_wrong_shapes(tmp_path):
 
 def test_default_results_path_adds_suffixes(tmp_path):
     assert default_results_path(tmp_path, 12) == os.path.join(tmp_path, "results-12.bin")
-    for k, name in enumerate(["results-12.bin", "results-12-1.bin", "results-12-2.bin"]):
+    for name in ["results-12.bin", "results-12-1.bin", "results-12-2.bin"]:
         assert default_results_path(tmp_path, 12) == os.path.join(tmp_path, name)
         (tmp_path / name).write_bytes(b"")
     assert default_results_path(tmp_path, 12) == os.path.join(tmp_path, "results-12-3.bin")
