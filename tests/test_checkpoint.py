@@ -129,6 +129,18 @@ def test_layout_matches_spec(saved):
     assert offset == N and len(h["parameters"]) == len(registry(CONFIG).specs)
 
 
+def test_chunking_does_not_change_the_bytes(tmp_path, saved, monkeypatch):
+    """Chunks that split floats and arrays unevenly give the same file and arrays."""
+    ids = run_identities()  # chunk_bytes=4194304 in the envelope, as in `saved`
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 4096 * 3 + 6)
+    path = tmp_path / "chunked.ckpt"
+    write_checkpoint(path, CONFIG, ids, saved[1], contexts=28)
+    assert path.read_bytes() == saved[2]
+    ck = read_checkpoint(path, CONFIG, expect=ids)
+    assert ck.state.M.tobytes() == saved[1].M.tobytes()
+    assert validate(path).sha256 == hashlib.sha256(saved[2][:-48]).hexdigest()
+
+
 def test_validate_reports_digest(saved):
     path, _, data = saved
     info = validate(path)
