@@ -316,7 +316,12 @@ def declared_parameters(model) -> dict:
         for alias, owner in model.aliases.items():
             declared[alias] = declared[owner]
         return declared
-    return {name: (dtype, tuple(shape)) for name, (dtype, shape) in model.items()}
+    declared = {}
+    for name, (dtype, shape) in model.items():
+        if dtype not in DTYPES:
+            raise BindingError(f"{name}: declared dtype {dtype!r} unknown ({', '.join(DTYPES)})")
+        declared[name] = (dtype, tuple(shape))
+    return declared
 
 
 def default_bindings(config: Config) -> list:
@@ -356,9 +361,8 @@ def _plan(source, bindings: list, declared: dict) -> tuple:
             aliases.append((b.param, b.of))
             continue
         recipe = b.recipe
+        _check_recipe(b.param, recipe)
         try:
-            if not isinstance(recipe, RECIPES):
-                raise RecipeError(f"{recipe!r} is not a recipe ({', '.join(r.__name__ for r in RECIPES)})")
             info = recipe.infer(source)
         except BindingError as e:
             raise _named(b.param, e) from None
@@ -404,10 +408,24 @@ def _check_names(bindings: list) -> None:
             if not (isinstance(name, str) and NAME.fullmatch(name)):
                 raise InvalidName(f"{name!r}: not a parameter name (dotted lowercase "
                                   "segments, e.g. layers.0.attn.q.weight)")
-        if not isinstance(b, Alias) and isinstance(b.recipe, RECIPES):
-            for key in b.recipe.keys():
-                if not (isinstance(key, str) and key and key.isprintable()):
-                    raise InvalidName(f"{b.param}: source key {key!r} is not a name")
+        if not isinstance(b, Alias):
+            _check_recipe(b.param, b.recipe)
+
+
+def _check_recipe(param: str, recipe) -> None:
+    """Every node a recipe, every source key a printable non-empty string."""
+    if not isinstance(recipe, RECIPES):
+        raise RecipeError(f"{param}: {recipe!r} is not a recipe "
+                          f"({', '.join(r.__name__ for r in RECIPES)})")
+    if isinstance(recipe, Tensor):
+        if not (isinstance(recipe.key, str) and recipe.key and recipe.key.isprintable()):
+            raise InvalidName(f"{param}: source key {recipe.key!r} is not a name")
+        return
+    children = recipe.xs if isinstance(recipe, Concat) else (recipe.x,)
+    if not isinstance(children, (tuple, list)):
+        raise RecipeError(f"{param}: concat of {children!r}, not a tuple of recipes")
+    for child in children:
+        _check_recipe(param, child)
 
 
 def bind(model, bindings, source, backend, offered=None) -> dict:

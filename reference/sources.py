@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import ml_dtypes  # registers "bfloat16" with NumPy; the safetensors library needs that
 import numpy as np
+import safetensors
 
 from .checkpoint import validate
 from .errors import CoppeliusError
@@ -115,38 +116,36 @@ class CheckpointSource:
     def check_lease(self, key: str, rows: slice | None = None) -> TensorInfo:
         """What `lease(key, rows)` would return, checked against the source's
         metadata and bound without reading anything. Raises SourceError."""
-        name = os.path.basename(self.path)
-        if key not in self._tensors:
-            raise SourceError(f"{name}: no tensor {key!r}")
-        info = self._tensors[key]
-        if rows is not None:
-            start, stop = _row_range(info, rows, f"{name}: tensor {key!r}")
-            info = TensorInfo(info.dtype, (stop - start,) + info.shape[1:],
-                              (stop - start) * info.row_bytes)
-        if info.nbytes > self.max_lease_bytes:
-            raise SourceError(
-                f"{name}: lease of {key!r} is {info.nbytes} bytes, over the bound of "
-                f"{self.max_lease_bytes} bytes (lease it in row ranges)")
-        return info
+        return self._plan_lease(key, rows)[0]
 
     def lease(self, key: str, rows: slice | None = None) -> np.ndarray:
         """A read-only view of tensor `key`, or of its rows `rows` (a slice of
         the first axis, step 1)."""
-        info = self.check_lease(key, rows)
-        if rows is None:
-            start = stop = None
-        else:
-            start, stop = _row_range(self._tensors[key], rows, key)
+        info, start, stop = self._plan_lease(key, rows)
         try:
             array = self._read(key, start, stop)
         except OSError as e:
-            raise SourceError(
-                f"{os.path.basename(self.path)}: reading {key!r}: {e.strerror or e}") from None
-        array = array.view(np.ndarray)  # plain ndarray, not a memmap subclass
+            raise SourceError(f"{self.path}: reading {key!r}: {e.strerror or e}") from None
+        array = array.view(np.ndarray)  # a plain ndarray, not a memmap subclass
         array.flags.writeable = False
         assert array.dtype == DTYPES[info.dtype] and array.shape == info.shape, key
         self.leases_granted += 1
         return array
+
+    def _plan_lease(self, key: str, rows) -> tuple:
+        """(TensorInfo of the lease, start, stop); start, stop None for the whole tensor."""
+        if key not in self._tensors:
+            raise SourceError(f"{self.path}: no tensor {key!r}")
+        info, start, stop = self._tensors[key], None, None
+        if rows is not None:
+            start, stop = _row_range(info, rows, f"{self.path}: tensor {key!r}")
+            info = TensorInfo(info.dtype, (stop - start,) + info.shape[1:],
+                              (stop - start) * info.row_bytes)
+        if info.nbytes > self.max_lease_bytes:
+            raise SourceError(
+                f"{self.path}: lease of {key!r} is {info.nbytes} bytes, over the bound of "
+                f"{self.max_lease_bytes} bytes (lease it in row ranges)")
+        return info, start, stop
 
     def _read(self, key, start, stop) -> np.ndarray:
         raise NotImplementedError
@@ -228,6 +227,16 @@ class CheckpointFileSource(CheckpointSource):
 
 # ------------------------------------------------------------------ safetensors
 
+def _unique_keys(pairs) -> dict:
+    """A JSON object hook refusing repeated keys (JSON would keep the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 class SafetensorsSource(CheckpointSource):
     """A safetensors file, read with the `safetensors` library.
 
@@ -240,23 +249,21 @@ class SafetensorsSource(CheckpointSource):
     """
 
     def __init__(self, path, max_lease_bytes: int = DEFAULT_MAX_LEASE_BYTES):
-        from safetensors import SafetensorError, safe_open
-
         super().__init__(path, max_lease_bytes)
-        name = os.path.basename(self.path)
-        header = self._check_header(name)
-        meta = header.pop("__metadata__", None) or {}
-        self.metadata = dict(meta)
+        header = self._check_header()
+        self.metadata = dict(header.pop("__metadata__", None) or {})  # str -> str
         for key, entry in header.items():
             self._tensors[key] = tensor_info(SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"])
-        try:
-            self._file = safe_open(self.path, framework="numpy")
-        except SafetensorError as e:
-            raise SourceError(f"{name}: not a valid safetensors file: {e}") from None
+        try:  # the library's own checks (contiguous spans, file fully covered, ...)
+            self._file = safetensors.safe_open(self.path, framework="numpy")
+        except safetensors.SafetensorError as e:
+            raise SourceError(f"{self.path}: not a valid safetensors file: {e}") from None
         if sorted(self._file.keys()) != sorted(self._tensors):
-            raise SourceError(f"{name}: the safetensors library lists other tensors than the header")
+            raise SourceError(f"{self.path}: the safetensors library lists other tensors "
+                              "than the header")
 
-    def _check_header(self, name) -> dict:
+    def _check_header(self) -> dict:
+        name = self.path
         try:
             size = os.path.getsize(self.path)
             with open(self.path, "rb") as f:
@@ -271,9 +278,9 @@ class SafetensorsSource(CheckpointSource):
         except OSError as e:
             raise SourceError(f"{name}: cannot read: {e.strerror or e}") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SourceError(f"{name}: header is not UTF-8 JSON ({e})") from None
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise SourceError(f"{name}: header is not valid UTF-8 JSON ({e})") from None
         if not isinstance(header, dict):
             raise SourceError(f"{name}: header is not a JSON object")
         meta = header.get("__metadata__")
@@ -314,8 +321,6 @@ class SafetensorsSource(CheckpointSource):
         return header
 
     def _read(self, key, start, stop):
-        from safetensors import SafetensorError
-
         try:
             if start is None:
                 return self._file.get_tensor(key)
@@ -323,9 +328,8 @@ class SafetensorsSource(CheckpointSource):
                 info = self._tensors[key]
                 return np.empty((0,) + info.shape[1:], DTYPES[info.dtype])
             return self._file.get_slice(key)[start:stop]
-        except SafetensorError as e:
-            raise SourceError(
-                f"{os.path.basename(self.path)}: reading {key!r}: {e}") from None
+        except safetensors.SafetensorError as e:
+            raise SourceError(f"{self.path}: reading {key!r}: {e}") from None
 
     def close(self) -> None:
         self._file = None

@@ -82,10 +82,9 @@ def fail(error_type, source, bindings, model=CONFIG, offered=None):
 
 
 def test_missing_value_no_binding(tmp_path, params):
-    source = safetensors_source(tmp_path, params)
     bindings = [b for b in default_bindings(CONFIG) if b.param != "layers.1.mlp.up.weight"]
     params.pop("layers.1.mlp.up.weight")
-    source = safetensors_source(tmp_path, params, name="less.safetensors")
+    source = safetensors_source(tmp_path, params)
     assert "layers.1.mlp.up.weight" in fail(MissingValue, source, bindings)
 
 
@@ -196,6 +195,14 @@ def test_recipe_error(tmp_path, params, recipe, why):
     model = {"fused": ("float32", (64, 64))}
     message = fail(RecipeError, source, [RecipeBind("fused", recipe)], model=model, offered=[])
     assert message.startswith("fused:") and why in message
+
+
+def test_recipe_error_not_a_recipe(tmp_path, params):
+    source = safetensors_source(tmp_path, params)
+    model = {"fused": ("float32", (64, 32))}
+    recipe = Concat(("layers.0.attn.q.weight", Tensor("layers.0.attn.k.weight")), 0)
+    assert "not a recipe" in fail(RecipeError, source, [RecipeBind("fused", recipe)],
+                                  model=model, offered=[])
 
 
 def test_recipe_error_alias_of_an_alias(tmp_path, params):
@@ -465,6 +472,15 @@ def test_lying_safetensors_refused_before_anything_is_read(tmp_path, monkeypatch
         SafetensorsSource(path)
     assert why in str(info.value) and "lie.safetensors" in str(info.value)
     assert opened == []  # refused by the header checks, before the library read anything
+
+
+def test_repeated_header_key_refused(tmp_path):
+    entry = '{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+    raw = ('{"a":%s,"a":%s}' % (entry, entry)).encode()
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(SourceError, match="'a' appears twice"):
+        SafetensorsSource(path)
 
 
 def test_library_checks_apply_too(tmp_path):
