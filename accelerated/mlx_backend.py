@@ -53,21 +53,14 @@ from reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
 from reference.errors import RunError
 from reference.layers.rope import rope_tables
 from reference.params import registry
+from reference.program import ReplayError, check_state, check_tokens, compilation_report
 from reference.state import State
 
 BACKEND = "mlx"
-SCHEMA = "coppelius.training_compilation.v1"
-STAGES = ("semantic_validation", "replay_safety", "decomposition", "fusion", "placement",
-          "precision", "kernel_selection", "lowering_validation", "memory_planning",
-          "synchronization_planning", "command_recording")
 
 
 def available() -> bool:
     return mx is not None
-
-
-class ReplayRefused(RunError):
-    """A replay whose inputs or state do not match the capture."""
 
 
 def capture_enabled() -> bool:
@@ -127,26 +120,26 @@ class Model:
         # True where j > i: the future positions a row must not see
         self.future = mx.array(np.triu(np.ones((T, T), dtype=bool), k=1))
 
-    def linear(self, x, W):
+    def linear_forward(self, x, W):
         # x (B,T,in), W (out,in) -> (B,T,out): y = x @ W.T, as one 2-D product
         B, T, n_in = x.shape
         return self.matmul(x.reshape(B * T, n_in), W.T).reshape(B, T, W.shape[0])
 
-    def layernorm(self, x, w, b):
+    def layernorm_forward(self, x, w, b):
         # x (B,T,D) -> (B,T,D); biased variance
         mu = mx.mean(x, axis=-1, keepdims=True)
         xc = x - mu
         var = mx.mean(xc * xc, axis=-1, keepdims=True)
         return xc * (1.0 / mx.sqrt(var + self.eps)) * w + b
 
-    def rope(self, x):
+    def rope_forward(self, x):
         # x (B,T,H,E): element j pairs with element j + E/2 (half-split)
         T, half = x.shape[1], x.shape[-1] // 2
         c, s = self.cos[:T, None, :], self.sin[:T, None, :]  # (T,1,E/2)
         x1, x2 = x[..., :half], x[..., half:]
         return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
-    def attention(self, q, k, v):
+    def attention_forward(self, q, k, v):
         # q, k, v (B,H,T,E) -> (B,H,T,E)
         T = q.shape[2]
         s = self.matmul(q, k.swapaxes(-1, -2)) * self.scale  # (B,H,T,T)
@@ -162,33 +155,44 @@ class Model:
         c = self.config
         B, T = tokens.shape
         H, E = c.n_head, c.head_dim
-        W = params["tok_embedding.weight"]  # (V,D), tied: the gather and the logits
-        x = mx.take(W, tokens, axis=0)  # (B,T,D)
+        w = params
+        W = w["tok_embedding.weight"]  # (V,D), tied: the gather and the logits
+        x = mx.take(W, tokens, axis=0)  # (B,T,D): embedding_forward, a gather
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            h = self.layernorm(x, params[p + "attn_norm.weight"], params[p + "attn_norm.bias"])
-            q = self.rope(self.linear(h, params[p + "attn.q.weight"]).reshape(B, T, H, E))
-            k = self.rope(self.linear(h, params[p + "attn.k.weight"]).reshape(B, T, H, E))
-            v = self.linear(h, params[p + "attn.v.weight"]).reshape(B, T, H, E)
-            y = self.attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                               v.transpose(0, 2, 1, 3))  # (B,H,T,E)
-            y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)
-            x = x + self.linear(y, params[p + "attn.o.weight"])
-            h = self.layernorm(x, params[p + "mlp_norm.weight"], params[p + "mlp_norm.bias"])
-            g = self.linear(h, params[p + "mlp.gate.weight"])  # (B,T,F)
-            u = self.linear(h, params[p + "mlp.up.weight"])
-            a = g * (1.0 / (1.0 + mx.exp(-g))) * u  # silu(g) * u
-            x = x + self.linear(a, params[p + "mlp.down.weight"])
-        h = self.layernorm(x, params["final_norm.weight"], params["final_norm.bias"])
-        return self.linear(h, W)  # (B,T,V)
+            h = self.layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"])
+            q = self.linear_forward(h, w[p + "attn.q.weight"]).reshape(B, T, H, E)
+            k = self.linear_forward(h, w[p + "attn.k.weight"]).reshape(B, T, H, E)
+            v = self.linear_forward(h, w[p + "attn.v.weight"]).reshape(B, T, H, E)
+            q, k = self.rope_forward(q), self.rope_forward(k)
+            y = self.attention_forward(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                       v.transpose(0, 2, 1, 3))  # (B,H,T,E)
+            y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)  # heads concatenated in order
+            x = x + self.linear_forward(y, w[p + "attn.o.weight"])
+            h = self.layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
+            g = self.linear_forward(h, w[p + "mlp.gate.weight"])  # (B,T,F)
+            u = self.linear_forward(h, w[p + "mlp.up.weight"])
+            x = x + self.linear_forward(self.swiglu_forward(g, u), w[p + "mlp.down.weight"])
+        h = self.layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"])
+        return self.linear_forward(h, W)  # (B,T,V)
 
-    def row_losses(self, params, inputs, targets):
-        # inputs, targets (B,T) -> ce (B,T) = logsumexp(logits) - logits[target]
-        logits = self.logits(params, inputs)
+    @staticmethod
+    def swiglu_forward(g, u):
+        # g, u (B,T,F) -> silu(g) * u, silu(g) = g * sigmoid(g)
+        return g * (1.0 / (1.0 + mx.exp(-g))) * u
+
+    @staticmethod
+    def crossentropy_forward(logits, targets):
+        # logits (B,T,V), targets (B,T) -> ce (B,T) = logsumexp(logits) - logits[target]
+        # logsumexp is invariant to the shift, so the maximum carries no gradient
         top = mx.stop_gradient(mx.max(logits, axis=-1, keepdims=True))  # (B,T,1)
         lse = mx.log(mx.sum(mx.exp(logits - top), axis=-1)) + top[..., 0]
         picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return lse - picked
+
+    def row_losses(self, params, inputs, targets):
+        # inputs, targets (B,T) -> ce (B,T)
+        return self.crossentropy_forward(self.logits(params, inputs), targets)
 
     def loss(self, params, inputs, targets):
         ce = self.row_losses(params, inputs, targets)
@@ -229,3 +233,269 @@ class AdamW:
             new_p[name] = p - self.lr * (mn / c1) / (mx.sqrt(vn / c2) + self.eps)
             new_m[name], new_v[name] = mn, vn
         return new_p, new_m, new_v
+
+
+# ---------------------------------------------------------------- the program
+
+def _to_device(config: Config, flat: np.ndarray) -> dict:
+    # (N,) float32 -> {name: mx.array of the parameter's shape}; aliases have no storage
+    return {s.name: mx.array(flat[s.slice].reshape(s.shape)) for s in registry(config)}
+
+
+def _to_host(config: Config, tensors: dict) -> np.ndarray:
+    # {name: mx.array} -> (N,) float32 in the registry's layout
+    reg = registry(config)
+    flat = np.empty(reg.total, dtype=np.float32)
+    for s in reg:
+        flat[s.slice] = np.asarray(tensors[s.name], dtype=np.float32).reshape(-1)
+    return flat
+
+
+class DeviceState:
+    """The optimizer state as the compiled step consumes and produces it."""
+
+    backend = BACKEND
+
+    def __init__(self, params: dict, m: dict, v: dict, t):
+        self.params, self.m, self.v, self.t = params, m, v, t  # t: int32 scalar
+
+    def arrays(self) -> list:
+        return [*self.params.values(), *self.m.values(), *self.v.values(), self.t]
+
+
+class Event:
+    """A submitted replay; wait() blocks until its outputs are computed."""
+
+    def __init__(self, arrays: list):
+        self._arrays = arrays
+
+    def wait(self):
+        mx.eval(self._arrays)
+
+
+def _check_update_count(t):
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+        raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31)")
+
+
+class MLXProgram:
+    """The captured training step on MLX (the TrainingProgram interface)."""
+
+    backend = BACKEND
+
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
+        check_precision(precision)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise RunError(f"batch={batch!r}: must be a positive integer")
+        check_state(config, state)
+        _check_update_count(state.t)
+        self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
+        self.model = Model(config, precision)
+        self.adamw = AdamW(config, hyper)
+        self.value_and_grad = mx.value_and_grad(self.model.loss)  # d loss / d params
+        self.captured = capture_enabled()
+        self.traces = 0  # times the step function was traced (1 when compiled)
+        self.replays = 0
+        self._step = mx.compile(self._traced_step) if self.captured else self._traced_step
+        t = mx.array(int(state.t), dtype=mx.int32)  # the update count lives on the device
+        self.device_state = DeviceState(_to_device(config, state.P), _to_device(config, state.M),
+                                        _to_device(config, state.V), t)
+        self._owned = self.device_state  # the state this program last produced
+        self._tokens = None  # the input slot, (B,T+1) int32
+        self._loss = self._rows = self._grads = None  # outputs of the last replay
+        self._graph = self._record()
+
+    # -- the step ------------------------------------------------------------
+
+    def _step_fn(self, params, m, v, t, tokens):
+        # tokens (B,T+1): inputs the first T ids, targets the same window one on
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        (loss, rows), grads = self.value_and_grad(params, inputs, targets)
+        t = t + 1  # this update's number, 1-based
+        params, m, v = self.adamw.update(params, m, v, grads, t)
+        return params, m, v, t, loss, rows, grads
+
+    def _traced_step(self, params, m, v, t, tokens):
+        self.traces += 1  # Python runs only while tracing: counts compilations
+        return self._step_fn(params, m, v, t, tokens)
+
+    def _record(self) -> dict:
+        """Capture: trace and compile the step once on a placeholder input and
+        count its graph. Nothing is evaluated, so no update happens."""
+        B, T = self.batch, self.config.context
+        placeholder = mx.zeros((B, T + 1), dtype=mx.int32)
+        s = self.device_state
+        graph = _primitives(self._step_fn(s.params, s.m, s.v, s.t, placeholder))
+        if self.captured:
+            compiled = _primitives(self._step(s.params, s.m, s.v, s.t, placeholder))
+        else:
+            compiled = graph
+        return {"graph": graph, "compiled": compiled}
+
+    # -- the TrainingProgram interface -----------------------------------------
+
+    def upload_input(self, tokens):
+        """tokens (B,T+1) ids -> the input slot. No wait for a pending replay is
+        needed: MLX arrays are immutable and a submitted replay holds its own
+        reference to its input, so replacing the slot cannot race with it."""
+        tokens = check_tokens(self.config, self.batch, tokens)
+        self._tokens = mx.array(tokens.astype(np.int32))  # the one host-to-device copy
+
+    def replay(self) -> Event:
+        """Submit one step without waiting; returns an event."""
+        if self._tokens is None:
+            raise ReplayError("replay before upload_input: the input slot is empty")
+        s = self.device_state
+        if getattr(s, "backend", None) != BACKEND:
+            raise ReplayError(f"replay with {getattr(s, 'backend', type(s).__name__)!r} state: "
+                              f"this program replays only the state of backend {BACKEND!r}")
+        if s is not self._owned:
+            raise ReplayError("replay after the optimizer state was replaced: capture a new "
+                              "program from the new state")
+        params, m, v, t, loss, rows, grads = self._step(s.params, s.m, s.v, s.t, self._tokens)
+        self.device_state = self._owned = DeviceState(params, m, v, t)
+        self._loss, self._rows, self._grads = loss, rows, grads
+        outputs = [*self.device_state.arrays(), loss, rows, *grads.values()]
+        mx.async_eval(outputs)  # starts the graph; the host returns at once
+        self.replays += 1
+        return Event(outputs)
+
+    def replay_and_wait(self) -> float:
+        self.replay().wait()
+        return float(self._loss.item())  # the one device-to-host read per step
+
+    def replay_timed_and_wait(self):
+        """-> (mean loss, device seconds). MLX exposes no device clock, so the
+        device time is NaN; the caller's host clock measures the step."""
+        return self.replay_and_wait(), math.nan
+
+    def _last(self, what):
+        if self._loss is None:
+            raise ReplayError(f"{what}: no step has been replayed yet")
+
+    def row_losses(self) -> np.ndarray:
+        self._last("row_losses")
+        return np.array(self._rows, dtype=np.float32)  # (B,T)
+
+    def gradients(self) -> np.ndarray:
+        self._last("gradients")
+        return _to_host(self.config, self._grads)  # (N,)
+
+    def state(self) -> State:
+        s = self.device_state
+        mx.eval(s.arrays())
+        return State(_to_host(self.config, s.params), _to_host(self.config, s.m),
+                     _to_host(self.config, s.v), int(s.t.item()))
+
+    def logits(self, tokens) -> np.ndarray:
+        """tokens (B,T') with T' <= T -> logits (B,T',V) with the current parameters."""
+        tokens = np.asarray(tokens)
+        T, V = self.config.context, self.config.vocab
+        if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
+                or not 0 < tokens.shape[1] <= T):
+            raise ReplayError(f"logits tokens {tokens.dtype} {tokens.shape}: expected integer ids "
+                              f"of shape (B, T) with T <= {T}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= V):
+            raise ReplayError(f"logits token id {int(tokens[(tokens < 0) | (tokens >= V)][0])}: "
+                           f"out of range [0, {V})")
+        out = self.model.logits(self.device_state.params, mx.array(tokens.astype(np.int32)))
+        return np.array(out, dtype=np.float32)
+
+    def compilation_report(self) -> dict:
+        return _report(self)
+
+    def diagnostics(self) -> dict:
+        report = _report(self)
+        report["runtime"] = {
+            "mlx_version": mx.__version__,
+            "device": str(mx.default_device()),
+            "update_count": int(self.device_state.t.item()),  # a sync: not for the hot loop
+            "active_bytes": int(mx.get_active_memory()),
+            "peak_bytes": int(mx.get_peak_memory()),
+        }
+        return report
+
+
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> MLXProgram:
+    """Build and compile the step once; performs no training update."""
+    if not available():
+        raise RunError("backend 'mlx': mlx is not installed here")
+    return MLXProgram(config, hyper, precision, batch, state)
+
+
+# ---------------------------------------------------------------- the report
+
+_NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
+
+
+def _primitives(outputs) -> list:
+    """Labels of the primitive nodes of the lazy graph behind `outputs` (MLX's
+    DOT export is its one public view of the graph)."""
+    arrays = [a for a in _leaves(outputs)]
+    with tempfile.TemporaryFile("w+") as f:
+        mx.export_to_dot(f, *arrays)
+        f.seek(0)
+        return _NODE.findall(f.read())
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for x in tree.values():
+            yield from _leaves(x)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _leaves(x)
+    else:
+        yield tree
+
+
+def _report(program: MLXProgram) -> dict:
+    """What MLX did with the step, stage by stage (SPEC section 13). Most
+    stages are MLX's own work ("inherited"); the counts are primitive nodes of
+    the lazy graph before and after mx.compile."""
+    graph, compiled = program._graph["graph"], program._graph["compiled"]
+    n_params = len(program.device_state.params)
+    n_in = 3 * n_params + 2  # P, M, V tensors, t, tokens
+    n_out = 4 * n_params + 3  # P, M, V, G tensors, t, loss, row losses
+    fused = sum(1 for label in compiled if label.startswith("Compiled"))
+    products = sum(1 for label in graph if label == "Matmul")
+    on = program.captured
+    bf16 = program.precision == "bf16"
+    stages = {
+        "semantic_validation": ("applied", 1, 1),
+        "replay_safety": ("analyzed", n_in, n_out),
+        "decomposition": ("inherited", 1, len(graph)),
+        "fusion": ("inherited" if on else "not_run", len(graph), len(compiled)),
+        "placement": ("applied", len(graph), len(graph)),
+        "precision": ("applied" if bf16 else "analyzed", products, products),
+        "kernel_selection": ("inherited", len(compiled), len(compiled)),
+        "lowering_validation": ("inherited" if on else "not_run", fused, fused),
+        "memory_planning": ("inherited", n_in, n_out),
+        "synchronization_planning": ("analyzed", 1, 1),
+        "command_recording": ("applied" if on else "not_run", len(compiled), 1 if on else 0),
+    }
+    notes = {
+        "semantic_validation": "configuration, precision, batch and state checked at capture",
+        "replay_safety": "fixed shapes and no per-step Python values: t and the bias "
+                         "corrections live on the device, so the step is traced once",
+        "decomposition": "MLX autodiff (value_and_grad) turns the forward into primitives",
+        "fusion": f"mx.compile fused elementwise chains into {fused} kernels" if on
+                  else "disabled by COPPELIUS_NO_CAPTURE",
+        "placement": f"{mx.default_device()}; the float64 bias corrections on the CPU stream",
+        "precision": f"both operands of {products} matrix products rounded to bfloat16, "
+                     "float32 accumulation and results" if bf16 else "every operation float32",
+        "kernel_selection": "MLX primitives and its BLAS products",
+        "lowering_validation": "MLX generates and builds the fused kernels" if on
+                               else "not compiled",
+        "memory_planning": "MLX allocator and its buffer reuse",
+        "synchronization_planning": "one async_eval per replay; the host waits once per step",
+        "command_recording": "mx.compile, traced once at capture" if on
+                             else "disabled by COPPELIUS_NO_CAPTURE: traced every replay",
+    }
+    N = registry(program.config).total
+    B, T = program.batch, program.config.context
+    return compilation_report(
+        BACKEND, stages, kernels=len(compiled), graph_nodes=len(graph),
+        device_bytes=4 * 4 * N + 4 * B * (T + 1),  # P, M, V, G and the input slot
+        replays=program.replays, precision=program.precision, batch=B, captured=on,
+        traces=program.traces, fused_kernels=fused if on else 0, notes=notes)

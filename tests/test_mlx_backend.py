@@ -1,0 +1,471 @@
+"""The MLX backend: its pieces against independent float64 NumPy, its whole
+step against the reference (SPEC section 14 tolerances), AdamW on
+hand-computable inputs, exact resume, and capture (traced once, refusals,
+the compilation report)."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reference
+from conformance.tolerances import relative_error, tolerance
+from reference.config import Config, Hyper, preset
+from reference.params import initialize, registry
+from reference.program import STAGE_STATES, STAGES, ReplayError
+from reference.state import State
+
+mx = pytest.importorskip("mlx.core")
+from accelerated import mlx_backend  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+CONFIG = preset("test")
+B = 2
+
+
+def windows(n, seed=0, config=CONFIG, batch=B):
+    # n windows of (B, T+1) random ids
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, config.vocab, size=(n, batch, config.context + 1))
+
+
+def fresh(config=CONFIG):
+    return State.fresh(initialize(config))
+
+
+def check_close(what, got, want, tol):
+    error, worst, a, b = relative_error(got, want)
+    assert error <= tol, f"{what}: error {error:.3e} > {tol:.0e} at {worst}: {a!r} vs {b!r}"
+
+
+def f64(x):
+    return np.array(x, dtype=np.float64)
+
+
+# ------------------------------------------------- independent float64 model
+
+def np_layernorm(x, w, b, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def np_rope_tables(T, E):
+    # float64 angles, then float32 (SPEC section 3)
+    theta = np.array([[t * 10000.0 ** (-2.0 * j / E) for j in range(E // 2)] for t in range(T)])
+    return np.cos(theta), np.sin(theta)
+
+
+def np_rope(x, cos, sin):
+    # x (B,T,H,E): pair j with j + E/2
+    out = np.empty_like(x)
+    half = x.shape[-1] // 2
+    for j in range(half):
+        c, s = cos[:, j][None, :, None], sin[:, j][None, :, None]
+        out[..., j] = x[..., j] * c - x[..., j + half] * s
+        out[..., j + half] = x[..., j + half] * c + x[..., j] * s
+    return out
+
+
+def np_attention(q, k, v):
+    # (B,H,T,E) -> (B,H,T,E), causal softmax(q k^T / sqrt(E)) v
+    T, E = q.shape[-2], q.shape[-1]
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(E)
+    s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def np_row_losses(logits, targets):
+    top = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+def np_logits(config, w, tokens):
+    # w: name -> float64 array; tokens (B,T) -> (B,T,V)
+    Bn, T = tokens.shape
+    H, E = config.n_head, config.head_dim
+    cos, sin = (t.astype(np.float32).astype(np.float64) for t in np_rope_tables(T, E))
+    x = w["tok_embedding.weight"][tokens]
+    for l in range(config.n_layer):
+        p = f"layers.{l}."
+        h = np_layernorm(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"])
+        q = np_rope((h @ w[p + "attn.q.weight"].T).reshape(Bn, T, H, E), cos, sin)
+        k = np_rope((h @ w[p + "attn.k.weight"].T).reshape(Bn, T, H, E), cos, sin)
+        v = (h @ w[p + "attn.v.weight"].T).reshape(Bn, T, H, E)
+        y = np_attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)))
+        x = x + y.transpose(0, 2, 1, 3).reshape(Bn, T, H * E) @ w[p + "attn.o.weight"].T
+        h = np_layernorm(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
+        g, u = h @ w[p + "mlp.gate.weight"].T, h @ w[p + "mlp.up.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down.weight"].T
+    h = np_layernorm(x, w["final_norm.weight"], w["final_norm.bias"])
+    return h @ w["tok_embedding.weight"].T
+
+
+def np_mean_loss(config, w, tokens):
+    return np_row_losses(np_logits(config, w, tokens[:, :-1]), tokens[:, 1:]).mean()
+
+
+# ------------------------------------------------- pieces
+
+@pytest.mark.parametrize("name", ["test", "tiny"])
+def test_rope_tables_are_float64_angles_rounded_once(name):
+    config = preset(name)
+    T, E = config.context, config.head_dim
+    model = mlx_backend.Model(config, "fp32")
+    for table, exact in zip((model.cos, model.sin), np_rope_tables(T, E)):
+        table = np.array(table)
+        assert table.dtype == np.float32
+        # within half an ulp of the float64 value: rounded to nearest, once
+        half_ulp = np.spacing(np.abs(exact).astype(np.float32)) / 2
+        assert (np.abs(table - exact) <= half_ulp * (1 + 1e-9)).all()
+
+
+@given(st.integers(1, 3), st.integers(1, 8), st.sampled_from([(1, 2), (2, 4), (2, 8)]),
+       st.integers(0, 2**31 - 1))
+def test_layer_pieces_match_float64(Bn, T, HE, seed):
+    H, E = HE
+    rng = np.random.default_rng(seed)
+    config = Config(vocab=64, context=8, d_model=H * E, n_layer=1, n_head=H, d_ff=8)
+    model = mlx_backend.Model(config, "fp32")
+    x = rng.standard_normal((Bn, T, H * E)).astype(np.float32) * 3 + 1
+    w, b = rng.standard_normal((2, H * E)).astype(np.float32)
+    got = model.layernorm_forward(mx.array(x), mx.array(w), mx.array(b))
+    check_close("layernorm", np.array(got), np_layernorm(f64(x), f64(w), f64(b)), 1e-5)
+
+    x = rng.standard_normal((Bn, T, H, E)).astype(np.float32)
+    cos, sin = np_rope_tables(T, E)
+    check_close("rope", np.array(model.rope_forward(mx.array(x))),
+                np_rope(f64(x), cos.astype(np.float32), sin.astype(np.float32)), 1e-6)
+
+    q, k, v = rng.standard_normal((3, Bn, H, T, E)).astype(np.float32)
+    got = model.attention_forward(mx.array(q), mx.array(k), mx.array(v))
+    check_close("attention", np.array(got), np_attention(f64(q), f64(k), f64(v)), 1e-5)
+
+    logits = (rng.standard_normal((Bn, T, 64)) * 5).astype(np.float32)
+    targets = rng.integers(0, 64, (Bn, T))
+    got = mlx_backend.Model.crossentropy_forward(mx.array(logits), mx.array(targets, dtype=mx.int32))
+    check_close("cross entropy", np.array(got), np_row_losses(f64(logits), targets), 1e-6)
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_round_bf16_is_round_to_nearest_even(seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+    # exact ties: a bfloat16 value plus half its last place
+    ties = (rng.standard_normal(256).astype(ml_dtypes.bfloat16).astype(np.float32)
+            .view(np.uint32) | np.uint32(0x8000)).view(np.float32)
+    x = np.concatenate([x, ties, np.float32([np.inf, -np.inf, 0.0, -0.0, 3.4e38])])
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.array(mlx_backend.round_bf16(mx.array(x)))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_bf16_matmul_rounds_forward_and_backward_operands(n, k, m, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal((k, m)).astype(np.float32)
+    g = rng.standard_normal((n, m)).astype(np.float32)
+    r = lambda x: f64(x.astype(ml_dtypes.bfloat16).astype(np.float32))  # noqa: E731
+    mm = mlx_backend.matmul_for("bf16")
+    out, vjps = mx.vjp(lambda a, b: mm(a, b), [mx.array(a), mx.array(b)], [mx.array(g)])
+    got = np.array(out[0])
+    assert got.dtype == np.float32
+    # products of bfloat16 values are exact, so only the float32 sums round
+    check_close("forward", got, r(a) @ r(b), 1e-6)
+    check_close("d a", np.array(vjps[0]), r(g) @ r(b).T, 1e-6)
+    check_close("d b", np.array(vjps[1]), r(a).T @ r(g), 1e-6)
+    # the result is not rounded to bfloat16: a float32 result keeps its low bits
+    if n * m * k >= 8:
+        assert not np.array_equal(got, got.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+# ------------------------------------------------- the whole step, independent of the reference
+
+def test_step_matches_float64_model_and_finite_differences():
+    """Logits and loss against the float64 model above; every parameter's
+    gradient against a float64 central difference along a direction with no
+    cancellation (the sign of the gradient times a positive random weight)."""
+    state = fresh()
+    tokens = windows(1, seed=3)[0]
+    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
+    w = {k: f64(v) for k, v in registry(CONFIG).views(state.P).items()}
+    inputs = tokens[:, :-1]
+    check_close("logits", program.logits(inputs), np_logits(CONFIG, w, inputs), 1e-5)
+    program.upload_input(tokens)
+    loss = program.replay_and_wait()
+    want_rows = np_row_losses(np_logits(CONFIG, w, tokens[:, :-1]), tokens[:, 1:])
+    check_close("row losses", program.row_losses(), want_rows, 1e-5)
+    check_close("loss", loss, want_rows.mean(), 1e-5)
+
+    G = registry(CONFIG).views(program.gradients())
+    rng = np.random.default_rng(4)
+    h = 1e-6
+    for spec in registry(CONFIG):
+        d = np.sign(G[spec.name]) * rng.uniform(0.5, 1.0, spec.shape)
+        plus, minus = dict(w), dict(w)
+        plus[spec.name] = w[spec.name] + h * d
+        minus[spec.name] = w[spec.name] - h * d
+        fd = (np_mean_loss(CONFIG, plus, tokens) - np_mean_loss(CONFIG, minus, tokens)) / (2 * h)
+        check_close(f"gradient {spec.name}", float(np.sum(f64(G[spec.name]) * d)), fd, 1e-4)
+
+
+def test_adamw_one_update_by_hand():
+    """From m = v = 0 with a constant gradient g (t = 1): m = (1-b1) g,
+    v = (1-b2) g^2, and the step is lr * g/|g| up to epsilon; matrices decay
+    by lr * weight_decay first, vectors do not."""
+    hyper = Hyper()
+    adamw = mlx_backend.AdamW(CONFIG, hyper)
+    reg = registry(CONFIG)
+    rng = np.random.default_rng(5)
+    P = {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in reg}
+    g = {s.name: np.full(s.shape, (-1) ** s.ordinal * 0.25 * (s.ordinal + 1), np.float32)
+         for s in reg}  # a different constant per tensor, both signs
+    zero = {s.name: mx.zeros(s.shape) for s in reg}
+    dev = lambda d: {k: mx.array(v) for k, v in d.items()}  # noqa: E731
+    new_p, new_m, new_v = adamw.update(dev(P), zero, zero, dev(g), mx.array(1, dtype=mx.int32))
+    lr, wd, eps = float(hyper.lr), float(hyper.weight_decay), float(hyper.epsilon)
+    for s in reg:
+        gv = f64(g[s.name])
+        check_close(f"m {s.name}", np.array(new_m[s.name]), 0.1 * gv, 1e-7)
+        check_close(f"v {s.name}", np.array(new_v[s.name]), 0.05 * gv * gv, 1e-7)
+        decayed = f64(P[s.name]) * (1 - lr * wd) if s.decay else f64(P[s.name])
+        want = decayed - lr * np.sign(gv) * np.abs(gv) / (np.abs(gv) + eps)
+        step = np.array(new_p[s.name], dtype=np.float64) - f64(P[s.name])
+        check_close(f"step {s.name}", step, want - f64(P[s.name]), 1e-3)  # float32 cancellation
+        check_close(f"p {s.name}", np.array(new_p[s.name]), want, 1e-7)
+
+
+def test_adamw_zero_gradient_is_weight_decay_on_matrices_only():
+    """g = 0 leaves m, v at 0 and the Adam step at exactly 0, so a matrix
+    becomes p - float32(lr*wd) * p (one float32 rounding each) and a vector
+    stays bit-identical."""
+    hyper = Hyper(lr="1/100", weight_decay="1/2")
+    adamw = mlx_backend.AdamW(CONFIG, hyper)
+    reg = registry(CONFIG)
+    P = {s.name: np.random.default_rng(s.ordinal).standard_normal(s.shape).astype(np.float32)
+         for s in reg}
+    zero = {s.name: mx.zeros(s.shape) for s in reg}
+    new_p, _, _ = adamw.update({k: mx.array(v) for k, v in P.items()}, zero, zero, zero,
+                               mx.array(7, dtype=mx.int32))
+    lrwd = np.float32(0.005)
+    for s in reg:
+        want = P[s.name] - lrwd * P[s.name] if s.decay else P[s.name]
+        got = np.array(new_p[s.name])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), s.name
+        assert s.decay == (len(s.shape) == 2)
+
+
+def test_bias_corrections_are_float64_powers_rounded_once():
+    """c1, c2 for t = 1..3000, computed on the device inside a compiled
+    function, equal float32(1 - beta^t) of the host's float64 arithmetic."""
+    hyper = Hyper(beta1="9/10", beta2="999/1000")
+    adamw = mlx_backend.AdamW(CONFIG, hyper)
+    ts = mx.arange(1, 3001, dtype=mx.int32)
+    c1, c2 = mx.compile(adamw.bias_corrections)(ts)
+    for got, beta in ((c1, 0.9), (c2, 0.999)):
+        want = np.array([np.float32(1.0 - beta ** t) for t in range(1, 3001)])
+        assert np.array_equal(np.array(got), want)
+
+
+# ------------------------------------------------- against the reference (SPEC section 14)
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_step_matches_reference(precision):
+    state = fresh()
+    tokens = windows(1, seed=6)[0]
+    program = mlx_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    check_close("logits", program.logits(tokens[:, :-1]),
+                reference.forward(CONFIG, state.P, tokens[:, :-1], precision),
+                tolerance("logits", precision))
+    program.upload_input(tokens)
+    loss = program.replay_and_wait()
+    want = reference.step(CONFIG, state, tokens, precision, Hyper(), grads=True)
+    check_close("mean loss", loss, want.loss, tolerance("loss", precision))
+    check_close("row losses", program.row_losses(), want.row_losses,
+                tolerance("row_losses", precision))
+    got_g = registry(CONFIG).views(program.gradients())
+    want_g = registry(CONFIG).views(want.grads)
+    got_s, want_s = program.state(), want.state
+    assert got_s.t == want_s.t == 1
+    for spec in registry(CONFIG):
+        check_close(f"gradient {spec.name}", got_g[spec.name], want_g[spec.name],
+                    tolerance("gradient", precision))
+        for field in "PMV":
+            check_close(f"{field} {spec.name}", getattr(got_s, field)[spec.slice],
+                        getattr(want_s, field)[spec.slice], tolerance(field, precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trajectory_matches_reference(precision):
+    state = fresh()
+    program = mlx_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    got, want = [], []
+    for tokens in windows(20, seed=7):
+        program.upload_input(tokens)
+        got.append(program.replay_and_wait())
+        result = reference.step(CONFIG, state, tokens, precision, Hyper())
+        state = result.state
+        want.append(result.loss)
+    check_close("20-step mean losses", np.float32(got), np.float32(want),
+                tolerance("trajectory", precision))
+    assert program.traces == 1
+
+
+def test_logits_of_a_prefix_use_the_current_parameters():
+    state = fresh()
+    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
+    ws = windows(2, seed=8)
+    for tokens in ws:
+        program.upload_input(tokens)
+        program.replay_and_wait()
+    prefix = ws[0][:1, :5]  # (1, 5)
+    check_close("logits", program.logits(prefix),
+                reference.forward(CONFIG, program.state().P, prefix), 1e-5)
+
+
+# ------------------------------------------------- capture and replay
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_resume(precision):
+    """S1 steps, state(), a new capture from it, S2 steps: the same bits as
+    S1 + S2 steps of one program (SPEC section 9)."""
+    ws = windows(7, seed=9)
+    S1 = 3
+    whole = mlx_backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    rows = []
+    for tokens in ws:
+        whole.upload_input(tokens)
+        whole.replay_and_wait()
+        rows.append(whole.row_losses())
+    first = mlx_backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    split = []
+    for tokens in ws[:S1]:
+        first.upload_input(tokens)
+        first.replay_and_wait()
+        split.append(first.row_losses())
+    second = mlx_backend.capture(CONFIG, Hyper(), precision, B, first.state())
+    for tokens in ws[S1:]:
+        second.upload_input(tokens)
+        second.replay_and_wait()
+        split.append(second.row_losses())
+    bits = lambda x: np.ascontiguousarray(x, np.float32).view(np.uint32)  # noqa: E731
+    assert np.array_equal(bits(split), bits(rows))
+    a, b = second.state(), whole.state()
+    assert a.t == b.t == len(ws)
+    for field in "PMV":
+        assert np.array_equal(bits(getattr(a, field)), bits(getattr(b, field))), field
+
+
+def test_compiled_once_and_replays_without_waiting():
+    """Many replays trace the step once; replay() submits without waiting,
+    and queued replays give the same bits as waiting after each."""
+    ws = windows(6, seed=10)
+    queued = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    assert queued.traces == 1  # capture compiled it; nothing evaluated yet
+    assert queued.state().t == 0  # capture performs no update
+    for tokens in ws:
+        queued.upload_input(tokens)
+        event = queued.replay()
+    event.wait()
+    waited = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    for tokens in ws:
+        waited.upload_input(tokens)
+        waited.replay_and_wait()
+    assert queued.traces == waited.traces == 1
+    assert np.array_equal(queued.state().P, waited.state().P)
+    assert np.array_equal(queued.row_losses(), waited.row_losses())
+    loss, device_seconds = waited.replay_timed_and_wait()
+    assert math.isfinite(loss) and math.isnan(device_seconds)  # MLX has no device clock
+
+
+def test_no_capture_switch_traces_every_replay(monkeypatch):
+    monkeypatch.setenv("COPPELIUS_NO_CAPTURE", "1")
+    ws = windows(3, seed=11)
+    eager = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    monkeypatch.delenv("COPPELIUS_NO_CAPTURE")
+    compiled = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    for tokens in ws:
+        for program in (eager, compiled):
+            program.upload_input(tokens)
+            program.replay_and_wait()
+    assert eager.traces == 3 and compiled.traces == 1
+    report = eager.compilation_report()
+    assert {r["stage"]: r["state"] for r in report["stages"]}["command_recording"] == "not_run"
+    check_close("P", eager.state().P, compiled.state().P, 1e-6)
+
+
+def test_refusals_name_what_is_wrong():
+    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    T = CONFIG.context
+    with pytest.raises(ReplayError, match="before upload_input"):
+        program.replay()
+    with pytest.raises(ReplayError, match="no step has been replayed"):
+        program.gradients()
+    with pytest.raises(ReplayError, match=r"shape \(2, 16\)"):
+        program.upload_input(np.zeros((B, T), dtype=np.int64))
+    with pytest.raises(ReplayError, match="outside"):
+        program.upload_input(np.full((B, T + 1), CONFIG.vocab))
+    with pytest.raises(ReplayError, match="dtype float"):
+        program.upload_input(np.zeros((B, T + 1)))
+    with pytest.raises(ReplayError, match="logits token id 64"):
+        program.logits(np.full((1, 4), 64))
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+
+    # the optimizer state replaced behind the program's back
+    s = program.device_state
+    program.device_state = mlx_backend.DeviceState(dict(s.params), dict(s.m), dict(s.v), s.t)
+    with pytest.raises(ReplayError, match="state was replaced"):
+        program.replay()
+    # another backend's state in its place
+    program.device_state = program.state()
+    with pytest.raises(ReplayError, match="'State' state"):
+        program.replay()
+
+    bad = fresh()
+    bad.M = bad.M[:-1]
+    with pytest.raises(ReplayError, match="state.M"):
+        mlx_backend.capture(CONFIG, Hyper(), "fp32", B, bad)
+    bad = fresh()
+    bad.t = -1
+    with pytest.raises(ReplayError, match="state.t=-1"):
+        mlx_backend.capture(CONFIG, Hyper(), "fp32", B, bad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compilation_report(precision):
+    program = mlx_backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    for tokens in windows(2, seed=12):
+        program.upload_input(tokens)
+        program.replay_and_wait()
+    report = program.compilation_report()
+    assert report["schema"] == "coppelius.training_compilation.v1"
+    assert [r["stage"] for r in report["stages"]] == list(STAGES)
+    assert all(r["state"] in STAGE_STATES for r in report["stages"])
+    states = {r["stage"]: r for r in report["stages"]}
+    assert states["command_recording"]["state"] == "applied"
+    assert states["precision"]["state"] == ("applied" if precision == "bf16" else "analyzed")
+    # each product of the forward (9 per layer and the logits) appears once
+    # forward and twice backward in the step's graph
+    products = 9 * CONFIG.n_layer + 1
+    assert states["precision"]["inputs"] == 3 * products
+    assert 0 < report["kernels"] < report["graph_nodes"]  # mx.compile fused something
+    assert report["replays"] == 2 and report["traces"] == 1
+    assert report["device_bytes"] >= 16 * registry(CONFIG).total
+    diagnostics = program.diagnostics()
+    assert diagnostics["runtime"]["update_count"] == 2
+
+
+def test_available_and_backend_module():
+    import accelerated
+
+    assert mlx_backend.available()
+    assert accelerated.backend_module("mlx") is mlx_backend
+    assert mlx_backend.capture(CONFIG, Hyper(), "fp32", 1, fresh()).backend == "mlx"
