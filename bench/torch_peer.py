@@ -1,0 +1,167 @@
+"""The PyTorch peer: the SPEC model (sections 1-7) written plainly in
+PyTorch, the way a practitioner would, for `coppelius bench` to time the
+project's backends against.
+
+Autograd instead of a hand-written backward, `F.scaled_dot_product_attention`
+(causal) for attention, `torch.optim.AdamW` with PyTorch's default
+implementation choice (foreach on the CPU, fused where PyTorch picks it) or
+the hand-written AdamW of SPEC section 7. Same parameter registry, same
+initial bits, same inputs; `tests/test_bench.py` checks that its loss and
+gradients are the reference's, so the timings compare like with like.
+
+Precision: "fp32" everywhere, or "bf16" as `torch.autocast` (CUDA only):
+matrix products in bfloat16 with float32 accumulation, the rest float32 —
+PyTorch's usual mixed precision, close to but not exactly SPEC section 6.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from reference.config import LAYERNORM_EPS, ROPE_BASE, Config, Hyper
+from reference.params import registry
+
+
+def rope_tables(T: int, E: int, device) -> tuple:
+    # cos, sin (T, E/2): theta = t * base^(-2j/E) in float64, rounded to float32 (SPEC 3)
+    t = np.arange(T, dtype=np.float64)[:, None]
+    j = np.arange(E // 2, dtype=np.float64)[None, :]
+    theta = t * np.power(float(ROPE_BASE), -2.0 * j / E)
+    as_tensor = lambda a: torch.from_numpy(a.astype(np.float32)).to(device)  # noqa: E731
+    return as_tensor(np.cos(theta)), as_tensor(np.sin(theta))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B,H,T,E), half-split pairs: element j pairs with element j + E/2
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class TorchPeer:
+    """One training step of the SPEC model in PyTorch, from a flat float32 P."""
+
+    def __init__(self, config: Config, P: np.ndarray, hyper: Hyper = Hyper(),
+                 precision: str = "fp32", device: str = "cpu", optimizer: str = "torch"):
+        if precision == "bf16" and not str(device).startswith("cuda"):
+            raise ValueError("the peer's bf16 is torch.autocast on CUDA; use fp32 on the CPU")
+        self.config, self.precision, self.device = config, precision, torch.device(device)
+        self.reg = registry(config)
+        self.w = {spec.name: torch.nn.Parameter(
+            torch.from_numpy(np.array(P[spec.slice], dtype=np.float32).reshape(spec.shape)).to(self.device))
+            for spec in self.reg}
+        self.cos, self.sin = rope_tables(config.context, config.head_dim, self.device)
+        self.hyper = hyper
+        self.optimizer = optimizer
+        decay = [self.w[s.name] for s in self.reg if s.decay]
+        rest = [self.w[s.name] for s in self.reg if not s.decay]
+        groups = [{"params": decay, "weight_decay": float(hyper.weight_decay)},
+                  {"params": rest, "weight_decay": 0.0}]
+        if optimizer == "torch":
+            self.opt = torch.optim.AdamW(groups, lr=float(hyper.lr),
+                                         betas=(float(hyper.beta1), float(hyper.beta2)),
+                                         eps=float(hyper.epsilon))
+        elif optimizer == "hand":
+            self.m = {n: torch.zeros_like(p) for n, p in self.w.items()}
+            self.v = {n: torch.zeros_like(p) for n, p in self.w.items()}
+            self.t = 0
+        else:
+            raise ValueError(f"optimizer {optimizer!r}: 'torch' or 'hand'")
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs (B,T) int64 -> logits (B,T,V)."""
+        c, w = self.config, self.w
+        B, T = inputs.shape
+        H, E, D = c.n_head, c.head_dim, c.d_model
+        eps = float(LAYERNORM_EPS)
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = w["tok_embedding.weight"][inputs]  # (B,T,D)
+        for l in range(c.n_layer):
+            p = f"layers.{l}."
+            h = F.layer_norm(x, (D,), w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], eps)
+            heads = lambda y: y.view(B, T, H, E).transpose(1, 2)  # noqa: E731  (B,T,D) -> (B,H,T,E)
+            q = rope(heads(F.linear(h, w[p + "attn.q.weight"])), cos, sin)
+            k = rope(heads(F.linear(h, w[p + "attn.k.weight"])), cos, sin)
+            v = heads(F.linear(h, w[p + "attn.v.weight"]))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale 1/sqrt(E)
+            x = x + F.linear(y.transpose(1, 2).reshape(B, T, D), w[p + "attn.o.weight"])
+            h = F.layer_norm(x, (D,), w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"], eps)
+            a = F.silu(F.linear(h, w[p + "mlp.gate.weight"])) * F.linear(h, w[p + "mlp.up.weight"])
+            x = x + F.linear(a, w[p + "mlp.down.weight"])
+        h = F.layer_norm(x, (D,), w["final_norm.weight"], w["final_norm.bias"], eps)
+        return F.linear(h, w["tok_embedding.weight"])  # (B,T,V), tied unembedding
+
+    def row_losses(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,T+1) -> ce (B,T) float32."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            logits = self.forward(tokens[:, :-1])
+        B, T, V = logits.shape
+        return F.cross_entropy(logits.float().reshape(B * T, V), tokens[:, 1:].reshape(B * T),
+                               reduction="none").view(B, T)
+
+    # ---------------------------------------------------------------- step
+    def to_tokens(self, tokens) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
+
+    def loss_and_grads(self, tokens):
+        """tokens (B,T+1) -> (mean loss, row losses (B,T), G (N,)) as NumPy, no update."""
+        for p in self.w.values():
+            p.grad = None
+        ce = self.row_losses(self.to_tokens(tokens))
+        loss = ce.mean()
+        loss.backward()
+        G = torch.cat([self.w[s.name].grad.reshape(-1) for s in self.reg])
+        return float(loss.detach()), ce.detach().cpu().numpy(), G.cpu().numpy()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One training step; returns the mean loss as a 0-d tensor (no sync)."""
+        for p in self.w.values():
+            p.grad = None
+        loss = self.row_losses(tokens).mean()
+        loss.backward()
+        if self.optimizer == "torch":
+            self.opt.step()
+        else:
+            self._adamw()
+        return loss.detach()
+
+    @torch.no_grad()
+    def _adamw(self):
+        # SPEC section 7, elementwise in float32
+        h = self.hyper
+        self.t += 1
+        b1, b2 = float(h.beta1), float(h.beta2)
+        c1, c2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        lr, lrwd, eps = float(h.lr), float(h.lr * h.weight_decay), float(h.epsilon)
+        for s in self.reg:
+            p, g, m, v = self.w[s.name], self.w[s.name].grad, self.m[s.name], self.v[s.name]
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            if s.decay:
+                p.sub_(p * lrwd)
+            p.sub_(lr * (m / c1) / (torch.sqrt(v / c2) + eps))
+
+    def parameters_flat(self) -> np.ndarray:
+        """P (N,) float32 in the registry's layout."""
+        return torch.cat([self.w[s.name].detach().reshape(-1) for s in self.reg]).cpu().numpy()
+
+
+def flops_per_step(config: Config, batch: int) -> float:
+    """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
+    usual estimate: 2 forward + 4 backward per multiply-add of the weights,
+    and the two attention products)."""
+    N = registry(config).total
+    T, L, D = config.context, config.n_layer, config.d_model
+    return batch * (6.0 * N * T + 6.0 * L * D * T * T)
+
+
+def set_threads() -> int:
+    """Use every core of the machine for the CPU peer."""
+    import os
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))
+    return n
+

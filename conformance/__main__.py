@@ -1,0 +1,5 @@
+import sys
+
+from conformance.command import main
+
+sys.exit(main())

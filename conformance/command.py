@@ -1,0 +1,214 @@
+"""The conformance command line, shared by `python -m conformance` and
+`coppelius conformance`.
+
+    --backend NAME      (repeatable) default: every available backend but the
+                        reference (the reference against itself is a smoke check)
+    --preset NAME       test (default) or tiny, coppelius
+    --precision P       (repeatable) fp32, bf16; default both
+    --batch B --steps S the step shape and the trajectory length (default 1, 20)
+    --stream S          token windows from a stream (contexts c0 + s*B + b,
+                        c0 = --context) instead of seeded random windows
+    --hypothesis N      also N random small cases per backend and policy
+    --checkpoint CK     reference debugging: one step from a real checkpoint
+                        on context --context of --stream, every tensor's
+                        difference, worst first
+
+Exit status 0 when every check passes, 1 when any fails, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import accelerated
+from reference.config import Config, Hyper, PRECISIONS, preset as preset_config
+from reference.errors import CheckpointError, ConfigError, RunError
+
+from . import cases
+from .suite import Report, run_hypothesis, run_suite, step_rows
+
+FAILED = 1  # exit status when a check fails (2 is bad input, as everywhere)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", action="append", metavar="NAME",
+                        help=f"backend to check ({', '.join(accelerated.BACKENDS)}); repeatable; "
+                             "default: every available one except the reference")
+    parser.add_argument("--preset", default="test", help="model preset (default: test)")
+    parser.add_argument("--precision", action="append", choices=PRECISIONS,
+                        help="precision policy; repeatable (default: fp32 and bf16)")
+    parser.add_argument("--batch", type=int, default=None, metavar="B",
+                        help="contexts per step (default: 1, or the checkpoint's)")
+    parser.add_argument("--steps", type=int, default=20, metavar="S",
+                        help="length of the loss trajectory and the resume run (default: 20)")
+    parser.add_argument("--stream", metavar="PATH", help="token stream file for the inputs")
+    parser.add_argument("--context", type=int, default=0, metavar="C",
+                        help="first context of --stream to use (default: 0)")
+    parser.add_argument("--checkpoint", metavar="CK",
+                        help="debug one step from this checkpoint (needs --stream)")
+    parser.add_argument("--hypothesis", type=int, default=0, metavar="N",
+                        help="also run N hypothesis-drawn small cases per backend and policy")
+    parser.add_argument("--failures-only", action="store_true",
+                        help="print only the failing rows of each table")
+
+
+def default_backends() -> list:
+    names = [n for n in accelerated.available_backends() if n != "reference"]
+    return names or ["reference"]
+
+
+def _print(report: Report, failures_only: bool, rows=None) -> None:
+    rows = report.rows if rows is None else rows
+    if failures_only:
+        rows = [r for r in rows if not r.passed]
+    if rows:
+        print(report.table(rows))
+    for note in report.notes:
+        print(note)
+    print(report.summary())
+    print()
+
+
+def run(args) -> int:
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps}: the suite needs at least 2")
+    if args.batch is not None and args.batch < 1:
+        raise ConfigError(f"--batch={args.batch}: must be a positive integer")
+    if args.hypothesis < 0:
+        raise ConfigError(f"--hypothesis={args.hypothesis}: must be >= 0")
+    if args.context < 0:
+        raise ConfigError(f"--context={args.context}: must be >= 0")
+    backends = args.backend or default_backends()
+    for name in backends:
+        accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
+    if args.checkpoint:
+        return debug_checkpoint(args, backends)
+
+    config = preset_config(args.preset)
+    batch = args.batch or 1
+    precisions = args.precision or list(PRECISIONS)
+    windows, inputs = None, None
+    if args.stream:
+        from reference.stream import open_stream
+
+        stream = open_stream(args.stream, config.vocab)
+        windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
+        inputs = f"stream {args.stream}, contexts from {args.context}"
+    if not args.backend and backends == ["reference"]:
+        print("note: only the reference is available; checking it against its own definition "
+              "(a smoke check of the program, not a conformance result)\n")
+    status = 0
+    for name in backends:
+        for precision in precisions:
+            report = run_suite(name, args.preset, precision, batch=batch, steps=args.steps,
+                               windows=windows, inputs=inputs)
+            _print(report, args.failures_only)
+            status = status or (0 if report.passed else FAILED)
+            if args.hypothesis:
+                report = run_hypothesis(name, args.hypothesis, precision)
+                _print(report, args.failures_only)
+                status = status or (0 if report.passed else FAILED)
+    return status
+
+
+# ------------------------------------------------------------------ reference debugging
+
+def _fields(identity: str, key: str, path) -> dict:
+    """'a=1|b=2|flag' -> {'a': '1', 'b': '2'}; parts without '=' are dropped."""
+    if not isinstance(identity, str):
+        raise CheckpointError(f"checkpoint {path}: header key {key!r} is not a string")
+    return dict(part.split("=", 1) for part in identity.split("|") if "=" in part)
+
+
+def config_from_model(model: str, path) -> Config:
+    """The checkpoint's `model` identity -> Config; it must name the model
+    this project defines (layernorm, eps, rope base, tied)."""
+    f = _fields(model, "model", path)
+    try:
+        config = Config(**{k: int(f[k]) for k in
+                           ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: model identity {model!r} lacks or garbles "
+                              f"field {e}") from None
+    if config.identity() != model:
+        raise CheckpointError(f"checkpoint {path}: model identity {model!r} is not this "
+                              f"project's model ({config.identity()!r})")
+    return config
+
+
+def hyper_from_learner(learner: str, path) -> tuple:
+    """The checkpoint's `learner` identity -> (Hyper, precision)."""
+    f = _fields(learner, "learner", path)
+    try:
+        hyper = Hyper(**{k: f[k] for k in ("lr", "beta1", "beta2", "weight_decay", "epsilon")})
+        precision = f["precision"]
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {path}: learner identity lacks field {e}") from None
+    if precision not in PRECISIONS:
+        raise CheckpointError(f"checkpoint {path}: learner precision {precision!r} is unknown")
+    return hyper, precision
+
+
+def load_checkpoint(path) -> tuple:
+    """-> (config, hyper, precision, batch, state, header) of a checkpoint file."""
+    from reference import checkpoint
+
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint {path}: no such checkpoint (missing or empty)")
+    header = checkpoint.validate(path).header
+    config = config_from_model(header.get("model"), path)
+    hyper, precision = hyper_from_learner(header.get("learner"), path)
+    try:
+        batch = int(_fields(header.get("data"), "data", path)["batch"])
+    except (KeyError, ValueError):
+        raise CheckpointError(f"checkpoint {path}: data identity has no batch") from None
+    try:  # the binding layer binds every parameter by name (SPEC 12)
+        from reference.binding import load_state as load
+    except ImportError:
+        load = checkpoint.read_checkpoint
+    state = load(path, config).state
+    return config, hyper, precision, batch, state, header
+
+
+def debug_checkpoint(args, backends: list) -> int:
+    """One step from a real checkpoint on the reference and on each backend;
+    every tensor's difference, worst first."""
+    from reference.stream import open_stream
+
+    if not args.stream:
+        raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
+    config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint)
+    batch = args.batch or batch
+    stream = open_stream(args.stream, config.vocab)
+    tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
+    precisions = args.precision or [precision]
+    where = (f"checkpoint {args.checkpoint} (step {header.get('step')}), stream {args.stream} "
+             f"context {args.context}")
+    status = 0
+    for name in backends:
+        module = accelerated.backend_module(name)
+        for prec in precisions:
+            program = module.capture(config, hyper, prec, batch, state.copy())
+            report = Report(name, "checkpoint", prec, batch, where)
+            report.rows = step_rows(program, config, hyper, prec, state, tokens)
+            _print(report, args.failures_only, rows=report.sorted_by_error())
+            status = status or (0 if report.passed else FAILED)
+    return status
+
+
+def main(argv=None) -> int:
+    """`python -m conformance`: the same options as `coppelius conformance`."""
+    import sys
+
+    from reference.errors import CoppeliusError
+
+    parser = argparse.ArgumentParser(prog="python -m conformance",
+                                     description="Check backends against the reference (SPEC 14).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except CoppeliusError as e:
+        print(f"conformance: error: {e}", file=sys.stderr)
+        return e.exit_status

@@ -1,0 +1,322 @@
+"""The conformance suite (SPEC section 14): drive a backend's training
+program and the reference definition (`reference.step`, `reference.forward`)
+on the same inputs and compare every tensor.
+
+Checks, in order, each producing one row per tensor:
+  logits       program.logits vs reference.forward, initial parameters
+  loss         mean loss of one step
+  row_losses   (B, T) row losses of that step
+  gradient     G of that step, one row per parameter (registry name)
+  P, M, V      the state after that update, one row per parameter
+  t            the update count after that update (exact)
+  trajectory   mean losses of `steps` consecutive steps (step 0 is the one above)
+  resume       S1 steps, state(), a new capture from that state, S2 steps:
+               row losses of every step and the final P, M, V and t must be
+               bitwise equal to the S1 + S2 steps of one program (SPEC 9)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import accelerated
+from reference.config import Config, Hyper, check_precision, preset as preset_config
+from reference.params import registry
+from reference.state import State
+
+from . import cases
+from .tolerances import passes, relative_error, tolerance
+
+
+@dataclass
+class Row:
+    check: str  # logits, loss, row_losses, gradient, P, M, V, t, trajectory, resume
+    tensor: str  # registry name, or what the tensor is
+    error: float  # ||a - b|| / ||b|| (NaN: a non-finite value)
+    tolerance: float
+    passed: bool
+    worst: tuple  # index of the worst element in the tensor
+    got: float  # the backend's value there
+    want: float  # the reference's value there
+
+
+def compare(check: str, tensor: str, got, want, tol: float) -> Row:
+    error, worst, a, b = relative_error(got, want)
+    return Row(check, tensor, error, tol, passes(error, tol), worst, a, b)
+
+
+def compare_bitwise(check: str, tensor: str, got, want) -> Row:
+    """Exact equality of the float32 bits (so -0.0 != 0.0 and NaN fails)."""
+    got = np.ascontiguousarray(got, dtype=np.float32)
+    want = np.ascontiguousarray(want, dtype=np.float32)
+    row = compare(check, tensor, got, want, 0.0)
+    same = got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    row.passed = bool(same and np.isfinite(got).all())
+    if not same and row.error == 0.0:  # only a signed zero differs: point at it
+        flat = int(np.argmax(got.view(np.uint32) != want.view(np.uint32)))
+        row.worst = tuple(int(i) for i in np.unravel_index(flat, got.shape))
+        row.got, row.want = float(got.flat[flat]), float(want.flat[flat])
+    return row
+
+
+def _reference():
+    import reference  # the definition; imported late so the suite loads without it
+
+    return reference
+
+
+# ------------------------------------------------------------------ the report
+
+@dataclass
+class Report:
+    backend: str
+    preset: str
+    precision: str
+    batch: int
+    inputs: str  # where the tokens came from
+    rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    @property
+    def failures(self) -> list:
+        return [r for r in self.rows if not r.passed]
+
+    def row(self, check: str, tensor: str) -> Row:
+        for r in self.rows:
+            if r.check == check and r.tensor == tensor:
+                return r
+        raise KeyError((check, tensor))
+
+    def sorted_by_error(self) -> list:
+        """Worst first; a NaN error (non-finite value) is the worst of all."""
+        return sorted(self.rows, key=lambda r: (not math.isnan(r.error), -abs(r.error)
+                                                if not math.isnan(r.error) else 0.0))
+
+    def table(self, rows=None) -> str:
+        rows = self.rows if rows is None else rows
+        width = max([len("tensor")] + [len(r.tensor) for r in rows])
+        lines = [f"{'check':<11} {'tensor':<{width}} {'error':>10} {'tolerance':>9}  "
+                 f"{'result':<6} worst element (backend vs reference)"]
+        for r in rows:
+            worst = f"[{', '.join(map(str, r.worst))}]" if r.worst else "[]"
+            lines.append(f"{r.check:<11} {r.tensor:<{width}} {r.error:>10.3e} {r.tolerance:>9.0e}  "
+                         f"{'PASS' if r.passed else 'FAIL':<6} {worst} {r.got:.9g} vs {r.want:.9g}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        failed = len(self.failures)
+        verdict = "PASS" if self.passed else "FAIL"
+        line = (f"conformance {self.backend} {self.precision} preset {self.preset} B={self.batch}"
+                f" ({self.inputs}): {len(self.rows)} checks, {len(self.rows) - failed} passed,"
+                f" {failed} failed: {verdict}")
+        if failed:
+            first = self.failures[0]
+            line += f" (first failure: {first.check} {first.tensor}, error {first.error:.3e})"
+        return line
+
+
+# ------------------------------------------------------------------ the checks
+
+def _backend(backend):
+    """A backend name, or anything with `capture(...)` (a module or a test wrapper)."""
+    if isinstance(backend, str):
+        return backend, accelerated.backend_module(backend)
+    return getattr(backend, "NAME", getattr(backend, "__name__", type(backend).__name__)), backend
+
+
+def _config(preset) -> tuple:
+    if isinstance(preset, Config):
+        return "custom", preset
+    return preset, preset_config(preset)
+
+
+def state_rows(config: Config, got: State, want: State, precision: str) -> list:
+    """P, M, V per parameter (tolerance of the "update" row), then t (exact)."""
+    rows = []
+    for label, a, b in (("P", got.P, want.P), ("M", got.M, want.M), ("V", got.V, want.V)):
+        for spec in registry(config):
+            rows.append(compare(label, spec.name, np.asarray(a[spec.slice]).reshape(spec.shape),
+                                np.asarray(b[spec.slice]).reshape(spec.shape),
+                                tolerance(label, precision)))
+    rows.append(compare_bitwise("t", "update count t", np.float32(got.t), np.float32(want.t)))
+    return rows
+
+
+def resume_rows(config: Config, got: State, want: State) -> list:
+    """P, M, V bitwise as whole vectors (one row each), then t. A difference
+    is reported in the first parameter that holds one, by its name."""
+    rows = []
+    for label, a, b in (("P", got.P, want.P), ("M", got.M, want.M), ("V", got.V, want.V)):
+        row = compare_bitwise("resume", label, a, b)
+        if not row.passed:
+            for spec in registry(config):
+                part = compare_bitwise("resume", f"{label}:{spec.name}",
+                                       a[spec.slice].reshape(spec.shape),
+                                       b[spec.slice].reshape(spec.shape))
+                if not part.passed:
+                    row = part
+                    break
+        rows.append(row)
+    rows.append(compare_bitwise("resume", "update count t", np.float32(got.t), np.float32(want.t)))
+    return rows
+
+
+def step_rows(program, config: Config, hyper: Hyper, precision: str, state: State,
+              tokens: np.ndarray) -> list:
+    """Logits with the current parameters, then one step (loss, row losses,
+    each gradient, P, M, V, t), of a program captured from `state`.
+    tokens: (B, T+1) ids. The program is left one step on."""
+    ref = _reference()
+    reg = registry(config)
+    tol = lambda check: tolerance(check, precision)  # noqa: E731
+    rows = []
+    inputs = tokens[:, :-1]  # (B, T)
+    rows.append(compare("logits", "logits", program.logits(inputs),
+                        ref.forward(config, state.P.copy(), inputs, precision), tol("logits")))
+
+    want = ref.step(config, state.copy(), tokens, precision, hyper, grads=True)
+    program.upload_input(tokens)
+    loss = program.replay_and_wait()
+    rows.append(compare("loss", "mean loss", np.float32(loss), np.float32(want.loss), tol("loss")))
+    rows.append(compare("row_losses", "row losses", program.row_losses(), want.row_losses,
+                        tol("row_losses")))
+    G = program.gradients()  # (N,)
+    for spec in reg:
+        rows.append(compare("gradient", spec.name, G[spec.slice].reshape(spec.shape),
+                            want.grads[spec.slice].reshape(spec.shape), tol("gradient")))
+    rows += state_rows(config, program.state(), want.state, precision)
+    return rows
+
+
+def trajectory(program, windows: np.ndarray):
+    """Run every window (S, B, T+1) through `program`: (S,) mean losses, (S, B, T) row losses."""
+    losses, row_losses = [], []
+    for tokens in windows:
+        program.upload_input(tokens)
+        losses.append(program.replay_and_wait())
+        row_losses.append(np.array(program.row_losses(), dtype=np.float32, copy=True))
+    return np.asarray(losses, dtype=np.float32), np.stack(row_losses)
+
+
+def reference_trajectory(config: Config, hyper: Hyper, precision: str, state: State,
+                         windows: np.ndarray) -> np.ndarray:
+    ref = _reference()
+    losses = []
+    state = state.copy()
+    for tokens in windows:
+        result = ref.step(config, state, tokens, precision, hyper)
+        losses.append(result.loss)
+        state = result.state
+    return np.asarray(losses, dtype=np.float32)
+
+
+def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: int = 20,
+              resume_at: int | None = None, windows: np.ndarray | None = None,
+              hyper: Hyper | None = None, state: State | None = None,
+              inputs: str | None = None) -> Report:
+    """Every check of the module docstring for one backend, preset and policy.
+
+    windows: (steps, B, T+1) token ids; by default `cases.random_windows`
+    (seed cases.TOKEN_SEED). state: the starting state; by default the
+    preset's fresh initialization. resume_at: S1 of the resume check (by
+    default steps // 3, so the split is not at a checkpoint interval)."""
+    check_precision(precision)
+    name, module = _backend(backend)
+    preset_name, config = _config(preset)
+    hyper = hyper or Hyper()
+    if steps < 2:
+        raise ValueError("the suite needs at least 2 steps (one to check, one to resume into)")
+    if windows is None:
+        windows = cases.random_windows(config, batch, steps)
+        inputs = inputs or f"random windows, seed {cases.TOKEN_SEED}"
+    windows = np.asarray(windows)
+    if windows.shape != (steps, batch, config.context + 1):
+        raise ValueError(f"windows shape {windows.shape} != {(steps, batch, config.context + 1)}")
+    state0 = state if state is not None else cases.fresh_state(config)
+    S1 = resume_at if resume_at is not None else max(1, steps // 3)
+    report = Report(name, preset_name, precision, batch, inputs or "given windows")
+
+    # one program: the one-step checks on window 0, then the rest of the trajectory
+    program = module.capture(config, hyper, precision, batch, state0.copy())
+    report.rows += step_rows(program, config, hyper, precision, state0, windows[0])
+    first_rows = np.array(program.row_losses(), dtype=np.float32, copy=True)
+    first_loss = np.float32(report.row("loss", "mean loss").got)
+    losses, rows_rest = trajectory(program, windows[1:])
+    losses = np.concatenate([[first_loss], losses]).astype(np.float32)
+    row_losses = np.concatenate([first_rows[None], rows_rest])
+    final = program.state()
+    del program
+
+    want = reference_trajectory(config, hyper, precision, state0, windows)
+    report.rows.append(compare("trajectory", f"mean loss, {steps} steps", losses, want,
+                               tolerance("trajectory", precision)))
+
+    # exact resume: S1 steps, state(), a fresh capture from it, S2 steps
+    first = module.capture(config, hyper, precision, batch, state0.copy())
+    _, rows1 = trajectory(first, windows[:S1])
+    middle = first.state()
+    del first
+    second = module.capture(config, hyper, precision, batch, middle.copy())
+    _, rows2 = trajectory(second, windows[S1:])
+    resumed = second.state()
+    del second
+    split = f"{S1}+{steps - S1} steps"
+    report.rows.append(compare_bitwise("resume", f"row losses, {split}",
+                                       np.concatenate([rows1, rows2]), row_losses))
+    report.rows += resume_rows(config, resumed, final)
+    return report
+
+
+# ------------------------------------------------------------------ hypothesis
+
+def run_hypothesis(backend, examples: int, precision: str = "fp32", seed: int | None = 0) -> Report:
+    """One step from random small configurations, tokens and states
+    (cases.strategies) on the backend's program vs reference.step.
+
+    Passing: one row per check with the worst error over all examples.
+    Failing: hypothesis shrinks to a minimal example, whose rows are kept."""
+    from hypothesis import given, settings, seed as hseed, HealthCheck
+
+    check_precision(precision)
+    name, module = _backend(backend)
+    _, case_strategy = cases.strategies()
+    worst: dict = {}
+    failing: dict = {}
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case_strategy(precisions=(precision,)))
+    def one(case):
+        config, batch, tokens, state, prec = case
+        program = module.capture(config, Hyper(), prec, batch, state.copy())
+        rows = step_rows(program, config, Hyper(), prec, state, tokens)
+        for r in rows:
+            if r.check not in worst or not (r.error <= worst[r.check].error):
+                worst[r.check] = r
+        bad = [r for r in rows if not r.passed]
+        if bad:
+            failing["rows"], failing["case"] = rows, (config, batch, state.t)
+            raise AssertionError(f"{len(bad)} checks failed, first {bad[0].check} {bad[0].tensor}")
+
+    if seed is not None:
+        one = hseed(seed)(one)
+    report = Report(name, "hypothesis", precision, 0, f"{examples} random small cases")
+    try:
+        one()
+    except AssertionError:
+        config, batch, t = failing["case"]
+        report.rows = failing["rows"]
+        report.batch = batch
+        report.notes.append(f"minimal failing case: {config.identity()} B={batch} t={t}")
+        return report
+    for check, r in worst.items():
+        report.rows.append(Row(check, f"worst of all cases: {r.tensor}", r.error, r.tolerance,
+                               r.passed, r.worst, r.got, r.want))
+    return report

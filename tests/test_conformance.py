@@ -1,0 +1,349 @@
+"""The conformance suite: it passes on correct backends, and it FAILS, naming
+the right check and tensor, on backends broken on purpose."""
+
+import math
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import accelerated
+import reference
+from conformance import cases, run_hypothesis, run_suite, suite
+from conformance.tolerances import TOLERANCES, relative_error, tolerance
+from reference.checkpoint import identities, write_checkpoint
+from reference.config import Hyper
+from reference.errors import CheckpointError
+from reference.params import registry
+from reference.state import State
+from reference.stream import open_stream, write_stream
+
+TEST = reference.preset("test")
+
+
+# ------------------------------------------------------------------ the error measure
+
+finite32 = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=6), elements=finite32),
+       st.data())
+def test_relative_error_is_the_float64_norm_ratio(b, data):
+    a = data.draw(hnp.arrays(np.float32, b.shape, elements=finite32))
+    error, worst, got, want = relative_error(a, b)
+    diffs = [float(x) - float(y) for x, y in zip(a.ravel(), b.ravel())]
+    num = math.sqrt(math.fsum(d * d for d in diffs))
+    den = math.sqrt(math.fsum(float(y) ** 2 for y in b.ravel()))
+    if den == 0:
+        assert error == (0.0 if num == 0 else math.inf)
+    else:
+        assert error == pytest.approx(num / den, rel=1e-12)
+    assert abs(got - want) == max(abs(d) for d in diffs)
+    assert (got, want) == (float(a[worst]), float(b[worst]))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_never_passes(bad):
+    b = np.ones((3, 4), np.float32)
+    a = b.copy()
+    a[1, 2] = bad
+    row = suite.compare("logits", "x", a, b, tol=math.inf)  # even an infinite tolerance
+    assert not row.passed and math.isnan(row.error) and row.worst == (1, 2)
+    row = suite.compare("logits", "x", b, a, tol=math.inf)  # a broken reference fails too
+    assert not row.passed
+
+
+def test_bitwise_check_sees_a_signed_zero():
+    a = np.array([1.0, 0.0, 2.0], np.float32)
+    b = np.array([1.0, -0.0, 2.0], np.float32)
+    row = suite.compare_bitwise("resume", "P", a, b)
+    assert row.error == 0.0 and not row.passed and row.worst == (1,)
+    assert suite.compare_bitwise("resume", "P", a, a.copy()).passed
+
+
+def test_tolerance_table_covers_every_check_and_policy():
+    for check in ("logits", "loss", "row_losses", "gradient", "P", "M", "V", "trajectory", "resume"):
+        fp32, bf16 = tolerance(check, "fp32"), tolerance(check, "bf16")
+        assert 0 <= fp32 <= bf16
+    assert tolerance("P", "fp32") == TOLERANCES["update"]["fp32"]
+
+
+# ------------------------------------------------------------------ correct backends pass
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_suite_passes_on_the_reference(precision):
+    report = run_suite("reference", "test", precision)
+    assert report.passed, report.table(report.failures)
+    checks = {r.check for r in report.rows}
+    assert checks == {"logits", "loss", "row_losses", "gradient", "P", "M", "V", "t",
+                      "trajectory", "resume"}
+    names = {s.name for s in registry(TEST)}
+    for check in ("gradient", "P", "M", "V"):  # one row per parameter, by registry name
+        assert {r.tensor for r in report.rows if r.check == check} == names
+    # the reference program is the definition replayed: every error is exactly 0
+    assert all(r.error == 0.0 for r in report.rows)
+    assert report.row("trajectory", "mean loss, 20 steps")
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_suite_passes_on_mlx(precision):
+    report = run_suite("mlx", "test", precision)
+    assert report.passed, report.summary() + "\n" + report.table(report.failures)
+    # an independent implementation is not bit-identical: the suite compared something
+    assert any(r.error > 0 for r in report.rows if r.check == "gradient")
+
+
+# ------------------------------------------------------------------ broken backends fail
+
+class Wrapped:
+    """A reference program with one fault injected; everything else delegates."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def broken_backend(fault: str, tensor: str = "layers.1.mlp.up.weight"):
+    """A backend (an object with capture/available) around the reference program."""
+    ref = accelerated.backend_module("reference")
+
+    def capture(config, hyper, precision, batch, state):
+        if fault == "no_weight_decay":
+            return ref.capture(config, Hyper(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                                             weight_decay=0, epsilon=hyper.epsilon),
+                               precision, batch, state)
+        if fault == "drops_moments_on_capture":  # a resume that restarts Adam's moments
+            state = State(state.P, np.zeros_like(state.M), np.zeros_like(state.V), state.t)
+        program = Wrapped(ref.capture(config, hyper, precision, batch, state))
+        spec = registry(config).by_name[tensor]
+        if fault == "perturbs_gradient":
+            def gradients():
+                G = program.inner.gradients()
+                G[spec.slice] *= np.float32(1.1)
+                return G
+            program.gradients = gradients
+        if fault == "nan_logit":
+            def logits(tokens):
+                out = program.inner.logits(tokens).copy()
+                out[0, 1, 2] = np.nan
+                return out
+            program.logits = logits
+        return program
+
+    return types.SimpleNamespace(NAME=f"broken:{fault}", capture=capture, available=lambda: True)
+
+
+def failing(report, check=None):
+    return {(r.check, r.tensor) for r in report.rows if not r.passed and (check is None or r.check == check)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_perturbed_gradient_fails_that_tensor_only(precision):
+    report = run_suite(broken_backend("perturbs_gradient"), "test", precision, steps=4)
+    assert failing(report) == {("gradient", "layers.1.mlp.up.weight")}
+    row = report.row("gradient", "layers.1.mlp.up.weight")
+    assert row.error == pytest.approx(0.1, rel=1e-6)  # ||0.1 g|| / ||g||
+    table = report.table()
+    assert any("layers.1.mlp.up.weight" in line and "FAIL" in line for line in table.splitlines())
+    assert "FAIL" in report.summary() and "layers.1.mlp.up.weight" in report.summary()
+
+
+def test_skipped_weight_decay_fails_P_of_every_matrix_and_nothing_else_of_the_step():
+    report = run_suite(broken_backend("no_weight_decay"), "test", "fp32", steps=4)
+    matrices = {s.name for s in registry(TEST) if s.decay}
+    vectors = {s.name for s in registry(TEST) if not s.decay}
+    assert {t for c, t in failing(report, "P")} == matrices
+    for check in ("logits", "loss", "row_losses", "gradient", "M", "V"):
+        assert not failing(report, check), check
+    assert all(report.row("P", name).passed for name in vectors)
+    # P moved by lr * weight_decay * P: relative error ~3e-5, three times the tolerance
+    row = report.row("P", "tok_embedding.weight")
+    assert 2.5e-5 < row.error < 3.5e-5
+
+
+def test_a_resume_that_loses_the_moments_fails_only_the_resume_check():
+    report = run_suite(broken_backend("drops_moments_on_capture"), "test", "fp32", steps=6)
+    assert {c for c, t in failing(report)} == {"resume"}
+    assert {t.split(":")[0] for c, t in failing(report)} >= {"M", "V"}
+    assert not report.row("resume", "update count t").error  # t itself was kept
+
+
+def test_a_nan_logit_fails_logits_and_points_at_it():
+    report = run_suite(broken_backend("nan_logit"), "test", "fp32", steps=2)
+    assert failing(report) == {("logits", "logits")}
+    row = report.row("logits", "logits")
+    assert math.isnan(row.error) and row.worst == (0, 1, 2)
+
+
+# ------------------------------------------------------------------ random cases
+
+_, case_strategy = cases.strategies()
+
+
+@given(case_strategy(precisions=("fp32", "bf16")))
+def test_random_small_cases_pass_on_the_reference_program(case):
+    config, batch, tokens, state, precision = case
+    program = accelerated.backend_module("reference").capture(config, Hyper(), precision, batch,
+                                                               state.copy())
+    rows = suite.step_rows(program, config, Hyper(), precision, state, tokens)
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    assert len(rows) == 3 + 4 * len(registry(config).specs) + 1
+
+
+@given(case_strategy())
+@settings(max_examples=10)
+def test_random_states_are_valid_and_reproducible(case):
+    config, batch, tokens, state, precision = case
+    n = registry(config).total
+    assert state.P.dtype == state.M.dtype == state.V.dtype == np.float32
+    assert state.P.shape == state.M.shape == state.V.shape == (n,)
+    assert (state.V >= 0).all() and np.isfinite(state.P).all() and state.t >= 0
+    assert tokens.shape == (batch, config.context + 1)
+    assert tokens.min() >= 0 and tokens.max() < config.vocab
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_random_small_cases_pass_on_mlx(precision):
+    report = run_hypothesis("mlx", examples=3, precision=precision)
+    assert report.passed, "\n".join(report.notes) + "\n" + report.table(report.failures)
+
+
+def test_hypothesis_runner_shrinks_a_failure_to_a_named_tensor():
+    report = run_hypothesis(broken_backend("perturbs_gradient", "final_norm.weight"), examples=5)
+    assert not report.passed
+    assert ("gradient", "final_norm.weight") in failing(report)
+    assert report.notes and "minimal failing case" in report.notes[0]
+
+
+# ------------------------------------------------------------------ inputs from a stream
+
+def test_stream_windows_are_the_run_policy_contexts(tmp_path):
+    T, B, S, c0 = TEST.context, 2, 3, 1
+    ids = np.random.default_rng(5).integers(0, TEST.vocab, size=T * (c0 + B * S) + 1)
+    write_stream(tmp_path / "s.tokens", ids, 0, 0)
+    stream = open_stream(tmp_path / "s.tokens", TEST.vocab)
+    windows = cases.stream_windows(stream, TEST, B, S, c0=c0)
+    for s in range(S):
+        for b in range(B):
+            c = c0 + s * B + b  # SPEC 9
+            np.testing.assert_array_equal(windows[s, b], ids[T * c: T * c + T + 1])
+
+
+def test_random_windows_are_seeded():
+    a = cases.random_windows(TEST, 2, 3)
+    assert a.shape == (3, 2, TEST.context + 1) and a.max() < TEST.vocab
+    np.testing.assert_array_equal(a, cases.random_windows(TEST, 2, 3))
+    assert not np.array_equal(a, cases.random_windows(TEST, 2, 3, seed=cases.TOKEN_SEED + 1))
+
+
+# ------------------------------------------------------------------ command line
+
+def cli(argv, capsys):
+    from coppelius.cli import main
+
+    status = main(argv)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.fixture
+def broken_registered(monkeypatch):
+    """Make the perturbed-gradient backend selectable by name, as `--backend broken`."""
+    module = types.ModuleType("broken_backend_for_tests")
+    backend = broken_backend("perturbs_gradient")
+    module.capture, module.available = backend.capture, backend.available
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(accelerated.BACKENDS, "broken", module.__name__)
+
+
+def test_cli_passes_with_status_zero(capsys):
+    status, out, _ = cli(["conformance", "--backend", "reference", "--precision", "fp32",
+                          "--steps", "3"], capsys)
+    assert status == 0
+    assert "PASS" in out.splitlines()[-2] and "FAIL" not in out
+
+
+def test_cli_fails_with_non_zero_status_and_names_the_tensor(capsys, broken_registered):
+    status, out, _ = cli(["conformance", "--backend", "broken", "--precision", "fp32",
+                          "--steps", "2", "--failures-only"], capsys)
+    assert status == 1
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["gradient", "layers.1.mlp.up.weight"] and "FAIL" in lines[1]
+
+
+def test_python_m_conformance_has_the_same_options(capsys, broken_registered):
+    from conformance.command import main
+
+    assert main(["--backend", "broken", "--precision", "bf16", "--steps", "2"]) == 1
+    assert main(["--backend", "reference", "--precision", "bf16", "--steps", "2",
+                 "--hypothesis", "2"]) == 0
+    assert main(["--backend", "nonesuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["conformance: error: backend 'nonesuch': unknown "
+                                        "(choose from reference, mlx, cupy, broken)"]
+
+
+def test_cli_refuses_bad_options_in_one_line(capsys):
+    status, _, err = cli(["conformance", "--backend", "reference", "--steps", "1"], capsys)
+    assert status == 2 and err.count("\n") == 1 and "--steps=1" in err
+    status, _, err = cli(["conformance", "--backend", "reference", "--checkpoint", "x.ckpt"], capsys)
+    assert status == 2 and "--stream" in err
+
+
+def write_run(tmp_path, batch=1, steps_done=3):
+    """A real checkpoint after a few reference steps, and its stream."""
+    T = TEST.context
+    ids = np.random.default_rng(11).integers(0, TEST.vocab, size=T * 8 + 1)
+    write_stream(tmp_path / "s.tokens", ids, 0, 0)
+    stream = open_stream(tmp_path / "s.tokens", TEST.vocab)
+    state = cases.fresh_state(TEST)
+    for s in range(steps_done):
+        state = reference.step(TEST, state, stream.batch(s * batch, batch, T)).state
+    ident = identities(TEST, Hyper(), "fp32", batch, None, stream.sha256)
+    write_checkpoint(tmp_path / "ck.bin", TEST, ident, state, contexts=steps_done * batch)
+    return tmp_path / "ck.bin", tmp_path / "s.tokens"
+
+
+def test_checkpoint_debugging_lists_every_tensor_worst_first(tmp_path, capsys, broken_registered):
+    ck, stream = write_run(tmp_path)
+    base = ["conformance", "--checkpoint", str(ck), "--stream", str(stream), "--context", "3"]
+    status, out, _ = cli(base + ["--backend", "reference"], capsys)
+    assert status == 0 and "checkpoint" in out and "step 3" in out
+    status, out, _ = cli(base + ["--backend", "broken"], capsys)
+    assert status == 1
+    lines = out.splitlines()
+    n = 3 + 4 * len(registry(TEST).specs) + 1
+    rows = lines[1:1 + n]
+    assert rows[0].split()[:2] == ["gradient", "layers.1.mlp.up.weight"]  # the worst first
+    errors = [float(re.search(r" (\S+) +\S+  (PASS|FAIL) ", line).group(1)) for line in rows]
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_checkpoint_debugging_refuses_a_bad_file(tmp_path, capsys):
+    _, stream = write_run(tmp_path)
+    (tmp_path / "bad.bin").write_bytes(b"not a checkpoint at all" * 10)
+    status, _, err = cli(["conformance", "--backend", "reference", "--checkpoint",
+                          str(tmp_path / "bad.bin"), "--stream", str(stream)], capsys)
+    assert status == 2 and "bad.bin" in err and err.count("\n") == 1
+
+
+def test_config_is_parsed_from_the_model_identity():
+    from conformance.command import config_from_model, hyper_from_learner
+
+    tiny = reference.preset("tiny")
+    got = config_from_model(tiny.identity(), "ck")
+    assert (got.vocab, got.context, got.d_model, got.n_layer, got.n_head, got.d_ff) == \
+        (tiny.vocab, tiny.context, tiny.d_model, tiny.n_layer, tiny.n_head, tiny.d_ff)
+    hyper = Hyper(lr="1/1000", weight_decay="0")
+    assert hyper_from_learner(hyper.identity("bf16"), "ck") == (hyper, "bf16")
+    with pytest.raises(CheckpointError, match="rope_base"):
+        config_from_model(tiny.identity().replace("rope_base=10000", "rope_base=500000"), "ck")
