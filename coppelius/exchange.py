@@ -121,15 +121,16 @@ def export(checkpoint, out, moments: bool = False, force: bool = False) -> None:
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {checkpoint}")
-        values = bind_vectors(source, config, moments=moments)
-    reg = registry(config)
-    tensors = {spec.name: values[spec.name] for spec in reg.specs}  # no alias: tied
-    if moments:
-        for which in ("m", "v"):
-            tensors.update({moment_key(which, s.name): values[moment_key(which, s.name)]
-                            for s in reg.specs})
-    metadata = {key: str(header[key]) for key in METADATA_KEYS}
-    body = safetensors_bytes(tensors, metadata=metadata)
+        values = bind_vectors(source, config, moments=moments)  # views of the mapping
+        reg = registry(config)
+        tensors = {spec.name: values[spec.name] for spec in reg.specs}  # no alias: tied
+        if moments:
+            for which in ("m", "v"):
+                tensors.update({moment_key(which, s.name): values[moment_key(which, s.name)]
+                                for s in reg.specs})
+        metadata = {key: str(header[key]) for key in METADATA_KEYS}
+        body = safetensors_bytes(tensors, metadata=metadata)
+        del values, tensors
     try:
         publish(out, lambda f: f.write(body))
     except OSError as e:
@@ -166,9 +167,8 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
             else:
                 bindings.append(Bind(spec.name, spec.name))
         bindings += [Alias(alias, owner) for alias, owner in reg.aliases.items()]
-        values = bind(reg, bindings, source, NumpyBackend(), offered=offered)
-    P = flatten(reg, values)
-    del values
+        values = bind(reg, bindings, source, NumpyBackend(copy=False), offered=offered)
+        P = flatten(reg, values)  # the one copy
     write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
     return config, dropped
 

@@ -103,11 +103,20 @@ class NumpyBackend:
     """The backend protocol, on the host. CuPy and MLX implement the same
     methods on their arrays: `from_host` uploads a lease (a fresh, owned,
     contiguous array), the others compute on the backend's arrays, and
-    `alias` returns the very same object (tied storage, no copy)."""
+    `alias` returns the very same object (tied storage, no copy).
+
+    `copy=False` is for staging on the host only (load_state, export): a
+    value that needs no conversion stays a read-only view of its lease, so
+    the one copy made is the caller's (into the flat vector, or the file)."""
 
     name = "numpy"
 
+    def __init__(self, copy: bool = True):
+        self.copy = copy
+
     def from_host(self, array: np.ndarray, dtype: str) -> np.ndarray:
+        if not self.copy:
+            return np.ascontiguousarray(array, dtype=DTYPES[dtype])
         return np.array(array, dtype=DTYPES[dtype], order="C", copy=True)
 
     def slice(self, x, axis: int, start: int, stop: int):
@@ -490,9 +499,10 @@ def flatten(reg: Registry, values: dict) -> np.ndarray:
 def bind_vectors(source: CheckpointFileSource, config: Config, moments: bool = True) -> dict:
     """{name: array} of P (default bindings, lm_head.weight tied), and with
     `moments` also {"m/<name>": ..., "v/<name>": ...}, bound by name from a
-    checkpoint file whatever order the file lists its parameters in."""
+    checkpoint file whatever order the file lists its parameters in. The
+    arrays are read-only views of the source's mapping: copy before closing it."""
     reg = registry(config)
-    backend = NumpyBackend()
+    backend = NumpyBackend(copy=False)  # views of the mapped file; the caller copies once
     values = bind(reg, default_bindings(config), source, backend,
                   offered=[spec.name for spec in reg.specs])
     if moments:
