@@ -415,6 +415,18 @@ def test_lease_over_the_bound_is_refused(any_source):
     assert source.lease("tok_embedding.weight", slice(0, 32)).nbytes == 4096  # rows fit
 
 
+def test_row_slice_recipe_leases_only_its_rows(tmp_path, params):
+    # the embedding is 8192 bytes; a bound of 4096 admits half of its rows
+    source = safetensors_source(tmp_path, params, max_lease_bytes=4096)
+    with pytest.raises(SourceError, match="8192"):
+        Tensor("tok_embedding.weight").infer(source)
+    recipe = Slice(Tensor("tok_embedding.weight"), 0, 32, 64)
+    assert recipe.infer(source) == ("float32", (32, 32), 4096)
+    assert np.array_equal(recipe.realize(source, NumpyBackend()), params["tok_embedding.weight"][32:])
+    with pytest.raises(SourceError, match="4224"):
+        Slice(Tensor("tok_embedding.weight"), 0, 0, 33).infer(source)  # 33 rows: 4224 > 4096
+
+
 @pytest.mark.parametrize("rows", [slice(0, 65), slice(-1, 3), slice(4, 2), slice(0, 8, 2), (0, 4)])
 def test_bad_row_range_is_refused(any_source, rows):
     source, _ = any_source
