@@ -12,8 +12,9 @@ a line `# file: <relative path>`, concatenated. Files are decoded as UTF-8
 with errors="replace": the few test files written on purpose in another
 encoding (or with invalid bytes) are kept, deterministically, with U+FFFD in
 place of their bad bytes, so the file list is the same on every machine with
-the same Python. A file that does not end with a newline gets one, so each
-`# file:` marker is a line of its own.
+the same Python; a file the process may not read is left out. A file that
+does not end with a newline gets one, so each `# file:` marker is a line of
+its own.
 
 Cache layout under a cache directory (by default $XDG_CACHE_HOME/coppelius):
 
@@ -154,7 +155,11 @@ def train_tokenizer(source, vocab: int, name: str | None = None):
     """A byte-level BPE with exactly `vocab` ids trained on `source` (a path,
     or an iterable of strings). A source too small to yield `vocab` ids is
     refused, naming it and the count (padding with unused ids would make
-    tokens no text ever produces)."""
+    tokens no text ever produces).
+
+    The whole source is trained on: for the 31.6 MB default corpus that is
+    about 4 s (V=2048) to 6 s (V=12288) on two idle cores, against about
+    10 s to encode it, so no subset is needed."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab < BYTE_SYMBOLS:

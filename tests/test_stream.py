@@ -1,7 +1,6 @@
 """The token stream file (SPEC section 8): header, ids, refusals, contexts."""
 
 import hashlib
-import os
 import struct
 
 import numpy as np

@@ -1,0 +1,182 @@
+"""`coppelius sample`: text from a checkpoint.
+
+The checkpoint's model identity gives the configuration, its data identity
+names the tokenizer by SHA-256 (`tokenizer=<sha256>`). Generation runs the
+reference forward on a sliding window of at most T tokens: each new token
+costs one forward of the window, which is plenty for a few hundred tokens of
+the `tiny` model.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import numpy as np
+
+from reference.config import Config
+from reference.errors import CheckpointError, ConfigError, StreamError
+
+MODEL_FIELDS = ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")
+
+
+def config_from_identity(model: str, path: str = "checkpoint") -> Config:
+    """The Config whose identity is exactly `model` (SPEC section 10's model
+    key); anything else (another norm, an unknown field, a missing one) is
+    refused, naming the file."""
+    fields = {}
+    for part in model.split("|"):
+        key, _, value = part.partition("=")
+        fields[key] = value
+    try:
+        config = Config(**{name: int(fields[name]) for name in MODEL_FIELDS
+                           if re.fullmatch(r"[1-9][0-9]*", fields.get(name, ""))})
+    except (TypeError, ConfigError):
+        config = None
+    if config is None or config.identity() != model:
+        raise CheckpointError(f"checkpoint {path}: model identity {model!r} is not one this "
+                              f"model implements")
+    return config
+
+
+def load_parameters(path) -> tuple:
+    """(config, P (N,) float32, header) of a checkpoint file, P bound by name
+    through the binding layer (the moments are not read)."""
+    from reference.binding import bind_vectors, flatten
+    from reference.params import registry
+    from reference.sources import CheckpointFileSource
+
+    with CheckpointFileSource(path) as source:  # validates layout and SHA-256
+        header = source.header
+        config = config_from_identity(header["model"], source.path)
+        values = bind_vectors(source, config, moments=False)
+        P = flatten(registry(config), values)
+    return config, P, header
+
+
+def named_tokenizer(header: dict) -> str | None:
+    """The tokenizer SHA-256 the data identity names, or None (`tokenizer=none`)."""
+    for part in header["data"].split("|"):
+        if part.startswith("tokenizer="):
+            sha = part[len("tokenizer="):]
+            return None if sha == "none" else sha
+    return None
+
+
+def tokenizer_candidates(checkpoint_path) -> list:
+    """Where a checkpoint's tokenizer may lie: beside the checkpoint (its run
+    directory), the stream cache of runs beside that directory, the default
+    stream cache."""
+    from coppelius.data import TOKENIZER_NAME, default_cache_dir
+
+    run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
+    places = [os.path.join(run_dir, TOKENIZER_NAME)]
+    for cache in (os.path.join(os.path.dirname(run_dir), "data"), default_cache_dir()):
+        places += sorted(glob.glob(os.path.join(glob.escape(cache), "*", TOKENIZER_NAME)))
+    return places
+
+
+def find_tokenizer(checkpoint_path, header: dict, override=None) -> str:
+    """The tokenizer.json whose SHA-256 the checkpoint names; `override`
+    (--tokenizer) is used as given."""
+    from coppelius.data import tokenizer_sha
+
+    if override is not None:
+        if not os.path.isfile(override):
+            raise StreamError(f"tokenizer {override}: no such file")
+        return os.fspath(override)
+    sha = named_tokenizer(header)
+    if sha is None:
+        raise StreamError(f"checkpoint {checkpoint_path}: trained on a stream without a "
+                          f"tokenizer (tokenizer=none); give one with --tokenizer PATH")
+    for place in tokenizer_candidates(checkpoint_path):
+        if tokenizer_sha(place) == sha:
+            return place
+    raise StreamError(f"checkpoint {checkpoint_path}: no tokenizer.json with SHA-256 {sha} "
+                      f"beside it, in its run directory or in the stream cache; "
+                      f"give it with --tokenizer PATH")
+
+
+def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """The next id from one row of logits (V,): the argmax at temperature 0,
+    else a draw from softmax(logits / temperature) over the top_k largest
+    (all when top_k is 0)."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature  # (V,)
+    keep = np.argsort(-z, kind="stable")  # ties keep the lower id first
+    if top_k:
+        keep = keep[:top_k]
+    p = np.exp(z[keep] - z[keep].max())
+    return int(keep[rng.choice(keep.size, p=p / p.sum())])
+
+
+def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float = 0.0,
+             top_k: int = 0, rng: np.random.Generator | None = None) -> list:
+    """`ids` followed by `tokens` new ids, each predicted from the last T
+    (at most) ids with the reference forward in fp32."""
+    from reference import forward
+
+    if len(ids) == 0:
+        raise ConfigError("prompt is empty: the model has no start token, give some text")
+    rng = rng or np.random.default_rng(0)
+    out = [int(i) for i in ids]
+    for _ in range(tokens):
+        window = np.array(out[-config.context:], dtype=np.int64)[None, :]  # (1,n), n <= T
+        logits = forward(config, P, window, "fp32")[0, -1]  # (V,) at the last position
+        out.append(pick(logits, temperature, top_k, rng))
+    return out
+
+
+def check_options(tokens: int, temperature: float, top_k: int) -> None:
+    if tokens < 0:
+        raise ConfigError(f"--tokens={tokens}: must be >= 0")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ConfigError(f"--temperature={temperature}: must be a finite number >= 0")
+    if top_k < 0:
+        raise ConfigError(f"--top-k={top_k}: must be >= 0 (0: no limit)")
+
+
+def generate_text(checkpoint_path, prompt: str = "def ", tokens: int = 200,
+                  temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+                  tokenizer=None) -> str:
+    """The prompt and its continuation, decoded."""
+    from coppelius.data import load_tokenizer
+
+    check_options(tokens, temperature, top_k)
+    config, P, header = load_parameters(checkpoint_path)
+    tokenizer_path = find_tokenizer(checkpoint_path, header, tokenizer)
+    tok = load_tokenizer(tokenizer_path)
+    if tok.get_vocab_size() != config.vocab:
+        raise StreamError(f"tokenizer {tokenizer_path}: has {tok.get_vocab_size()} ids, the "
+                          f"checkpoint's model has V={config.vocab}")
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed))
+    return tok.decode(out, skip_special_tokens=False)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sample", help="generate text from a checkpoint",
+        description="Continue a prompt with a checkpoint's model (reference forward, fp32, "
+                    "a sliding window of the model's context).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--prompt", default="def ", metavar="TEXT", help="text to continue (default 'def ')")
+    p.add_argument("--tokens", type=int, default=200, metavar="N",
+                   help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="X",
+                   help="softmax temperature; 0 picks the most likely token (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, metavar="K",
+                   help="draw from the K most likely tokens; 0 for all (default 40)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.json to use (default: the one whose SHA-256 the checkpoint names)")
+    p.set_defaults(func=run_sample)
+
+
+def run_sample(args) -> int:
+    print(generate_text(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        tokenizer=args.tokenizer))
+    return 0

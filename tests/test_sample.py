@@ -1,0 +1,217 @@
+"""`coppelius sample`: configuration from a checkpoint, tokenizer lookup,
+greedy and top-k sampling on the reference forward."""
+
+import os
+import sysconfig
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coppelius import data, sample
+from coppelius.cli import main
+from reference import Hyper, forward, initialize, preset
+from reference.checkpoint import identities, write_checkpoint
+from reference.config import PRESETS, Config
+from reference.errors import CheckpointError, ConfigError
+from reference.params import registry
+from reference.state import State
+
+CONFIG = preset("test")  # V=64, T=16
+TIE = 1e-5  # logits closer than this may order differently between two forwards
+
+
+def spread_parameters(config, seed=0):
+    """The initialization with every matrix scaled by 10: logits spread over a
+    few units and depending on the context (at initialization they are nearly
+    uniform, and each position mostly predicts its own token back)."""
+    P = initialize(config, seed).copy()
+    for spec in registry(config).specs:
+        if len(spec.shape) == 2:
+            P[spec.slice] *= 10
+    return P
+
+
+@pytest.fixture(scope="module")
+def P():
+    return spread_parameters(CONFIG)
+
+
+def last_logits(config, P, ids):
+    # (V,) float64: the prediction after `ids`, one forward of its last T ids
+    window = np.array(ids[-config.context:], dtype=np.int64)[None, :]
+    return forward(config, P, window, "fp32")[0, -1].astype(np.float64)
+
+
+# ---------------------------------------------------------------------------
+# The model identity
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_config_from_identity_recovers_every_preset(name):
+    config = PRESETS[name]
+    got = sample.config_from_identity(config.identity())
+    assert (got.vocab, got.context, got.d_model, got.n_layer, got.n_head, got.d_ff) == (
+        config.vocab, config.context, config.d_model, config.n_layer, config.n_head, config.d_ff)
+
+
+@pytest.mark.parametrize("change", [
+    ("norm=layernorm", "norm=rmsnorm"), ("tied=1", "tied=0"), ("vocab=64", "vocab=064"),
+    ("vocab=64|", ""), ("|tied=1", "|tied=1|extra=1"), ("n_head=2", "n_head=3"),
+    ("d_ff=96", "d_ff=x"), ("eps=1/100000", "eps=1/1000"),
+])
+def test_config_from_identity_refuses_anything_else(change):
+    model = CONFIG.identity().replace(*change)
+    assert model != CONFIG.identity()
+    with pytest.raises(CheckpointError, match=r"ck\.bin: model identity"):
+        sample.config_from_identity(model, "ck.bin")
+
+
+# ---------------------------------------------------------------------------
+# Generation
+
+@given(prompt=st.lists(st.integers(0, 63), min_size=1, max_size=6), n=st.integers(1, 10))
+def test_greedy_picks_the_argmax_of_one_full_forward(P, prompt, n):
+    out = sample.generate(CONFIG, P, prompt, n, temperature=0.0)
+    assert out[:len(prompt)] == prompt and len(out) == len(prompt) + n <= CONFIG.context
+    # causal: one forward of the whole sequence predicts every position at once
+    logits = forward(CONFIG, P, np.array([out[:-1]]), "fp32")[0].astype(np.float64)  # (n,V)
+    for j in range(len(prompt) - 1, len(out) - 1):
+        chosen = out[j + 1]
+        assert logits[j, chosen] >= logits[j].max() - TIE, (j, chosen, logits[j].argmax())
+
+
+def test_greedy_slides_a_window_of_t_tokens(P):
+    prompt = [5, 9, 1]
+    out = sample.generate(CONFIG, P, prompt, 2 * CONFIG.context, temperature=0.0)
+    T = CONFIG.context
+    for j in range(T, len(out)):  # predicted from exactly the T ids before it
+        logits = forward(CONFIG, P, np.array([out[j - T:j]]), "fp32")[0, -1].astype(np.float64)
+        assert logits[out[j]] >= logits.max() - TIE, j
+
+
+def test_top_k_draws_only_among_the_k_most_likely(P):
+    rng = np.random.default_rng(7)
+    out = sample.generate(CONFIG, P, [3], 40, temperature=2.0, top_k=3, rng=rng)
+    for j in range(1, len(out)):
+        logits = last_logits(CONFIG, P, out[:j])
+        third = np.sort(logits)[-3]
+        assert logits[out[j]] >= third - TIE, j
+    # and a high temperature with k=3 does not always pick the argmax
+    assert any(out[j] != np.argmax(last_logits(CONFIG, P, out[:j])) for j in range(1, len(out)))
+
+
+def test_same_seed_same_sequence_other_seed_another(P):
+    def run(seed):
+        return sample.generate(CONFIG, P, [1, 2], 20, temperature=1.0, top_k=0,
+                               rng=np.random.default_rng(seed))
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_pick_draws_with_the_softmax_of_the_top_k():
+    logits = np.array([1.0, 3.0, -2.0, 2.5, 2.9, 0.0], dtype=np.float32)
+    temperature, k, n = 0.7, 3, 40000
+    rng = np.random.default_rng(3)
+    counts = np.bincount([sample.pick(logits, temperature, k, rng) for _ in range(n)], minlength=6)
+    # independent: the three largest are ids 1, 4, 3
+    expected = np.zeros(6)
+    w = np.exp(np.array([3.0, 2.5, 2.9]) / temperature)
+    expected[[1, 3, 4]] = w / w.sum()
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(counts / n - expected) <= 5 * sigma + 1e-12), (counts / n, expected)
+    assert sample.pick(logits, 0.0, 0, rng) == 1
+    assert sample.pick(logits, 5.0, 1, rng) == 1
+
+
+def test_an_empty_prompt_is_refused(P):
+    with pytest.raises(ConfigError, match="prompt is empty"):
+        sample.generate(CONFIG, P, [], 3)
+
+
+# ---------------------------------------------------------------------------
+# The command line, on a checkpoint with a real tokenizer
+
+BPE = Config(vocab=320, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96)  # 256 bytes + 64 merges
+
+
+def corpus_text():
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py")
+    return open(path, encoding="utf-8").read()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run laid out as `coppelius train` lays it out: RUN_DIR/checkpoint.bin
+    and the stream cache RUN_DIR/../data/<stem>-v<V>/tokenizer.json."""
+    root = tmp_path_factory.mktemp("runs")
+    tok_path = root / "data" / "corpus-v320" / "tokenizer.json"
+    tok_path.parent.mkdir(parents=True)
+    tok = data.train_tokenizer([corpus_text()], BPE.vocab)
+    tok_path.write_text(tok.to_str(), encoding="utf-8")
+    P = spread_parameters(BPE, seed=1)
+    ckpt = root / "tiny" / "checkpoint.bin"
+    ckpt.parent.mkdir()
+    ids = identities(BPE, Hyper(), "fp32", 1, data.tokenizer_sha(tok_path), "ab" * 32)
+    write_checkpoint(ckpt, BPE, ids, State.fresh(P), contexts=0)
+    return dict(ckpt=ckpt, tok=tok, tok_path=tok_path, P=P, ids=ids)
+
+
+def test_load_parameters_gives_back_what_was_written(run):
+    config, P, header = sample.load_parameters(run["ckpt"])
+    assert config == Config(**{f: getattr(BPE, f) for f in sample.MODEL_FIELDS})
+    assert P.dtype == np.float32 and np.array_equal(P, run["P"])
+    assert header["data"] == run["ids"]["data"]
+
+
+def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing in the default cache
+    prompt = "def decode(self, s"
+    assert main(["sample", str(run["ckpt"]), "--prompt", prompt, "--tokens", "12",
+                 "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    tok = run["tok"]
+    ids = tok.encode(prompt).ids
+    out = list(ids)
+    for _ in range(12):  # greedy, independently of sample.generate
+        out.append(int(np.argmax(last_logits(BPE, run["P"], out))))
+    assert len(set(out[len(ids):])) > 3  # a continuation that depends on the context
+    assert printed == tok.decode(out) + "\n"
+    assert printed.startswith(prompt)
+
+
+def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lone = tmp_path / "elsewhere" / "checkpoint.bin"
+    lone.parent.mkdir()
+    lone.write_bytes(run["ckpt"].read_bytes())
+    # a tokenizer.json beside it, but not the one the checkpoint names
+    other = data.train_tokenizer([corpus_text()[:6000]], BPE.vocab)
+    (lone.parent / "tokenizer.json").write_text(other.to_str(), encoding="utf-8")
+    sha = data.tokenizer_sha(run["tok_path"])
+    assert data.tokenizer_sha(lone.parent / "tokenizer.json") != sha
+    assert main(["sample", str(lone), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("coppelius sample: error: ") and sha in err and str(lone) in err
+    # --tokenizer overrides the lookup
+    assert main(["sample", str(lone), "--tokens", "2", "--tokenizer", str(run["tok_path"])]) == 0
+
+
+def test_cli_refuses_a_tokenizer_of_another_vocabulary(run, capsys, tmp_path):
+    small = tmp_path / "tokenizer.json"
+    small.write_text(data.train_tokenizer([corpus_text()], 300).to_str(), encoding="utf-8")
+    assert main(["sample", str(run["ckpt"]), "--tokenizer", str(small)]) == 2
+    assert "has 300 ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--tokens", "-1"], ["--temperature", "-0.5"],
+                                    ["--temperature", "nan"], ["--top-k", "-2"]])
+def test_cli_refuses_bad_options(run, capsys, option):
+    assert main(["sample", str(run["ckpt"])] + option) == 2
+    assert option[0] in capsys.readouterr().err
+
+
+def test_cli_refuses_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "none.bin")]) == 2
+    assert "none.bin" in capsys.readouterr().err
