@@ -151,6 +151,12 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
+def check_vocab(vocab: int) -> None:
+    if vocab < BYTE_SYMBOLS:
+        raise ConfigError(f"vocab={vocab}: a byte-level BPE needs at least {BYTE_SYMBOLS} ids "
+                          f"(one per byte value)")
+
+
 def train_tokenizer(source, vocab: int, name: str | None = None):
     """A byte-level BPE with exactly `vocab` ids trained on `source` (a path,
     or an iterable of strings). A source too small to yield `vocab` ids is
@@ -162,9 +168,7 @@ def train_tokenizer(source, vocab: int, name: str | None = None):
     10 s to encode it, so no subset is needed."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab < BYTE_SYMBOLS:
-        raise ConfigError(f"vocab={vocab}: a byte-level BPE needs at least {BYTE_SYMBOLS} ids "
-                          f"(one per byte value)")
+    check_vocab(vocab)
     if isinstance(source, (str, os.PathLike)):
         name = name or os.fspath(source)
         texts = pieces(read_source(source))
@@ -314,6 +318,7 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
 def stream_for_source(source, vocab: int, out=None, cache_dir=None,
                       progress: bool = False) -> tuple:
     """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?)."""
+    check_vocab(vocab)
     cache_dir = os.fspath(cache_dir or default_cache_dir())
     if source is None:
         source = materialise_default_corpus(cache_dir)
@@ -354,7 +359,8 @@ def register(subparsers) -> None:
                         "(default: coppelius with a GPU, else tiny)")
     p.add_argument("--vocab", type=int, metavar="N", help="vocabulary size V (default: the preset's)")
     p.add_argument("--cache-dir", metavar="DIR",
-                   help=f"where cached corpora and streams live (default: {default_cache_dir()})")
+                   help="where cached corpora and streams live "
+                        "(default: $XDG_CACHE_HOME/coppelius, else ~/.cache/coppelius)")
     p.set_defaults(func=run_tokenize)
 
 

@@ -83,9 +83,12 @@ def test_a_source_too_small_is_refused_naming_it_and_the_count(tmp_path):
     assert 256 < int(e.value.args[0].split("yields ")[1].split()[0]) < 400
 
 
-def test_a_vocabulary_below_the_byte_symbols_is_refused():
+def test_a_vocabulary_below_the_byte_symbols_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="vocab=64"):
         data.train_tokenizer(["text"], 64)
+    with pytest.raises(ConfigError, match="vocab=255"):
+        data.prepare_stream(vocab=255, cache_dir=tmp_path)
+    assert os.listdir(tmp_path) == []  # refused before anything is written
 
 
 def test_a_source_not_utf8_is_refused_at_its_offset(tmp_path):
