@@ -42,7 +42,7 @@ from safetensors.numpy import save as safetensors_bytes
 from reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor, UnexpectedValue,
                                bind, bind_vectors, flatten)
 from reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
-from reference.config import (PRECISIONS, PRESETS, SEED, Config, Hyper, data_identity,
+from reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity, Hyper, data_identity,
                               initialization_identity, preset, schema_identity)
 from reference.errors import CoppeliusError
 from reference.fsutil import publish
@@ -190,23 +190,6 @@ def _check_tied(source, alias: str, owner: str) -> None:
         if x.tobytes() != y.tobytes():  # bits, so -0.0 and NaN payloads count too
             raise UnexpectedValue(f"{alias}: differs from {owner} in {source.path} "
                                   f"(rows from {start}); the model ties them")
-
-
-def config_from_identity(model: str, where: str) -> Config:
-    """The Config whose model identity (SPEC 10) is `model`; a preset when
-    one matches (for its steps and interval)."""
-    for config in PRESETS.values():
-        if config.identity() == model:
-            return config
-    fields = dict(part.split("=", 1) for part in model.split("|") if "=" in part)
-    try:
-        config = Config(**{k: int(fields[k]) for k in
-                           ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")})
-    except (KeyError, ValueError, CoppeliusError):
-        config = None
-    if config is None or config.identity() != model:
-        raise ExchangeError(f"{where}: model identity {model!r} is not one this version writes")
-    return config
 
 
 def _import_config(meta: dict, preset_name: str | None, where: str) -> Config:

@@ -9,7 +9,6 @@ row losses for the result file.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -21,6 +20,7 @@ import numpy as np
 
 import accelerated
 from reference import checkpoint, results
+from reference.binding import load_state
 from reference.config import PRESETS, SEED, Hyper, check_precision, parse_rational, preset
 from reference.errors import NonFiniteError, RunError
 from reference.params import initialize, registry
@@ -98,7 +98,7 @@ def make_plan(args) -> Plan:
 
     backend = args.backend or accelerated.best_backend()
     accelerated.backend_module(backend)  # a clear error when it is not available here
-    name = args.preset or ("coppelius" if backend == "cupy" else "tiny")
+    name = args.preset or data.default_preset()
     config = preset(name)
     precision = check_precision(args.precision or ("bf16" if backend == "cupy" else "fp32"))
     hyper = Hyper(**{k: parse_rational(getattr(args, k), k.replace("_", "-"))
@@ -141,8 +141,9 @@ def make_plan(args) -> Plan:
 
 
 def load_checkpoint(path, config, identities, new_data):
-    """-> (State, contexts consumed): validated, identities compared."""
-    ck = checkpoint.read_checkpoint(path, config, expect=identities, new_data=new_data)
+    """-> (State, contexts consumed): validated, identities compared, every
+    parameter bound by name through the binding layer (SPEC 12)."""
+    ck = load_state(path, config, expect=identities, new_data=new_data)
     return ck.state, ck.contexts
 
 

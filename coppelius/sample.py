@@ -11,34 +11,11 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 import numpy as np
 
-from reference.config import Config
-from reference.errors import CheckpointError, ConfigError, StreamError
-
-MODEL_FIELDS = ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")
-
-
-def config_from_identity(model: str, path: str = "checkpoint") -> Config:
-    """The Config whose identity is exactly `model` (SPEC section 10's model
-    key); anything else (another norm, an unknown field, a missing one) is
-    refused, naming the file."""
-    fields = {}
-    for part in model.split("|"):
-        key, _, value = part.partition("=")
-        fields[key] = value
-    try:
-        config = Config(**{name: int(fields[name]) for name in MODEL_FIELDS
-                           if re.fullmatch(r"[1-9][0-9]*", fields.get(name, ""))})
-    except (TypeError, ConfigError):
-        config = None
-    if config is None or config.identity() != model:
-        raise CheckpointError(f"checkpoint {path}: model identity {model!r} is not one this "
-                              f"model implements")
-    return config
-
+from reference.config import Config, config_from_identity
+from reference.errors import ConfigError, StreamError
 
 def load_parameters(path) -> tuple:
     """(config, P (N,) float32, header) of a checkpoint file, P bound by name
@@ -49,7 +26,7 @@ def load_parameters(path) -> tuple:
 
     with CheckpointFileSource(path) as source:  # validates layout and SHA-256
         header = source.header
-        config = config_from_identity(header["model"], source.path)
+        config = config_from_identity(header["model"], f"checkpoint {source.path}")
         values = bind_vectors(source, config, moments=False)
         P = flatten(registry(config), values)
     return config, P, header

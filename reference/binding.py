@@ -26,7 +26,6 @@ no binding reads; only then are values realized and aliases shared.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -468,26 +467,6 @@ def bind(model, bindings, source, backend, offered=None) -> dict:
 
 # ------------------------------------------------------------ checkpoint state
 
-def _check_identities(header: dict, path: str, expect: dict, new_data: bool) -> None:
-    # The same comparison as reference.checkpoint.read_checkpoint (SPEC 10).
-    from .checkpoint import IDENTITY_KEYS
-    from .errors import IdentityMismatch
-
-    def without_stream(data: str) -> list:
-        return [part for part in data.split("|") if not part.startswith("stream=")]
-
-    for key in IDENTITY_KEYS:
-        have, want = header[key], expect[key]
-        if key == "data" and new_data:
-            if without_stream(have) != without_stream(want):
-                raise IdentityMismatch(
-                    f"checkpoint {path}: data identity differs beyond its stream part "
-                    f"(--new-data lifts only stream=): checkpoint has {have!r}, run has {want!r}")
-        elif have != want:
-            raise IdentityMismatch(f"checkpoint {path}: {key} identity differs: "
-                                   f"checkpoint has {have!r}, run has {want!r}")
-
-
 def flatten(reg: Registry, values: dict) -> np.ndarray:
     """(N,) float32: the bound tensors in canonical order (SPEC 2)."""
     flat = np.empty(reg.total, dtype=np.float32)
@@ -519,12 +498,12 @@ def load_state(path, config: Config, expect: dict | None = None, new_data: bool 
     validated, its identities compared with `expect` (the run's, as by
     read_checkpoint), and every parameter bound by name through the binding
     layer. Returns a reference.checkpoint.Checkpoint."""
-    from .checkpoint import Checkpoint
+    from .checkpoint import Checkpoint, check_identities
 
     with CheckpointFileSource(path) as source:
         header = source.header
         if expect is not None:
-            _check_identities(header, source.path, expect, new_data)
+            check_identities(header, source.path, expect, new_data)
         values = bind_vectors(source, config, moments=True)
         reg = registry(config)
         P = flatten(reg, values)

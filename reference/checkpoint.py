@@ -284,6 +284,22 @@ def _without_stream(data: str) -> list:
     return [part for part in data.split("|") if not part.startswith("stream=")]
 
 
+def check_identities(header: dict, path, expect: dict, new_data: bool = False) -> None:
+    """Compare a checkpoint's identities with the run's (SPEC 10): a mismatch
+    names the key and both values. `new_data` lifts only the data identity's
+    `stream=` part."""
+    for key in IDENTITY_KEYS:
+        have, want = header[key], expect[key]
+        if key == "data" and new_data:
+            if _without_stream(have) != _without_stream(want):
+                raise IdentityMismatch(
+                    f"checkpoint {path}: data identity differs beyond its stream part "
+                    f"(--new-data lifts only stream=): checkpoint has {have!r}, run has {want!r}")
+        elif have != want:
+            raise IdentityMismatch(f"checkpoint {path}: {key} identity differs: "
+                                   f"checkpoint has {have!r}, run has {want!r}")
+
+
 def read_checkpoint(path, config: Config, expect: dict | None = None,
                     new_data: bool = False) -> Checkpoint:
     """Validate and load a checkpoint; compare its identities with `expect`
@@ -291,16 +307,7 @@ def read_checkpoint(path, config: Config, expect: dict | None = None,
     info, (P, M, V) = _scan(path, load=True)
     header = info.header
     if expect is not None:
-        for key in IDENTITY_KEYS:
-            have, want = header[key], expect[key]
-            if key == "data" and new_data:
-                if _without_stream(have) != _without_stream(want):
-                    raise IdentityMismatch(
-                        f"checkpoint {info.path}: data identity differs beyond its stream part "
-                        f"(--new-data lifts only stream=): checkpoint has {have!r}, run has {want!r}")
-            elif have != want:
-                raise IdentityMismatch(f"checkpoint {info.path}: {key} identity differs: "
-                                       f"checkpoint has {have!r}, run has {want!r}")
+        check_identities(header, info.path, expect, new_data)
     described = registry(config).describe()
     if header["parameters"] != described:
         for i, (have, want) in enumerate(zip(header["parameters"], described)):

@@ -82,6 +82,26 @@ def parse_rational(text, field: str) -> Fraction:
     return value
 
 
+MODEL_FIELDS = ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")
+
+
+def config_from_identity(model: str, where: str = "checkpoint") -> Config:
+    """The Config whose model identity (SPEC 10) is exactly `model`: a preset
+    when one matches (for its steps and interval). Anything this version does
+    not implement (another norm, a missing field) is refused, naming `where`."""
+    for config in PRESETS.values():
+        if config.identity() == model:
+            return config
+    fields = dict(part.partition("=")[::2] for part in str(model).split("|"))
+    try:
+        config = Config(**{k: int(fields[k]) for k in MODEL_FIELDS})
+    except (KeyError, ValueError, ConfigError):
+        config = None
+    if config is None or config.identity() != model:
+        raise ConfigError(f"{where}: model identity {model!r} is not one this version implements")
+    return config
+
+
 def rational_text(q: Fraction) -> str:
     """The canonical text of an exact rational in an identity: a decimal
     fraction over the smallest power of ten that holds it (95/100, 3/10000),

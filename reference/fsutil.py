@@ -30,6 +30,10 @@ def publish(path, write_body) -> None:
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
                                dir=directory)
     try:
+        # mkstemp creates 0600; a published file gets the ordinary 0666 & ~umask
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             write_body(f)
             f.flush()

@@ -13,8 +13,8 @@ from coppelius import data, sample
 from coppelius.cli import main
 from reference import Hyper, forward, initialize, preset
 from reference.checkpoint import identities, write_checkpoint
-from reference.config import PRESETS, Config
-from reference.errors import CheckpointError, ConfigError
+from reference.config import MODEL_FIELDS, PRESETS, Config, config_from_identity
+from reference.errors import ConfigError
 from reference.params import registry
 from reference.state import State
 
@@ -50,7 +50,7 @@ def last_logits(config, P, ids):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_config_from_identity_recovers_every_preset(name):
     config = PRESETS[name]
-    got = sample.config_from_identity(config.identity())
+    got = config_from_identity(config.identity())
     assert (got.vocab, got.context, got.d_model, got.n_layer, got.n_head, got.d_ff) == (
         config.vocab, config.context, config.d_model, config.n_layer, config.n_head, config.d_ff)
 
@@ -63,8 +63,8 @@ def test_config_from_identity_recovers_every_preset(name):
 def test_config_from_identity_refuses_anything_else(change):
     model = CONFIG.identity().replace(*change)
     assert model != CONFIG.identity()
-    with pytest.raises(CheckpointError, match=r"ck\.bin: model identity"):
-        sample.config_from_identity(model, "ck.bin")
+    with pytest.raises(ConfigError, match=r"ck\.bin: model identity"):
+        config_from_identity(model, "ck.bin")
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def run(tmp_path_factory):
 
 def test_load_parameters_gives_back_what_was_written(run):
     config, P, header = sample.load_parameters(run["ckpt"])
-    assert config == Config(**{f: getattr(BPE, f) for f in sample.MODEL_FIELDS})
+    assert config == Config(**{f: getattr(BPE, f) for f in MODEL_FIELDS})
     assert P.dtype == np.float32 and np.array_equal(P, run["P"])
     assert header["data"] == run["ids"]["data"]
 
