@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import accelerated
+from coppelius import report, sample
 from reference import checkpoint, results
 from reference.binding import load_state
 from reference.config import PRESETS, SEED, Hyper, check_precision, parse_rational, preset
@@ -308,24 +309,16 @@ def main(args) -> int:
               f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}",
               file=sys.stderr)
         return 128 + summary["signal"]
+    k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
     print(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
-          f"({summary['tokens_per_second']:,.0f} tokens/s); mean loss {losses[0]:.4f} -> "
-          f"{losses[-1]:.4f}")
+          f"({summary['tokens_per_second']:,.0f} tokens/s); mean loss {np.mean(losses[:k]):.4f} "
+          f"over the first {k} steps, {np.mean(losses[-k:]):.4f} over the last {k}")
     print(f"checkpoint: {plan.checkpoint}")
     print(f"results:    {summary['results']}")
-    try:
-        from coppelius import report
-
-        png = os.path.splitext(summary["results"])[0] + ".png"
-        report.plot(summary["results"], png)
-        print(f"loss plot:  {png}")
-    except (ImportError, AttributeError):
-        pass
+    png = os.path.splitext(summary["results"])[0] + ".png"
+    report.plot(results.read_results(summary["results"]), png)
+    print(f"loss plot:  {png}")
     if not args.no_sample and plan.tokenizer:
-        try:
-            from coppelius import sample
-        except ImportError:
-            return 0
         text = sample.generate_text(plan.checkpoint, prompt="def ", tokens=80, temperature=0.8,
                                     top_k=40, seed=0, tokenizer=plan.tokenizer)
         print("sample:\n" + text)
