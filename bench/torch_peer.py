@@ -3,11 +3,11 @@ PyTorch, the way a practitioner would, for `coppelius bench` to time the
 project's backends against.
 
 Autograd instead of a hand-written backward, `F.scaled_dot_product_attention`
-(causal) for attention, `torch.optim.AdamW` with PyTorch's default
-implementation choice (foreach on the CPU, fused where PyTorch picks it) or
-the hand-written AdamW of SPEC section 7. Same parameter registry, same
-initial bits, same inputs; `tests/test_bench.py` checks that its loss and
-gradients are the reference's, so the timings compare like with like.
+(causal) for attention, `torch.optim.AdamW` (fused on CUDA, PyTorch's default
+foreach on the CPU) or the hand-written AdamW of SPEC section 7. Eager: no
+torch.compile and no CUDA graph. Same parameter registry, same initial
+bits, same inputs; `tests/test_bench.py` checks that its loss, gradients
+and updates are the reference's, so the timings compare like with like.
 
 Precision: "fp32" everywhere, or "bf16" as `torch.autocast` (CUDA only):
 matrix products in bfloat16 with float32 accumulation, the rest float32 —
@@ -15,6 +15,8 @@ PyTorch's usual mixed precision, close to but not exactly SPEC section 6.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -48,9 +50,10 @@ class TorchPeer:
             raise ValueError("the peer's bf16 is torch.autocast on CUDA; use fp32 on the CPU")
         self.config, self.precision, self.device = config, precision, torch.device(device)
         self.reg = registry(config)
-        self.w = {spec.name: torch.nn.Parameter(
-            torch.from_numpy(np.array(P[spec.slice], dtype=np.float32).reshape(spec.shape)).to(self.device))
-            for spec in self.reg}
+        self.w = {}  # name -> Parameter, the registry's names and shapes
+        for spec in self.reg:
+            value = np.array(P[spec.slice], dtype=np.float32).reshape(spec.shape)
+            self.w[spec.name] = torch.nn.Parameter(torch.from_numpy(value).to(self.device))
         self.cos, self.sin = rope_tables(config.context, config.head_dim, self.device)
         self.hyper = hyper
         self.optimizer = optimizer
@@ -59,9 +62,11 @@ class TorchPeer:
         groups = [{"params": decay, "weight_decay": float(hyper.weight_decay)},
                   {"params": rest, "weight_decay": 0.0}]
         if optimizer == "torch":
+            # fused (one kernel for every tensor) on CUDA, PyTorch's default (foreach) elsewhere
+            fused = True if self.device.type == "cuda" else None
             self.opt = torch.optim.AdamW(groups, lr=float(hyper.lr),
                                          betas=(float(hyper.beta1), float(hyper.beta2)),
-                                         eps=float(hyper.epsilon))
+                                         eps=float(hyper.epsilon), fused=fused)
         elif optimizer == "hand":
             self.m = {n: torch.zeros_like(p) for n, p in self.w.items()}
             self.v = {n: torch.zeros_like(p) for n, p in self.w.items()}
@@ -77,11 +82,11 @@ class TorchPeer:
         H, E, D = c.n_head, c.head_dim, c.d_model
         eps = float(LAYERNORM_EPS)
         cos, sin = self.cos[:T], self.sin[:T]
+        heads = lambda y: y.view(B, T, H, E).transpose(1, 2)  # noqa: E731  (B,T,D) -> (B,H,T,E)
         x = w["tok_embedding.weight"][inputs]  # (B,T,D)
         for l in range(c.n_layer):
             p = f"layers.{l}."
             h = F.layer_norm(x, (D,), w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], eps)
-            heads = lambda y: y.view(B, T, H, E).transpose(1, 2)  # noqa: E731  (B,T,D) -> (B,H,T,E)
             q = rope(heads(F.linear(h, w[p + "attn.q.weight"])), cos, sin)
             k = rope(heads(F.linear(h, w[p + "attn.k.weight"])), cos, sin)
             v = heads(F.linear(h, w[p + "attn.v.weight"]))
@@ -148,19 +153,8 @@ class TorchPeer:
         return torch.cat([self.w[s.name].detach().reshape(-1) for s in self.reg]).cpu().numpy()
 
 
-def flops_per_step(config: Config, batch: int) -> float:
-    """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
-    usual estimate: 2 forward + 4 backward per multiply-add of the weights,
-    and the two attention products)."""
-    N = registry(config).total
-    T, L, D = config.context, config.n_layer, config.d_model
-    return batch * (6.0 * N * T + 6.0 * L * D * T * T)
-
-
 def set_threads() -> int:
     """Use every core of the machine for the CPU peer."""
-    import os
-
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, n))
     return n

@@ -33,6 +33,7 @@ class Timing:
     loss: float  # mean loss of the last timed step (a sanity column, not a check)
     tokens: int  # tokens per step, B * T
     preset: str
+    flops: float  # model FLOP per step (flops_per_step)
 
     @property
     def median(self) -> float:
@@ -48,6 +49,17 @@ def windows(config: Config, batch: int, n: int, seed: int = 20260925) -> np.ndar
     """(n, B, T+1) ids uniform in [0, V): one distinct input per step."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, config.vocab, size=(n, batch, config.context + 1), dtype=np.int64)
+
+
+def flops_per_step(config: Config, batch: int) -> float:
+    """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
+    usual estimate: 2 forward and 4 backward per multiply-add of a weight,
+    plus the two attention products, causal mask not discounted)."""
+    from reference.params import registry
+
+    N = registry(config).total
+    T, L, D = config.context, config.n_layer, config.d_model
+    return batch * (6.0 * N * T + 6.0 * L * D * T * T)
 
 
 def preset_name(config: Config) -> str:
@@ -71,45 +83,69 @@ def backend_device(backend: str) -> str:
     return "cpu"
 
 
-def time_program(backend: str, config: Config, precision: str, batch: int, inputs: np.ndarray,
-                 warmup: int, label: str | None = None) -> Timing:
-    """Capture once, then per step: upload, replay, wait."""
+@dataclass
+class Runner:
+    """One implementation ready to step: `step(tokens (B, T+1)) -> (loss, device seconds)`
+    returns after the step has finished."""
+
+    name: str
+    device: str
+    precision: str
+    config: Config
+    batch: int
+    step: object
+
+
+def program_runner(backend: str, config: Config, precision: str, batch: int,
+                   label: str | None = None) -> Runner:
+    """Capture once from the fresh state; a step is one upload and one replay, waited for."""
     from reference.params import initialize
     from reference.state import State
 
     module = accelerated.backend_module(backend)
     program = module.capture(config, Hyper(), precision, batch, State.fresh(initialize(config)))
-    ms, device_ms, loss = [], [], math.nan
-    for i, tokens in enumerate(inputs):
-        start = time.perf_counter()
+
+    def step(tokens):
         program.upload_input(tokens)
-        loss, device_s = program.replay_timed_and_wait()  # waits: the step's one sync point
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            ms.append(1e3 * elapsed)
-            device_ms.append(1e3 * device_s)
-    return Timing(label or backend, backend_device(backend), precision, ms, device_ms, float(loss),
-                  batch * config.context, preset_name(config))
+        return program.replay_timed_and_wait()  # waits: the step's one sync point
+
+    return Runner(label or backend, backend_device(backend), precision, config, batch, step)
 
 
-def time_peer(config: Config, precision: str, device: str, batch: int, inputs: np.ndarray,
-              warmup: int) -> Timing:
+def peer_runner(config: Config, precision: str, device: str, batch: int) -> Runner:
     import torch
 
     from bench.torch_peer import TorchPeer
     from reference.params import initialize
 
     peer = TorchPeer(config, initialize(config), precision=precision, device=device)
-    ms, loss = [], math.nan
-    for i, tokens in enumerate(inputs):
-        start = time.perf_counter()
+
+    def step(tokens):
         x = torch.from_numpy(tokens).to(device)  # the upload, as a backend's
-        loss = peer.step(x).item()  # .item() waits for the step: the sync point
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            ms.append(1e3 * elapsed)
-    return Timing("torch peer", device, precision, ms, [math.nan] * len(ms), float(loss),
-                  batch * config.context, preset_name(config))
+        return peer.step(x).item(), math.nan  # .item() waits for the step: the sync point
+
+    return Runner("torch peer", device, precision, config, batch, step)
+
+
+def measure(runners: list, inputs: np.ndarray, warmup: int) -> list:
+    """Step every runner through the same inputs, interleaved: step i of each
+    before step i+1 of any, so a change in the machine's load during the run
+    touches every implementation alike. The first `warmup` steps are not timed."""
+    ms = [[] for _ in runners]
+    device_ms = [[] for _ in runners]
+    losses = [math.nan] * len(runners)
+    for i, tokens in enumerate(inputs):
+        for k, runner in enumerate(runners):
+            start = time.perf_counter()
+            loss, device_s = runner.step(tokens)
+            elapsed = time.perf_counter() - start
+            losses[k] = float(loss)
+            if i >= warmup:
+                ms[k].append(1e3 * elapsed)
+                device_ms[k].append(1e3 * device_s)
+    return [Timing(r.name, r.device, r.precision, ms[k], device_ms[k], losses[k],
+                   r.batch * r.config.context, preset_name(r.config), flops_per_step(r.config, r.batch))
+            for k, r in enumerate(runners)]
 
 
 def peer_targets() -> list:
@@ -135,7 +171,7 @@ def peer_for(row: Timing, peers: list):
 
 def format_table(rows: list, peers: list) -> str:
     lines = [f"{'implementation':<22} {'device':<6} {'precision':<9} {'median ms':>10} "
-             f"{'min ms':>9} {'device ms':>9} {'tokens/s':>10}  {'x peer time':>11}  loss"]
+             f"{'min ms':>9} {'device ms':>9} {'tokens/s':>10} {'TFLOP/s':>8}  {'x peer time':>11}  loss"]
     for r in rows:
         peer = peer_for(r, peers)
         ratio = f"{r.median / peer.median:.2f}" if peer is not None and r is not peer else "-"
@@ -143,7 +179,8 @@ def format_table(rows: list, peers: list) -> str:
             ratio += f" ({peer.device} {peer.precision})"
         device = f"{r.device_median:.2f}" if math.isfinite(r.device_median) else "-"
         lines.append(f"{r.name:<22} {r.device:<6} {r.precision:<9} {r.median:>10.2f} "
-                     f"{min(r.ms):>9.2f} {device:>9} {r.tokens / (r.median / 1e3):>10.0f}  "
+                     f"{min(r.ms):>9.2f} {device:>9} {r.tokens / (r.median / 1e3):>10.0f} "
+                     f"{r.flops / (r.median / 1e3) / 1e12:>8.3f}  "
                      f"{ratio:>11}  {r.loss:.4f}")
     return "\n".join(lines)
 
@@ -183,29 +220,27 @@ def run(args) -> int:
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
     inputs = windows(config, args.batch, args.warmup + args.steps)
+    runners = [program_runner("reference", config, "fp32", args.batch)]
+    for name in backends:
+        if name == "reference":
+            continue
+        for precision in args.precision or [default_precision(name)]:
+            runners.append(program_runner(name, config, precision, args.batch))
     threads = None
-    peers = []
     if not args.no_peer:
         targets = peer_targets()
         if targets:
             from bench.torch_peer import set_threads
 
             threads = set_threads()
-        for device, precision in targets:
-            peers.append(time_peer(config, precision, device, args.batch, inputs, args.warmup))
-
-    rows = [time_program("reference", config, "fp32", args.batch, inputs, args.warmup)]
-    for name in backends:
-        if name == "reference":
-            continue
-        for precision in args.precision or [default_precision(name)]:
-            rows.append(time_program(name, config, precision, args.batch, inputs, args.warmup))
-    if args.reference_coppelius:
+        runners += [peer_runner(config, precision, device, args.batch)
+                    for device, precision in targets]
+    rows = measure(runners, inputs, args.warmup)
+    peers = [r for r in rows if r.name == "torch peer"]
+    if args.reference_coppelius:  # seconds per step: timed on its own, after the rest
         big = preset_config("coppelius")
-        n = args.reference_coppelius
-        rows.append(time_program("reference", big, "fp32", 1, windows(big, 1, n + 1), 1,
-                                 label="reference (coppelius)"))
-    rows += peers
+        runner = program_runner("reference", big, "fp32", 1, label="reference (coppelius)")
+        rows += measure([runner], windows(big, 1, 1 + args.reference_coppelius), warmup=1)
 
     print(f"coppelius bench: preset {args.preset}, B={args.batch}, T={config.context}, "
           f"{args.steps} timed steps after {args.warmup} warmup"

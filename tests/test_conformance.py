@@ -183,6 +183,33 @@ def test_a_nan_logit_fails_logits_and_points_at_it():
     assert math.isnan(row.error) and row.worst == (0, 1, 2)
 
 
+def test_update_diagnosis_tells_an_amplified_gradient_from_a_wrong_update():
+    from reference.adamw import adamw_update
+
+    state = cases.fresh_state(TEST)
+    G = reference.step(TEST, state.copy(), cases.random_windows(TEST, 1, 1)[0], grads=True).grads
+    spec = registry(TEST).by_name["layers.0.attn.q.weight"]
+    G_ref, G_backend = G.copy(), G.copy()
+    G_ref[spec.offset + 5], G_backend[spec.offset + 5] = 1e-9, 3e-9  # both far below epsilon
+
+    def update(G, hyper=Hyper()):
+        return State(*adamw_update(state.P, state.M, state.V, G, registry(TEST).decay_mask(),
+                                   hyper, 1), t=1)
+
+    want = update(G_ref)
+    # a gradient difference of 2e-9 (error ~1e-7 of that gradient) moves P by ~4e-5
+    got = update(G_backend)
+    bad = [r for r in suite.state_rows(TEST, got, want, "fp32") if not r.passed]
+    assert [(r.check, r.tensor) for r in bad] == [("P", spec.name)]
+    notes = suite.update_diagnosis(TEST, Hyper(), "fp32", state, G_backend, got, bad)
+    assert len(notes) == 1 and "enters through the gradient" in notes[0]
+    # the same gradient with weight decay skipped: the update itself is wrong
+    got = update(G_backend, Hyper(weight_decay=0))
+    bad = [r for r in suite.state_rows(TEST, got, want, "fp32") if not r.passed]
+    notes = suite.update_diagnosis(TEST, Hyper(), "fp32", state, G_backend, got, bad)
+    assert notes and all("the update is wrong" in n for n in notes)
+
+
 # ------------------------------------------------------------------ random cases
 
 _, case_strategy = cases.strategies()
@@ -222,6 +249,7 @@ def test_hypothesis_runner_shrinks_a_failure_to_a_named_tensor():
     assert not report.passed
     assert ("gradient", "final_norm.weight") in failing(report)
     assert report.notes and "minimal failing case" in report.notes[0]
+    assert report.batch >= 1
 
 
 # ------------------------------------------------------------------ inputs from a stream
@@ -297,6 +325,17 @@ def test_cli_refuses_bad_options_in_one_line(capsys):
     assert status == 2 and err.count("\n") == 1 and "--steps=1" in err
     status, _, err = cli(["conformance", "--backend", "reference", "--checkpoint", "x.ckpt"], capsys)
     assert status == 2 and "--stream" in err
+
+
+def test_cli_takes_its_inputs_from_a_stream(tmp_path, capsys):
+    ids = np.random.default_rng(2).integers(0, TEST.vocab, size=TEST.context * 5 + 1)
+    write_stream(tmp_path / "s.tokens", ids, 0, 0)
+    argv = ["conformance", "--backend", "reference", "--precision", "fp32", "--stream",
+            str(tmp_path / "s.tokens"), "--context", "1"]
+    status, out, _ = cli(argv + ["--steps", "4"], capsys)  # contexts 1..4 of 5
+    assert status == 0 and f"stream {tmp_path / 's.tokens'}, contexts from 1" in out
+    status, _, err = cli(argv + ["--steps", "5"], capsys)  # contexts 1..5: one too many
+    assert status == 2 and "s.tokens" in err and err.count("\n") == 1
 
 
 def write_run(tmp_path, batch=1, steps_done=3):
