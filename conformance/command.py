@@ -22,7 +22,7 @@ import argparse
 import os
 
 import accelerated
-from reference.config import Config, Hyper, PRECISIONS, preset as preset_config
+from reference.config import PRECISIONS, Hyper, config_from_identity, preset as preset_config
 from reference.errors import CheckpointError, ConfigError, RunError
 
 from . import cases
@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"backend to check ({', '.join(accelerated.BACKENDS)}); repeatable; "
                              "default: every available one except the reference")
-    parser.add_argument("--preset", default="test", help="model preset (default: test)")
+    parser.add_argument("--preset", default="test",
+                        help="model preset: test (default), tiny or coppelius")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="precision policy; repeatable (default: fp32 and bf16)")
     parser.add_argument("--batch", type=int, default=None, metavar="B",
@@ -127,22 +128,6 @@ def _fields(identity: str, key: str, path) -> dict:
     return dict(part.split("=", 1) for part in identity.split("|") if "=" in part)
 
 
-def config_from_model(model: str, path) -> Config:
-    """The checkpoint's `model` identity -> Config; it must name the model
-    this project defines (layernorm, eps, rope base, tied)."""
-    f = _fields(model, "model", path)
-    try:
-        config = Config(**{k: int(f[k]) for k in
-                           ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")})
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: model identity {model!r} lacks or garbles "
-                              f"field {e}") from None
-    if config.identity() != model:
-        raise CheckpointError(f"checkpoint {path}: model identity {model!r} is not this "
-                              f"project's model ({config.identity()!r})")
-    return config
-
-
 def hyper_from_learner(learner: str, path) -> tuple:
     """The checkpoint's `learner` identity -> (Hyper, precision)."""
     f = _fields(learner, "learner", path)
@@ -151,29 +136,29 @@ def hyper_from_learner(learner: str, path) -> tuple:
         precision = f["precision"]
     except KeyError as e:
         raise CheckpointError(f"checkpoint {path}: learner identity lacks field {e}") from None
-    if precision not in PRECISIONS:
-        raise CheckpointError(f"checkpoint {path}: learner precision {precision!r} is unknown")
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path}: learner identity: {e}") from None
+    if precision not in PRECISIONS or hyper.identity(precision) != learner:
+        raise CheckpointError(f"checkpoint {path}: learner identity {learner!r} is not one "
+                              f"this version writes")
     return hyper, precision
 
 
 def load_checkpoint(path) -> tuple:
     """-> (config, hyper, precision, batch, state, header) of a checkpoint file."""
     from reference import checkpoint
+    from reference.binding import load_state
 
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path}: no such checkpoint (missing or empty)")
     header = checkpoint.validate(path).header
-    config = config_from_model(header.get("model"), path)
+    config = config_from_identity(header.get("model"), where=f"checkpoint {path}")
     hyper, precision = hyper_from_learner(header.get("learner"), path)
     try:
         batch = int(_fields(header.get("data"), "data", path)["batch"])
     except (KeyError, ValueError):
         raise CheckpointError(f"checkpoint {path}: data identity has no batch") from None
-    try:  # the binding layer binds every parameter by name (SPEC 12)
-        from reference.binding import load_state as load
-    except ImportError:
-        load = checkpoint.read_checkpoint
-    state = load(path, config).state
+    state = load_state(path, config).state  # every parameter bound by name (SPEC 12)
     return config, hyper, precision, batch, state, header
 
 

@@ -70,7 +70,7 @@ class Report:
     backend: str
     preset: str
     precision: str
-    batch: int
+    batch: int | str  # B, or the range of B the random cases drew
     inputs: str  # where the tokens came from
     rows: list = field(default_factory=list)
     notes: list = field(default_factory=list)
@@ -341,7 +341,8 @@ def run_hypothesis(backend, examples: int, precision: str = "fp32", seed: int | 
 
     if seed is not None:
         one = hseed(seed)(one)
-    report = Report(name, "hypothesis", precision, 0, f"{examples} random small cases")
+    report = Report(name, "random small configs", precision, "1-2",
+                    f"{examples} hypothesis cases, seed {seed}")
     try:
         one()
     except AssertionError:
