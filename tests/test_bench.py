@@ -90,7 +90,7 @@ def test_table_ratios_compare_with_the_matching_peer():
 def test_bench_command_prints_a_table(capsys):
     from coppelius.cli import main
 
-    assert main(["bench", "--preset", "test", "--steps", "2", "--warmup", "1"]) == 0
+    assert main(["bench", "--preset", "test", "--steps", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("coppelius bench: preset test, B=1, T=16, 2 timed steps")
     assert out[1].split()[:3] == ["implementation", "device", "precision"]
