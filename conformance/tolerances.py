@@ -21,8 +21,15 @@ How the numbers were chosen:
   different order can round an intermediate to a neighbouring bfloat16
   value, so one step may differ by a few roundoffs: 1e-2 on forward and
   update, 3e-2 on gradients and the trajectory, which accumulate more
-  roundings. A real bug still lands far above these (a dropped operand
-  rounding is invisible here by design, but a wrong operand is not).
+  roundings. A wrong formula still lands far above these; a backend that
+  skips one operand's rounding differs by about one roundoff and passes
+  (the bf16 tolerances cannot see that, and are not meant to).
+- P after the first update from zero moments is lr * g / (|g| + epsilon),
+  close to lr * sign(g): where |g| is within a few epsilon of zero, a
+  gradient difference far inside the gradient tolerance moves that element
+  by up to lr. On `tiny` (1M parameters) a correct fp32 backend can meet
+  such an element; the suite then says whether the backend's update matches
+  the reference AdamW of its own gradient (suite.update_diagnosis).
 - Exact resume is bitwise (tolerance 0): the same backend and policy must
   give the same bits whether or not the run was split (SPEC section 9).
 """
