@@ -22,7 +22,8 @@ import argparse
 import os
 
 import accelerated
-from reference.config import PRECISIONS, Hyper, config_from_identity, preset as preset_config
+from reference.config import PRECISIONS, Hyper, config_from_identity
+from reference.config import preset as preset_config
 from reference.errors import CheckpointError, ConfigError, RunError
 
 from . import cases

@@ -24,7 +24,8 @@ import numpy as np
 
 import accelerated
 import reference  # the definition: reference.step, reference.forward
-from reference.config import Config, Hyper, check_precision, preset as preset_config
+from reference.config import Config, Hyper, check_precision
+from reference.config import preset as preset_config
 from reference.params import registry
 from reference.state import State
 
@@ -315,7 +316,8 @@ def run_hypothesis(backend, examples: int, precision: str = "fp32", seed: int | 
 
     Passing: one row per check with the worst error over all examples.
     Failing: hypothesis shrinks to a minimal example, whose rows are kept."""
-    from hypothesis import HealthCheck, Verbosity, given, settings, seed as hseed
+    from hypothesis import HealthCheck, Verbosity, given, settings
+    from hypothesis import seed as hseed
 
     check_precision(precision)
     name, module = _backend(backend)

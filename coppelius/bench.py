@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import accelerated
-from reference.config import PRECISIONS, Config, Hyper, preset as preset_config
+from reference.config import PRECISIONS, Config, Hyper
+from reference.config import preset as preset_config
 from reference.errors import ConfigError
 
 

@@ -4,13 +4,12 @@ compare nothing. No test here asserts a time."""
 
 import math
 
-import numpy as np
 import pytest
 
 import reference
-from coppelius import bench
 from conformance import cases
 from conformance.tolerances import relative_error, tolerance
+from coppelius import bench
 from reference.params import registry
 
 TEST = reference.preset("test")
