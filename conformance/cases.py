@@ -65,7 +65,10 @@ def strategies():
     @st.composite
     def configs(draw):
         H = draw(st.integers(1, 3))
-        E = 2 * draw(st.integers(1, 4))  # head dim, even for the rope pairs
+        # head dim, even for the rope pairs; d_model >= 8, because with fewer
+        # features layernorm's gradient is nearly all cancellation and any two
+        # float32 implementations differ by ~1e-4 from each other
+        E = draw(st.sampled_from([4, 6, 8]) if H > 1 else st.just(8))
         return Config(vocab=draw(st.integers(2, 40)), context=draw(st.integers(1, 9)),
                       d_model=H * E, n_layer=draw(st.integers(1, 2)), n_head=H,
                       d_ff=draw(st.integers(1, 20)))
