@@ -41,7 +41,8 @@ def run_cli(*argv):
 
 
 def train_args(stream, run_dir, ckpt, *extra):
-    return ["train", "--preset", "test", "--backend", "reference", "--stream", stream,
+    backend = [] if "--backend" in extra else ["--backend", "reference"]
+    return ["train", "--preset", "test", *backend, "--stream", stream,
             "--run-dir", str(run_dir), "--checkpoint", str(ckpt), "--no-sample", *extra]
 
 
@@ -54,15 +55,17 @@ def step_records(*paths):
     return out
 
 
-def test_resume_is_exact_across_processes(tmp_path, stream):
+@pytest.mark.parametrize("backend", ["reference", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_resume_is_exact_across_processes(tmp_path, stream, backend):
     a, b = tmp_path / "a", tmp_path / "b"
+    on = ["--backend", backend]
     # S1 + S2 = 3 + 2 steps in two processes ...
-    rc, out, err = run_cli(*train_args(stream, a, a / "ck.bin", "--steps", "3", "--interval", "2"))
+    rc, out, err = run_cli(*train_args(stream, a, a / "ck.bin", "--steps", "3", "--interval", "2", *on))
     assert rc == 0, err
-    rc, out, err = run_cli(*train_args(stream, a, a / "ck.bin", "--steps", "2"))
+    rc, out, err = run_cli(*train_args(stream, a, a / "ck.bin", "--steps", "2", *on))
     assert rc == 0, err
     # ... against 5 steps in one
-    rc, out, err = run_cli(*train_args(stream, b, b / "ck.bin", "--steps", "5"))
+    rc, out, err = run_cli(*train_args(stream, b, b / "ck.bin", "--steps", "5", *on))
     assert rc == 0, err
     assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
     two = step_records(a / "results-0.bin", a / "results-3.bin")
