@@ -1,0 +1,201 @@
+"""A 20-step training trajectory of the `test` preset under each policy, and
+the reference's training program (SPEC section 13) replaying it.
+
+fixtures/trajectory_test.json keeps the 20 mean losses of each policy, to
+catch any change of the numbers. They are compared within 1e-6 relative,
+not bit for bit: the matrix products go through the machine's BLAS, whose
+float32 summation order depends on the CPU (kernel choice, blocking,
+threads), so another machine legitimately differs in the last bits, and
+20 steps of AdamW amplify that a little. 1e-6 is ~16 float32 ulps of the
+loss; a real change of the semantics moves the losses by far more.
+Regenerate (only when the semantics change on purpose) with
+    COPPELIUS_REGEN_FIXTURES=1 python -m pytest tests/test_trajectory.py
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import reference
+from reference.config import Hyper
+from reference.errors import CoppeliusError
+from reference.program import ReplayError, capture
+
+CONFIG = reference.preset("test")
+STEPS, BATCH, SEED = 20, 2, 20260925
+REL_TOL = 1e-6
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "fixtures", "trajectory_test.json")
+
+
+def fixed_tokens():
+    """One fixed (B, T+1) batch, trained on at every step: the losses must fall."""
+    return np.random.default_rng(SEED).integers(0, CONFIG.vocab, (BATCH, CONFIG.context + 1))
+
+
+def trajectory(policy):
+    state = reference.State.fresh(reference.initialize(CONFIG))
+    tokens = fixed_tokens()
+    losses = []
+    for _ in range(STEPS):
+        result = reference.step(CONFIG, state, tokens, policy)
+        losses.append(result.loss)
+        state = result.state
+    return np.array(losses, dtype=np.float32), state
+
+
+def test_regenerate_trajectory_fixture():
+    """Writes fixtures/trajectory_test.json when COPPELIUS_REGEN_FIXTURES=1."""
+    if os.environ.get("COPPELIUS_REGEN_FIXTURES") != "1":
+        pytest.skip("set COPPELIUS_REGEN_FIXTURES=1 to rewrite fixtures/trajectory_test.json")
+    doc = {"preset": "test", "steps": STEPS, "batch": BATCH,
+           "tokens": f"np.random.default_rng({SEED}).integers(0, vocab, (batch, context + 1)), every step",
+           "losses": {policy: [repr(float(x)) for x in trajectory(policy)[0]] for policy in ("fp32", "bf16")}}
+    with open(FIXTURE, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_losses_fall_and_match_the_fixture(policy, fixture):
+    losses, state = trajectory(policy)
+    assert state.t == STEPS
+    assert np.isfinite(losses).all()
+    # a fixed batch is memorized: the loss falls well below its start (~ln 64)
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert (np.diff(losses) < 0).sum() >= STEPS - 3, losses  # and almost every step goes down
+    want = np.array([float(x) for x in fixture["losses"][policy]], dtype=np.float32)
+    assert fixture["steps"] == STEPS and fixture["batch"] == BATCH
+    err = np.abs(losses.astype(np.float64) - want) / want
+    i = int(np.argmax(err))
+    assert err[i] <= REL_TOL, f"{policy}: step {i + 1} loss {losses[i]!r}, fixture {want[i]!r}"
+
+
+def test_policies_give_different_trajectories(fixture):
+    fp32 = np.array([float(x) for x in fixture["losses"]["fp32"]])
+    bf16 = np.array([float(x) for x in fixture["losses"]["bf16"]])
+    rel = np.abs(fp32 - bf16) / fp32
+    assert rel.max() > 10 * REL_TOL  # the policy acts, far beyond the fixture's tolerance
+    assert rel.max() < 1e-3  # and bf16 still trains the same model
+
+
+# ---------------------------------------------------------------- the training program
+def batches(n):
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, CONFIG.vocab, (BATCH, CONFIG.context + 1)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_replay_equals_the_reference_step(policy):
+    state = reference.State.fresh(reference.initialize(CONFIG))
+    program = capture(CONFIG, Hyper(), policy, BATCH, state)
+    assert (program.backend, program.config, program.precision, program.batch) == (
+        "reference", CONFIG, policy, BATCH)
+    # capture performs no training update
+    s0 = program.state()
+    assert s0.t == 0 and np.array_equal(s0.P, state.P) and not s0.M.any() and not s0.V.any()
+    for tokens in batches(3):
+        want = reference.step(CONFIG, state, tokens, policy, Hyper(), grads=True)
+        program.upload_input(tokens)
+        loss = program.replay_and_wait()
+        assert isinstance(loss, float) and loss == float(want.loss)
+        np.testing.assert_array_equal(program.row_losses(), want.row_losses)
+        np.testing.assert_array_equal(program.gradients(), want.grads)
+        got = program.state()
+        for name in "PMV":
+            np.testing.assert_array_equal(getattr(got, name), getattr(want.state, name), err_msg=name)
+        assert got.t == want.state.t
+        state = want.state
+    np.testing.assert_array_equal(program.logits(batches(1)[0][:, :-1]),
+                                  reference.forward(CONFIG, state.P, batches(1)[0][:, :-1], policy))
+    assert program.state().t == 3
+
+
+def test_replay_event_and_timed_replay():
+    state = reference.State.fresh(reference.initialize(CONFIG))
+    program = capture(CONFIG, Hyper(), "fp32", BATCH, state)
+    tokens = batches(2)
+    program.upload_input(tokens[0])
+    program.replay().wait()
+    program.upload_input(tokens[1])
+    loss, seconds = program.replay_timed_and_wait()
+    want = reference.step(CONFIG, reference.step(CONFIG, state, tokens[0]).state, tokens[1])
+    assert loss == float(want.loss) and program.state().t == 2
+    assert np.isnan(seconds) or seconds >= 0
+
+
+def test_program_owns_its_buffers():
+    state = reference.State.fresh(reference.initialize(CONFIG))
+    program = capture(CONFIG, Hyper(), "fp32", BATCH, state)
+    P0 = state.P.copy()
+    state.P[:] = 0.0  # the caller's arrays are not the program's
+    assert np.array_equal(program.state().P, P0)
+    program.state().P[:] = 1.0  # nor is the host copy it hands out
+    assert np.array_equal(program.state().P, P0)
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((BATCH, CONFIG.context), np.int64),  # (B, T): the target column is missing
+    np.zeros((BATCH + 1, CONFIG.context + 1), np.int64),  # another batch
+    np.zeros((CONFIG.context + 1,), np.int64),  # no batch axis
+    np.zeros((BATCH, CONFIG.context + 1), np.float32),  # not ids
+    np.full((BATCH, CONFIG.context + 1), CONFIG.vocab, np.int64),  # outside [0, V)
+    np.full((BATCH, CONFIG.context + 1), -1, np.int64),
+], ids=["BxT", "other-batch", "1-d", "float", "id-V", "id-negative"])
+def test_upload_of_a_wrong_input_is_refused(bad):
+    state = reference.State.fresh(reference.initialize(CONFIG))
+    program = capture(CONFIG, Hyper(), "fp32", BATCH, state)
+    program.upload_input(batches(1)[0])
+    with pytest.raises(ReplayError) as info:
+        program.upload_input(bad)
+    assert isinstance(info.value, CoppeliusError) and info.value.exit_status == 2
+    assert "\n" not in str(info.value)
+    # the refused upload changed nothing: the earlier input still replays
+    program.replay_and_wait()
+    assert program.state().t == 1
+
+
+def test_replay_before_upload_and_reads_before_replay_are_refused():
+    program = capture(CONFIG, Hyper(), "fp32", BATCH, reference.State.fresh(reference.initialize(CONFIG)))
+    for read in (program.replay, program.row_losses, program.gradients):
+        with pytest.raises(ReplayError):
+            read()
+
+
+def test_capture_refuses_a_state_of_another_shape_or_dtype():
+    P = reference.initialize(CONFIG)
+    with pytest.raises(ReplayError):
+        capture(CONFIG, Hyper(), "fp32", BATCH, reference.State.fresh(P[:-1]))
+    with pytest.raises(ReplayError):
+        capture(CONFIG, Hyper(), "fp32", BATCH, reference.State.fresh(P.astype(np.float64)))
+    with pytest.raises(CoppeliusError):
+        capture(CONFIG, Hyper(), "fp16", BATCH, reference.State.fresh(P))
+
+
+def test_compilation_report_lists_the_eleven_stages_in_order():
+    program = capture(CONFIG, Hyper(), "bf16", BATCH, reference.State.fresh(reference.initialize(CONFIG)))
+    program.upload_input(batches(1)[0])
+    program.replay_and_wait()
+    report = program.compilation_report()
+    assert report["schema"] == "coppelius.training_compilation.v1"
+    assert report["backend"] == "reference" and report["replays"] == 1
+    # SPEC 13, written out
+    assert [row["stage"] for row in report["stages"]] == [
+        "semantic_validation", "replay_safety", "decomposition", "fusion", "placement", "precision",
+        "kernel_selection", "lowering_validation", "memory_planning", "synchronization_planning",
+        "command_recording"]
+    for row in report["stages"]:
+        assert row["state"] in {"not_run", "inherited", "analyzed", "applied", "failed"}, row
+        assert isinstance(row["inputs"], int) and isinstance(row["outputs"], int), row
+    for key in ("kernels", "graph_nodes", "device_bytes"):
+        assert isinstance(report[key], int) and report[key] >= 0, key
+    json.dumps(report)  # a JSON document
+    json.dumps(program.diagnostics())
