@@ -20,6 +20,22 @@ from .config import Hyper
 f32 = np.float32
 
 
+def float32_of(q) -> np.float32:
+    """The float32 nearest to the exact rational q, ties to even, rounded
+    once. (float32(float(q)) rounds twice and can land on the wrong side of a
+    float32 halfway point.) The float64 detour is within one float32 ulp, so
+    the answer is it or a neighbour; compare the three exactly."""
+    q = Fraction(q)
+    x = f32(float(q))
+    candidates = [np.nextafter(x, f32(-np.inf)), x, np.nextafter(x, f32(np.inf))]
+
+    def key(c):
+        distance = abs(Fraction(float(c)) - q) if np.isfinite(c) else Fraction(2) ** 200
+        return distance, int(np.array(c, dtype=f32).view(np.uint32)) & 1  # ties: even mantissa
+
+    return min(candidates, key=key)
+
+
 @dataclass(frozen=True)
 class AdamWConstants:
     b1: np.float32
@@ -32,7 +48,7 @@ class AdamWConstants:
 
     @classmethod
     def of(cls, hyper: Hyper) -> "AdamWConstants":
-        r = lambda q: f32(float(Fraction(q)))  # noqa: E731  exact rational -> nearest float32
+        r = float32_of
         return cls(b1=r(hyper.beta1), omb1=r(1 - hyper.beta1), b2=r(hyper.beta2),
                    omb2=r(1 - hyper.beta2), lr=r(hyper.lr), lrwd=r(hyper.lr * hyper.weight_decay),
                    eps=r(hyper.epsilon))
