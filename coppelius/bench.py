@@ -191,7 +191,7 @@ def format_table(rows: list, peers: list) -> str:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="time a training step on every backend and the PyTorch peer",
-        description="Median ms per training step of the reference (fp32), each available "
+        description="Median ms per training step of the reference, each available "
                     "backend and the PyTorch peer, in one run, with ratios to the peer.")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--backend", action="append", metavar="NAME",
@@ -221,7 +221,8 @@ def run(args) -> int:
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
     inputs = windows(config, args.batch, args.warmup + args.steps)
-    runners = [program_runner("reference", config, "fp32", args.batch)]
+    runners = [program_runner("reference", config, precision, args.batch)
+               for precision in args.precision or ["fp32"]]
     for name in backends:
         if name == "reference":
             continue
