@@ -296,12 +296,15 @@ def _final_record(writer, program, config, last_tokens):
 
 
 def main(args) -> int:
+    t0 = time.perf_counter()
     plan = make_plan(args)
+    prepared = time.perf_counter() - t0
     K = plan.stream.n_contexts(plan.config.context)
     print(f"coppelius train: preset {_preset_name(plan.config)}, backend {plan.backend}, "
           f"precision {plan.precision}, batch {plan.batch}, steps {plan.state.t}.."
           f"{plan.state.t + plan.steps}, stream {plan.stream.path} ({K} contexts"
-          f"{', repeated' if plan.repeat else ''})", file=sys.stderr)
+          f"{', repeated' if plan.repeat else ''}); data and state ready in {prepared:.1f} s",
+          file=sys.stderr)
     summary = train(plan)
     losses = summary["losses"]
     if summary["signal"] is not None:
@@ -319,9 +322,10 @@ def main(args) -> int:
     report.plot(results.read_results(summary["results"]), png)
     print(f"loss plot:  {png}")
     if not args.no_sample and plan.tokenizer:
+        t1 = time.perf_counter()
         text = sample.generate_text(plan.checkpoint, prompt="def ", tokens=80, temperature=0.8,
                                     top_k=40, seed=0, tokenizer=plan.tokenizer)
-        print("sample:\n" + text)
+        print(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text)
     return 0
 
 
