@@ -499,3 +499,37 @@ def _report(program: MLXProgram) -> dict:
         device_bytes=4 * 4 * N + 4 * B * (T + 1),  # P, M, V, G and the input slot
         replays=program.replays, precision=program.precision, batch=B, captured=on,
         traces=program.traces, fused_kernels=fused if on else 0, notes=notes)
+
+
+# ---------------------------------------------------------------- binding
+
+class MLXBindingBackend:
+    """The binding layer's backend protocol (reference/binding.py,
+    NumpyBackend) on MLX arrays: checkpoint leases become device arrays, and
+    recipes (slice, concat, transpose, cast) run on the device. `alias`
+    returns the very same array: the tied unembedding shares its storage."""
+
+    name = "mlx"
+    DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+    def from_host(self, array: np.ndarray, dtype: str):
+        host = np.ascontiguousarray(array)
+        if host.dtype != np.float32:  # bfloat16 leases: widen exactly on the host
+            host = host.astype(np.float32)
+        return mx.array(host).astype(self.DTYPES[dtype])
+
+    def slice(self, x, axis: int, start: int, stop: int):
+        index = (slice(None),) * axis + (slice(start, stop),)
+        return x[index]
+
+    def concat(self, xs, axis: int):
+        return mx.concatenate(list(xs), axis=axis)
+
+    def transpose(self, x):
+        return mx.transpose(x)
+
+    def cast(self, x, dtype: str):
+        return x.astype(self.DTYPES[dtype])  # float32 -> bfloat16 rounds to nearest even
+
+    def alias(self, x):
+        return x
