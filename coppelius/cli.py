@@ -45,6 +45,10 @@ def main(argv=None) -> int:
     except CoppeliusError as e:
         print(f"coppelius {args.command}: error: {e}", file=sys.stderr)
         return e.exit_status
+    except OSError as e:  # a file-system failure nothing more specific caught
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"coppelius {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"coppelius {args.command}: interrupted", file=sys.stderr)
         return 130

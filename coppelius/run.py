@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import tempfile
 import sys
 import time
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ import numpy as np
 
 import accelerated
 from coppelius import report, sample
-from reference import checkpoint, results
+from reference import checkpoint, fsutil, results
 from reference.binding import load_state
-from reference.config import PRESETS, SEED, Hyper, check_precision, parse_rational, preset
-from reference.errors import NonFiniteError, RunError
+from reference.config import (PRESETS, SEED, Hyper, check_precision, parse_rational, preset,
+                              rational_text)
+from reference.errors import NonFiniteError, ResultFileError, RunError
 from reference.params import initialize, registry
 from reference.state import State
 from reference.stream import open_stream
@@ -54,8 +56,9 @@ def register(sub) -> None:
     hyper = Hyper()
     for name in ("lr", "beta1", "beta2", "weight_decay", "epsilon"):
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
-                       default=str(getattr(hyper, name)),
-                       help=f"AdamW {name}, an exact rational or decimal (default {getattr(hyper, name)})")
+                       default=rational_text(getattr(hyper, name)),
+                       help=f"AdamW {name}, an exact rational or decimal "
+                            f"(default {rational_text(getattr(hyper, name))})")
     p.add_argument("--seed", type=int, default=SEED, help=f"initialization seed (default {SEED})")
     p.add_argument("--repeat-data", action="store_true",
                    help="read context c as c mod K when the stream is too short")
@@ -107,9 +110,14 @@ def make_plan(args) -> Plan:
     batch = _positive(args.batch, "batch")
     steps = _positive(args.steps, "steps") or config.steps
     interval = _positive(args.interval, "interval") or config.interval
+    if not 0 <= args.seed < 2**64:
+        raise RunError(f"--seed={args.seed}: must be in [0, 2^64)")
     run_dir = args.run_dir or os.path.join("runs", name)
-    os.makedirs(run_dir, exist_ok=True)
     ckpt = args.checkpoint or os.path.join(run_dir, "checkpoint.bin")
+    if args.results and os.path.abspath(args.results) == os.path.abspath(ckpt):
+        raise RunError(f"--results {args.results}: is the checkpoint path too")
+    if args.results and os.path.exists(args.results):
+        raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
 
     stream_path, tokenizer = data.prepare_stream(
         source=args.source, stream=args.stream, vocab=config.vocab,
@@ -124,6 +132,10 @@ def make_plan(args) -> Plan:
 
     default_data = args.source is None and args.stream is None
     repeat = args.repeat_data
+    # outputs: found unwritable now, not after the first interval of training
+    for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                      os.path.dirname(os.path.abspath(args.results or ckpt))}:
+        writable_directory(directory)
     K = stream.n_contexts(config.context)
     need = c0 + steps * batch
     if K == 0:
@@ -139,6 +151,37 @@ def make_plan(args) -> Plan:
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data)
+
+
+def writable_directory(directory) -> None:
+    """Create `directory` if needed and prove a file can be published in it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".coppelius-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise RunError(f"{directory}: cannot write there ({e.strerror or e})") from None
+
+
+def publish_tokenizer(tokenizer, checkpoint_path) -> None:
+    """Keep the stream's tokenizer.json beside the checkpoint (where `coppelius
+    sample` looks first), unless an identical one is there already."""
+    if not tokenizer:
+        return
+    target = os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), "tokenizer.json")
+    if os.path.abspath(tokenizer) == target:
+        return
+    with open(tokenizer, "rb") as f:
+        body = f.read()
+    if os.path.exists(target):
+        with open(target, "rb") as f:
+            if f.read() == body:
+                return
+    try:
+        fsutil.publish(target, lambda f: f.write(body))
+    except OSError as e:
+        raise RunError(f"{target}: cannot publish the tokenizer ({e.strerror or e})") from None
 
 
 def load_checkpoint(path, config, identities, new_data):
@@ -225,6 +268,7 @@ def train(plan: Plan, quiet=False) -> dict:
     results_path = plan.results or results.default_results_path(plan.run_dir, first_step)
     header = results.result_header(config, plan.identities, first_step, plan.steps, B,
                                    plan.backend, plan.repeat)
+    publish_tokenizer(plan.tokenizer, plan.checkpoint)
     writer = results.ResultWriter(results_path, header)  # refuses an existing path
     module = accelerated.backend_module(plan.backend)
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state)
@@ -250,8 +294,14 @@ def train(plan: Plan, quiet=False) -> dict:
                 row_losses = program.row_losses()  # host copy: the result file needs it
                 host_s = time.perf_counter() - t0
                 step_no = first_step + s
-                writer.step(step_no, row_losses)
-                writer.timing(step_no, host_s, device_s)
+                try:
+                    writer.step(step_no, row_losses)
+                    writer.timing(step_no, host_s, device_s)
+                except ResultFileError:
+                    # the telemetry is lost (a full disk, say); the training is not
+                    if np.isfinite(row_losses).all():
+                        publish(plan, program.state(), c0 + (s + 1) * B)
+                    raise
                 if not np.isfinite(row_losses).all():
                     raise NonFiniteError(f"step {step_no}: non-finite row loss; "
                                          f"{plan.checkpoint} is left as it was")
@@ -260,9 +310,10 @@ def train(plan: Plan, quiet=False) -> dict:
                 if progress:
                     progress.update(s, loss)
                 last = done == plan.steps
-                if last or done % plan.interval == 0 or stopper.signum is not None:
+                stop = stopper.signum is not None  # read once: a signal may land any time
+                if last or done % plan.interval == 0 or stop:
                     publish(plan, program.state(), c0 + done * B)
-                if stopper.signum is not None and not last:
+                if stop and not last:
                     break
             if done == plan.steps:
                 _final_record(writer, program, config, batch_at(plan.steps - 1))

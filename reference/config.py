@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
+
 from .errors import ConfigError
 
 LAYERNORM_EPS = Fraction(1, 100000)
@@ -122,6 +124,18 @@ def rational_text(q: Fraction) -> str:
     return f"{q.numerator * scale // q.denominator}/{scale}"
 
 
+def _as_float32(q: Fraction) -> np.float32:
+    try:
+        return np.float32(float(q)) if abs(q) < 2**128 else np.float32(np.inf)
+    except OverflowError:
+        return np.float32(np.inf)
+
+
+def _show(q: Fraction) -> str:
+    text = rational_text(q)
+    return text if len(text) <= 64 else f"{float(q):.6g}" if abs(q) < 2**1000 else "(huge)"
+
+
 @dataclass(frozen=True)
 class Hyper:
     """AdamW hyperparameters, exact rationals (SPEC section 7)."""
@@ -146,6 +160,25 @@ class Hyper:
             raise ConfigError(f"weight_decay={self.weight_decay}: must be >= 0")
         if self.epsilon <= 0:
             raise ConfigError(f"epsilon={self.epsilon}: must be positive")
+        # Each coefficient enters float32 arithmetic (SPEC 7): it must be a
+        # finite float32, and the ones the update divides or scales by must
+        # not round to zero (or to one, for the betas: then c = 1 - beta^t = 0).
+        coefficients = {
+            "lr": (self.lr, True), "epsilon": (self.epsilon, True),
+            "beta1": (self.beta1, False), "beta2": (self.beta2, False),
+            "1 - beta1": (1 - self.beta1, True), "1 - beta2": (1 - self.beta2, True),
+            "lr * weight_decay": (self.lr * self.weight_decay, False),
+        }
+        for name, (q, nonzero) in coefficients.items():
+            x = _as_float32(q)
+            if not np.isfinite(x):
+                raise ConfigError(f"{name}={_show(q)}: does not fit in float32")
+            if nonzero and x == 0:
+                raise ConfigError(f"{name}={_show(q)}: rounds to zero in float32")
+        for name in ("beta1", "beta2"):
+            if float(getattr(self, name)) >= 1.0:
+                raise ConfigError(f"{name}={_show(getattr(self, name))}: rounds to 1 in float64, "
+                                  f"so the bias correction 1 - {name}^t would be 0")
 
     def identity(self, precision: str) -> str:
         """The learner identity of SPEC section 10."""

@@ -99,7 +99,9 @@ class ResultWriter:
         self.B, self.T, self.V = header["batch"], header["context"], header["vocab"]
         raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
         try:
-            self._f = open(self.path, "xb")  # exclusive: an existing file is refused
+            # exclusive: an existing file is refused; unbuffered: each record
+            # goes to the file in one write, and no buffer is left to fail later
+            self._f = open(self.path, "xb", buffering=0)
         except FileExistsError:
             raise ResultFileError(
                 f"result file {self.path}: already exists (a run never overwrites one)") from None
@@ -110,8 +112,9 @@ class ResultWriter:
 
     def _write(self, data: bytes) -> None:
         try:
-            self._f.write(data)
-            self._f.flush()  # a reader sees the record as soon as it is complete
+            view = memoryview(data)
+            while view:  # a raw write may be short; a reader sees the record once it is whole
+                view = view[self._f.write(view):]
         except OSError as e:
             raise ResultFileError(f"result file {self.path}: cannot write: {e}") from None
 
@@ -146,12 +149,14 @@ class ResultWriter:
         if self._f.closed:
             return
         try:
-            self._f.flush()
             os.fsync(self._f.fileno())
         except OSError as e:
-            raise ResultFileError(f"result file {self.path}: cannot write: {e}") from None
+            raise ResultFileError(f"result file {self.path}: cannot sync: {e}") from None
         finally:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass  # unbuffered: nothing is left to write; the fsync error (if any) is raised
 
     def __enter__(self):
         return self

@@ -174,3 +174,56 @@ def test_decimal_hyperparameters_are_exact(tmp_path, stream):
                            "--beta2", "0.95")) == 0
     header = checkpoint.read_checkpoint(str(ck), CFG).header
     assert "lr=3/10000" in header["learner"] and "beta2=95/100" in header["learner"]
+
+
+def test_results_on_the_checkpoint_path_is_refused(tmp_path, stream, capsys):
+    ck = tmp_path / "same.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "1", "--results", str(ck))) == 2
+    assert "checkpoint path" in capsys.readouterr().err
+    assert not ck.exists()
+
+
+def test_unwritable_checkpoint_directory_is_refused_before_training(tmp_path, stream, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")  # a file where a directory should be
+    rc = main(train_args(stream, tmp_path / "run", blocker / "d" / "ck.bin", "--steps", "1"))
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(blocker) in err
+    assert not list((tmp_path / "run").glob("results-*"))  # nothing was trained or written
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--seed", "-1", "--seed=-1"),
+    ("--seed", str(2**64), "2^64"),
+    ("--lr", "1e400", "does not fit in float32"),
+    ("--lr", "1e-60", "rounds to zero"),
+    ("--weight-decay", "1e300", "lr * weight_decay"),
+    ("--beta2", "0.99999999999999999999", "bias correction"),
+    ("--epsilon", "0", "epsilon"),
+    ("--steps", "0", "--steps=0"),
+])
+def test_bad_options_get_one_line_and_exit_2(tmp_path, stream, capsys, option, value, words):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, option, value)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not ck.exists()
+
+
+def test_a_failing_result_file_still_publishes_the_training(tmp_path, stream, monkeypatch, capsys):
+    from reference.errors import ResultFileError
+
+    original = results.ResultWriter.step
+
+    def step(self, step_no, rows):
+        if step_no == 3:
+            raise ResultFileError(f"result file {self.path}: cannot write: No space left on device")
+        return original(self, step_no, rows)
+
+    monkeypatch.setattr(results.ResultWriter, "step", step)
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "10", "--interval", "100")) == 2
+    assert "No space left" in capsys.readouterr().err
+    ckp = checkpoint.read_checkpoint(str(ck), CFG)
+    assert ckp.step == 4 and ckp.contexts == 4  # steps 0..3 trained and kept
