@@ -8,6 +8,7 @@ file's losses and throughput and can plot them.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -45,7 +46,7 @@ def inspect_command(args) -> int:
     except OSError as e:
         raise CoppeliusError(f"{args.path}: cannot read: {e.strerror or e}") from None
     if magic == checkpoint.MAGIC:
-        _inspect_checkpoint(args.path)
+        return _inspect_checkpoint(args.path)
     elif magic == results.MAGIC:
         _inspect_results(args.path)
     else:
@@ -53,8 +54,8 @@ def inspect_command(args) -> int:
     return 0
 
 
-def _inspect_checkpoint(path) -> None:
-    info = checkpoint.validate(path)  # everything is checked before anything is printed
+def _inspect_checkpoint(path) -> int:
+    info = checkpoint.inspect(path)  # the structure is checked before anything is printed
     h = info.header
     count = info.payload_bytes // 12
     _line("checkpoint", info.path)
@@ -65,7 +66,13 @@ def _inspect_checkpoint(path) -> None:
     _line("parameters", f"{count} in {len(h['parameters'])} tensors")
     _line("payload bytes", f"{info.payload_bytes} at offset {info.payload_offset}")
     _line("file bytes", info.file_size)
-    print(f"sha256 ok {info.sha256}")
+    if info.digest_ok:
+        print(f"sha256 ok {info.sha256}")
+        return 0
+    print(f"sha256 MISMATCH: trailer {info.trailer_sha256}, content {info.sha256}")
+    print(f"coppelius inspect: error: checkpoint {info.path}: SHA-256 mismatch: the file is "
+          f"damaged and no run will load it", file=sys.stderr)
+    return 2
 
 
 def _inspect_results(path) -> None:

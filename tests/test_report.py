@@ -132,16 +132,29 @@ def test_inspect_checkpoint(ckpt, capsys):
     assert f"sha256 ok {digest}" in out
 
 
-def test_inspect_corrupt_checkpoint_exits_2_with_one_line(ckpt, capsys):
+def test_inspect_damaged_payload_shows_the_envelope_and_the_mismatch(ckpt, capsys):
     data = bytearray(ckpt.read_bytes())
     data[len(data) // 2] ^= 0x40
     ckpt.write_bytes(bytes(data))
     assert cli.main(["inspect", str(ckpt)]) == 2
     captured = capsys.readouterr()
-    assert captured.out == ""
+    assert field(captured.out, "step") == "17"  # the envelope is still shown
+    content = hashlib.sha256(bytes(data[:-48])).hexdigest()
+    trailer = bytes(data[-32:]).hex()
+    assert f"sha256 MISMATCH: trailer {trailer}, content {content}" in captured.out
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert captured.err.startswith("coppelius inspect: error: ") and str(ckpt) in captured.err
     assert "SHA-256" in captured.err
+
+
+def test_inspect_damaged_header_exits_2_with_one_line_only(ckpt, capsys):
+    data = bytearray(ckpt.read_bytes())
+    data[20] ^= 0x40  # inside the JSON header: the structure itself is untrustworthy
+    ckpt.write_bytes(bytes(data))
+    assert cli.main(["inspect", str(ckpt)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and str(ckpt) in captured.err
 
 
 def test_inspect_results(tmp_path, capsys):
