@@ -11,7 +11,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .config import check_precision
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> float32 holding the nearest bfloat16 value (ties to even;
@@ -34,7 +33,3 @@ def operand(x: np.ndarray, policy: str) -> np.ndarray:
 def matmul(a: np.ndarray, b: np.ndarray, policy: str) -> np.ndarray:
     """a @ b with both operands rounded by the policy; result in a's dtype."""
     return np.matmul(operand(a, policy), operand(b, policy))
-
-
-def check(policy: str) -> str:
-    return check_precision(policy)
