@@ -3,7 +3,9 @@
 
     --backend NAME      (repeatable) default: every available backend but the
                         reference (the reference against itself is a smoke check)
-    --preset NAME       test (default) or tiny, coppelius
+    --preset NAME       test (default) or tiny, coppelius; with --checkpoint it
+                        must name the checkpoint's model (it is otherwise taken
+                        from the checkpoint)
     --precision P       (repeatable) fp32, bf16; default both
     --batch B --steps S the step shape and the trajectory length (default 1, 20)
     --stream S          token windows from a stream (contexts c0 + s*B + b,
@@ -24,7 +26,7 @@ import os
 import accelerated
 from reference.config import PRECISIONS, Hyper, config_from_identity
 from reference.config import preset as preset_config
-from reference.errors import CheckpointError, ConfigError, RunError
+from reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -36,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"backend to check ({', '.join(accelerated.BACKENDS)}); repeatable; "
                              "default: every available one except the reference")
-    parser.add_argument("--preset", default="test",
-                        help="model preset: test (default), tiny or coppelius")
+    parser.add_argument("--preset", default=None,
+                        help="model preset: test (default), tiny or coppelius; with "
+                             "--checkpoint it must be the checkpoint's model")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="precision policy; repeatable (default: fp32 and bf16)")
     parser.add_argument("--batch", type=int, default=None, metavar="B",
@@ -93,7 +96,8 @@ def run(args) -> int:
     if args.checkpoint:
         return debug_checkpoint(args, backends)
 
-    config = preset_config(args.preset)
+    preset_name = args.preset or "test"
+    config = preset_config(preset_name)
     batch = args.batch or 1
     precisions = args.precision or list(PRECISIONS)
     windows, inputs = None, None
@@ -109,7 +113,7 @@ def run(args) -> int:
     status = 0
     for name in backends:
         for precision in precisions:
-            report = run_suite(name, args.preset, precision, batch=batch, steps=args.steps,
+            report = run_suite(name, preset_name, precision, batch=batch, steps=args.steps,
                                windows=windows, inputs=inputs)
             _print(report, args.failures_only)
             status = status or (0 if report.passed else FAILED)
@@ -145,21 +149,30 @@ def hyper_from_learner(learner: str, path) -> tuple:
     return hyper, precision
 
 
-def load_checkpoint(path) -> tuple:
-    """-> (config, hyper, precision, batch, state, header) of a checkpoint file."""
-    from reference import checkpoint
-    from reference.binding import load_state
+def load_checkpoint(path, preset_name: str | None = None) -> tuple:
+    """-> (config, hyper, precision, batch, state, header) of a checkpoint file.
+    `preset_name`, when given, must name the checkpoint's model."""
+    from reference.binding import state_from_source
+    from reference.sources import CheckpointFileSource
 
+    named = None if preset_name is None else preset_config(preset_name).identity()
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path}: no such checkpoint (missing or empty)")
-    header = checkpoint.validate(path).header
-    config = config_from_identity(header.get("model"), where=f"checkpoint {path}")
-    hyper, precision = hyper_from_learner(header.get("learner"), path)
-    try:
-        batch = int(_fields(header.get("data"), "data", path)["batch"])
-    except (KeyError, ValueError):
-        raise CheckpointError(f"checkpoint {path}: data identity has no batch") from None
-    state = load_state(path, config).state  # every parameter bound by name (SPEC 12)
+    # The source validates the file (the SHA-256 pass over all of it) once;
+    # the state is bound from that same source, not from a second validation.
+    with CheckpointFileSource(path) as source:
+        header = source.header
+        config = config_from_identity(header["model"], where=f"checkpoint {path}")
+        if named is not None and named != header["model"]:
+            raise IdentityMismatch(f"checkpoint {path}: model identity differs from --preset "
+                                   f"{preset_name}: checkpoint has {header['model']!r}, "
+                                   f"--preset has {named!r}")
+        hyper, precision = hyper_from_learner(header["learner"], path)
+        try:
+            batch = int(_fields(header["data"], "data", path)["batch"])
+        except (KeyError, ValueError):
+            raise CheckpointError(f"checkpoint {path}: data identity has no batch") from None
+        state = state_from_source(source, config).state  # every parameter bound by name (SPEC 12)
     return config, hyper, precision, batch, state, header
 
 
@@ -170,7 +183,7 @@ def debug_checkpoint(args, backends: list) -> int:
 
     if not args.stream:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
-    config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint)
+    config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint, args.preset)
     batch = args.batch or batch
     stream = open_stream(args.stream, config.vocab)
     tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)

@@ -37,6 +37,7 @@ import os
 import re
 from fractions import Fraction
 
+import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor, UnexpectedValue,
@@ -168,9 +169,21 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
                 bindings.append(Bind(spec.name, spec.name))
         bindings += [Alias(alias, owner) for alias, owner in reg.aliases.items()]
         values = bind(reg, bindings, source, NumpyBackend(copy=False), offered=offered)
+        for spec in reg.specs:  # the tied head equals its owner bit for bit: checked with it
+            _check_finite(values[spec.name], spec.name, where)
         P = flatten(reg, values)  # the one copy
     write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
     return config, dropped
+
+
+def _check_finite(a, name: str, where: str) -> None:
+    """A checkpoint holds finite parameters: a run would only stop at its
+    first step with a non-finite loss, far from the tensor that caused it."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        index = np.unravel_index(np.argmax(bad), a.shape)  # the first in C order
+        raise ExchangeError(f"{where}: tensor {name} holds a non-finite value ({a[index]}) "
+                            f"at index {list(map(int, index))}")
 
 
 def _check_tied(source, alias: str, owner: str) -> None:
@@ -262,11 +275,16 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
     if "initialization" in meta:
         f = _fields(meta["initialization"])
         try:
-            ok = initialization_identity(int(f["seed"])) == meta["initialization"]
+            seed = int(f["seed"])
+            ok = initialization_identity(seed) == meta["initialization"]
         except (KeyError, ValueError):
             ok = False
         if not ok:
             raise refuse("initialization", "not an initialization identity this version writes")
+        # SPEC 2 computes modulo 2^64: seed=-5 would name the generator of
+        # seed=2^64-5 under a second identity, so only [0, 2^64) is a seed
+        if not 0 <= seed < 2**64:
+            raise refuse("initialization", f"seed {seed} is outside [0, 2**64)")
         ids["initialization"] = meta["initialization"]
     else:
         ids["initialization"] = initialization_identity(SEED)

@@ -42,7 +42,7 @@ __all__ = [
     "ByteLengthMismatch", "ShapeMismatch", "DtypeMismatch", "SourceError", "RecipeError",
     "Bind", "Alias", "RecipeBind", "Tensor", "Slice", "Concat", "Transpose", "Cast",
     "NumpyBackend", "declared_parameters", "default_bindings", "materialize", "bind",
-    "bind_vectors", "flatten", "load_state",
+    "bind_vectors", "flatten", "load_state", "state_from_source",
 ]
 
 
@@ -498,19 +498,27 @@ def load_state(path, config: Config, expect: dict | None = None, new_data: bool 
     validated, its identities compared with `expect` (the run's, as by
     read_checkpoint), and every parameter bound by name through the binding
     layer. Returns a reference.checkpoint.Checkpoint."""
+    with CheckpointFileSource(path) as source:
+        return state_from_source(source, config, expect, new_data)
+
+
+def state_from_source(source: CheckpointFileSource, config: Config, expect: dict | None = None,
+                      new_data: bool = False):
+    """load_state on a source already open (and so already validated): a
+    caller that reads the header first to learn the model validates the
+    file once, not twice."""
     from .checkpoint import Checkpoint, check_identities
 
-    with CheckpointFileSource(path) as source:
-        header = source.header
-        if expect is not None:
-            check_identities(header, source.path, expect, new_data)
-        values = bind_vectors(source, config, moments=True)
-        reg = registry(config)
-        P = flatten(reg, values)
-        M = flatten(reg, {name: values[moment_key("m", name)] for name in reg.by_name})
-        V = flatten(reg, {name: values[moment_key("v", name)] for name in reg.by_name})
-        del values
-        step = header["step"]
-        state = State(P=P, M=M, V=V, t=step)
-        return Checkpoint(info=source.info, header=header, state=state, step=step,
-                          contexts=header["contexts"])
+    header = source.header
+    if expect is not None:
+        check_identities(header, source.path, expect, new_data)
+    values = bind_vectors(source, config, moments=True)
+    reg = registry(config)
+    P = flatten(reg, values)
+    M = flatten(reg, {name: values[moment_key("m", name)] for name in reg.by_name})
+    V = flatten(reg, {name: values[moment_key("v", name)] for name in reg.by_name})
+    del values
+    step = header["step"]
+    state = State(P=P, M=M, V=V, t=step)
+    return Checkpoint(info=source.info, header=header, state=state, step=step,
+                      contexts=header["contexts"])

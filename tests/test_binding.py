@@ -20,8 +20,9 @@ from reference.binding import (Alias, Bind, BindingError, ByteLengthMismatch, Ca
                                DtypeMismatch, DuplicateBinding, InvalidName, MissingValue,
                                NumpyBackend, RecipeBind, RecipeError, ShapeMismatch, Slice,
                                SourceError, Tensor, Transpose, UnexpectedValue, bind,
-                               default_bindings, flatten, load_state, materialize)
-from reference.checkpoint import identities, read_checkpoint, write_checkpoint
+                               default_bindings, flatten, load_state, materialize,
+                               state_from_source)
+from reference.checkpoint import identities, read_checkpoint, validate, write_checkpoint
 from reference.config import Hyper
 from reference.errors import CheckpointError, CoppeliusError, IdentityMismatch
 from reference.sources import CheckpointFileSource, SafetensorsSource
@@ -555,6 +556,129 @@ def test_load_state_refuses_a_corrupt_checkpoint_before_mapping(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="SHA-256"):
         CheckpointFileSource(path)
+
+
+def _republish(path, state):
+    """Publish another valid checkpoint over `path` the way a run does: a
+    rename over it (the old file lives on for whoever holds it open)."""
+    other = path.with_name("republished.ckpt")
+    write_checkpoint(other, CONFIG, IDS, state, contexts=1)
+    os.replace(other, path)
+
+
+def _assert_leases_give(source, state):
+    for spec in REG.specs:
+        for key, vector in ((spec.name, state.P), ("m/" + spec.name, state.M),
+                            ("v/" + spec.name, state.V)):
+            assert source.lease(key).tobytes() == vector[spec.slice].tobytes(), key
+
+
+def test_checkpoint_source_maps_the_file_it_validated(tmp_path, monkeypatch):
+    """A republication between the check and the mapping must not put an
+    unchecked file under the leases: the source maps the very file it hashed."""
+    path = tmp_path / "c.ckpt"
+    original, replacement = _state(4), _state(5)
+    write_checkpoint(path, CONFIG, IDS, original, contexts=9)
+    real_memmap = np.memmap
+
+    def republish_then_map(*args, **kwargs):  # the window between validation and mapping
+        _republish(path, replacement)
+        return real_memmap(*args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", republish_then_map)
+    with CheckpointFileSource(path) as source:
+        monkeypatch.setattr(np, "memmap", real_memmap)
+        _assert_leases_give(source, original)
+        assert source.header["contexts"] == 9
+    assert read_checkpoint(path, CONFIG).state.P.tobytes() == replacement.P.tobytes()
+
+
+def test_checkpoint_source_keeps_its_file_when_the_path_is_republished(tmp_path):
+    path = tmp_path / "c.ckpt"
+    original = _state(4)
+    write_checkpoint(path, CONFIG, IDS, original, contexts=9)
+    with CheckpointFileSource(path) as source:
+        _republish(path, _state(5))
+        _assert_leases_give(source, original)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "c.ckpt"
+    write_checkpoint(path, CONFIG, IDS, _state(), contexts=9)
+    return path.read_bytes()
+
+
+@given(st.data())
+def test_checkpoint_source_refuses_what_validate_refuses(tmp_path_factory, good_checkpoint, data):
+    """The source checks its open file as reference.checkpoint.validate checks
+    a path: the same refusal, word for word, for a flipped byte or a cut."""
+    n = len(good_checkpoint)
+    bad = bytearray(good_checkpoint)
+    if data.draw(st.booleans(), label="cut"):
+        bad = bad[:data.draw(st.integers(0, n - 1), label="length")]
+    else:
+        offset = data.draw(st.one_of(st.integers(0, 4095), st.integers(0, n - 1),
+                                     st.integers(n - 48, n - 1)), label="offset")
+        bad[offset] ^= data.draw(st.integers(1, 255), label="mask")
+    path = tmp_path_factory.mktemp("bad") / "bad.ckpt"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError) as want:
+        validate(path)
+    with pytest.raises(CheckpointError) as got:
+        CheckpointFileSource(path)
+    assert str(got.value) == str(want.value)
+
+
+def test_checkpoint_source_learns_what_validate_learns(tmp_path_factory, good_checkpoint):
+    path = tmp_path_factory.mktemp("good") / "c.ckpt"
+    path.write_bytes(good_checkpoint)
+    with CheckpointFileSource(path) as source:
+        assert source.info == validate(path)
+        assert source.info.sha256 == hashlib.sha256(good_checkpoint[:-48]).hexdigest()
+
+
+def test_checkpoint_source_refuses_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        CheckpointFileSource(tmp_path)
+
+
+def count_hashed_bytes(monkeypatch, hashlib) -> list:
+    """Make hashlib.sha256 record how many bytes it is fed; returns the record."""
+    real, fed = hashlib.sha256, []
+
+    class Counting:
+        def __init__(self, data=b""):
+            self._h = real()
+            self.update(data)
+
+        def update(self, data):
+            fed.append(memoryview(data).nbytes)
+            self._h.update(data)
+
+        def digest(self):
+            return self._h.digest()
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", Counting)
+    return fed
+
+
+def test_state_from_source_validates_once(tmp_path, monkeypatch):
+    """Reading the header to learn the model and then the state costs one
+    SHA-256 pass over the file, not two."""
+    path = tmp_path / "c.ckpt"
+    state = _state()
+    write_checkpoint(path, CONFIG, IDS, state, contexts=9)
+    hashed = count_hashed_bytes(monkeypatch, hashlib)
+    with CheckpointFileSource(path) as source:
+        assert source.header["model"] == CONFIG.identity()
+        got = state_from_source(source, CONFIG, expect=IDS)
+    assert sum(hashed) == os.path.getsize(path) - 48  # everything before the trailer, once
+    for name in "PMV":
+        assert getattr(got.state, name).tobytes() == getattr(state, name).tobytes(), name
 
 
 def test_load_state_refuses_another_model(tmp_path):

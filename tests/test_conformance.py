@@ -393,6 +393,51 @@ def test_checkpoint_debugging_refuses_a_bad_file(tmp_path, capsys):
     assert status == 2 and "other.bin" in err and "rope_base=500000" in err and err.count("\n") == 1
 
 
+def test_checkpoint_debugging_checks_preset_against_the_checkpoint(tmp_path, capsys):
+    ck, stream = write_run(tmp_path)
+    base = ["conformance", "--backend", "reference", "--precision", "fp32", "--checkpoint",
+            str(ck), "--stream", str(stream)]
+    status, _, err = cli(base + ["--preset", "tiny"], capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    for word in ("ck.bin", "tiny", TEST.identity(), reference.preset("tiny").identity()):
+        assert word in err, word
+    status, out, _ = cli(base + ["--preset", "test"], capsys)  # the checkpoint's model: fine
+    assert status == 0 and "step 3" in out
+    status, _, err = cli(base + ["--preset", "nonesuch"], capsys)
+    assert status == 2 and "nonesuch" in err and err.count("\n") == 1
+
+
+def test_checkpoint_debugging_hashes_the_file_once(tmp_path, monkeypatch):
+    """Learning the model from the header and then binding the state is one
+    SHA-256 pass over the checkpoint (692 MB for the coppelius preset), not two."""
+    import hashlib
+
+    from conformance.command import load_checkpoint
+
+    ck, _ = write_run(tmp_path)
+    real, fed = hashlib.sha256, []
+
+    class Counting:  # hashlib.sha256, recording how many bytes it is fed
+        def __init__(self, data=b""):
+            self._h = real()
+            self.update(data)
+
+        def update(self, data):
+            fed.append(memoryview(data).nbytes)
+            self._h.update(data)
+
+        def digest(self):
+            return self._h.digest()
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", Counting)
+    config, hyper, precision, batch, state, header = load_checkpoint(str(ck))
+    assert sum(fed) == ck.stat().st_size - 48  # everything before the trailer, once
+    assert (config, hyper, precision, batch, state.t) == (TEST, Hyper(), "fp32", 1, 3)
+
+
 def test_learner_identity_is_parsed_back_exactly():
     from conformance.command import hyper_from_learner
 

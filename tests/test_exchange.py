@@ -263,6 +263,54 @@ def test_import_refuses_metadata_identities_it_does_not_write(tmp_path, capsys, 
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_import_refuses_non_finite_values(ckpt, tmp_path, capsys, bad, dtype):
+    path, _ = ckpt
+    tensors = {k: v.astype(dtype) for k, v in named(random_state(7)).items()}
+    tensors["layers.1.mlp.down.weight"][5, 17] = bad
+    tensors["layers.1.mlp.down.weight"][9, 2] = bad  # a later one: the first is named
+    src = tmp_path / "bad.safetensors"
+    save_file(tensors, str(src))
+    before = path.read_bytes()
+    status, _, err = run_cli(capsys, "import", src, path, "--preset", "test", "--force")
+    assert_one_line_error(status, err, "import", "bad.safetensors", "layers.1.mlp.down.weight",
+                          "non-finite", "[5, 17]")
+    assert path.read_bytes() == before  # nothing written over the existing checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["bad.safetensors", "run.ckpt"]
+
+
+def test_import_refuses_a_non_finite_tied_head_with_its_owner(tmp_path, capsys):
+    tensors = named(random_state(8))
+    tensors["tok_embedding.weight"][0, 3] = np.nan
+    tensors["lm_head.weight"] = tensors["tok_embedding.weight"].copy()  # tied: the same bits
+    src, dst = tmp_path / "nan.safetensors", tmp_path / "c.ckpt"
+    save_file(tensors, str(src))
+    status, _, err = run_cli(capsys, "import", src, dst, "--preset", "test")
+    assert_one_line_error(status, err, "import", "tok_embedding.weight", "[0, 3]")
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("seed", [-5, -1, 2**64, 2**70])
+def test_import_refuses_a_seed_outside_uint64(tmp_path, capsys, seed):
+    src, dst = tmp_path / "seed.safetensors", tmp_path / "c.ckpt"
+    save_file(named(random_state(9)), str(src),
+              metadata={"initialization": initialization_identity(seed)})
+    status, _, err = run_cli(capsys, "import", src, dst, "--preset", "test")
+    assert_one_line_error(status, err, "import", "seed.safetensors", "initialization",
+                          f"seed {seed} ")
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1])
+def test_import_accepts_every_uint64_seed(tmp_path, capsys, seed):
+    src, dst = tmp_path / "seed.safetensors", tmp_path / "c.ckpt"
+    save_file(named(random_state(9)), str(src),
+              metadata={"initialization": initialization_identity(seed)})
+    assert run_cli(capsys, "import", src, dst, "--preset", "test")[0] == 0
+    assert read_checkpoint(dst, CONFIG).header["initialization"] == initialization_identity(seed)
+
+
 def test_import_refuses_a_lying_file(tmp_path, capsys):
     header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                          "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}).encode()
