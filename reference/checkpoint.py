@@ -21,6 +21,7 @@ import math
 import os
 import stat
 import struct
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,19 +203,27 @@ def _read_exact_into(f, view) -> None:
         got += n
 
 
-def _scan(path, load: bool, refuse_digest: bool = True):
-    """Check a checkpoint file; with `load`, stream the payload into three
-    float32 arrays while hashing. Returns (info, [P, M, V] or None).
-    `refuse_digest=False` (inspect only) reports a SHA-256 mismatch in the
-    info instead of refusing."""
+def open_checkpoint(path):
+    """The checkpoint file open for reading (binary); CheckpointError if it is
+    not a readable regular file (stat first: opening a FIFO would block)."""
     path = os.fspath(path)
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise _error(path, "not a regular file")
-        f = open(path, "rb")
+        return open(path, "rb")
     except OSError as e:
         raise _error(path, f"cannot read: {e.strerror or e}") from None
-    with f:
+
+
+def _scan(path, load: bool, refuse_digest: bool = True, file=None):
+    """Check a checkpoint file; with `load`, stream the payload into three
+    float32 arrays while hashing. Returns (info, [P, M, V] or None).
+    `refuse_digest=False` (inspect only) reports a SHA-256 mismatch in the
+    info instead of refusing. `file`: the file at `path` already open (left
+    open), read instead of reopening the path."""
+    path = os.fspath(path)
+    with open_checkpoint(path) if file is None else nullcontext(file) as f:
+        f.seek(0)
         size = os.fstat(f.fileno()).st_size
         if size < PREFIX.size + TRAILER.size:
             raise _error(path, f"file is {size} bytes, too short for a checkpoint")
@@ -278,10 +287,13 @@ def _scan(path, load: bool, refuse_digest: bool = True):
     return info, arrays
 
 
-def validate(path) -> CheckpointInfo:
+def validate(path, file=None) -> CheckpointInfo:
     """Check a checkpoint file completely (structure and SHA-256) with
-    bounded memory; CheckpointError names the file and what is wrong."""
-    info, _ = _scan(path, load=False)
+    bounded memory; CheckpointError names the file and what is wrong.
+    `file`: the file at `path` already open (open_checkpoint); it is checked
+    instead of reopening the path, so a caller that maps it next maps the
+    bytes checked, whatever is published at the path meanwhile."""
+    info, _ = _scan(path, load=False, file=file)
     return info
 
 

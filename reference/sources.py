@@ -19,11 +19,9 @@ Two sources:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import stat
 import struct
 from types import MappingProxyType
 from typing import NamedTuple
@@ -32,9 +30,7 @@ import ml_dtypes  # registers "bfloat16" with NumPy; the safetensors library nee
 import numpy as np
 import safetensors
 
-from .checkpoint import (CHUNK_BYTES, MAGIC, MAX_HEADER, PREFIX, TRAILER, TRAILER_MAGIC, VERSION,
-                         CheckpointInfo, _align, _count_parameters, _error, _parse_header,
-                         _read_exact_into)
+from .checkpoint import open_checkpoint, validate
 from .errors import CoppeliusError
 
 # The largest single read a source grants by default. The largest tensor of
@@ -189,70 +185,6 @@ def moment_key(which: str, name: str) -> str:
     return f"{which}/{name}"
 
 
-def _open_checkpoint(path):
-    """The checkpoint file open for reading; CheckpointError if it is not a
-    readable regular file (a FIFO would block the open, so stat first)."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise _error(path, "not a regular file")
-        return open(path, "rb")
-    except OSError as e:
-        raise _error(path, f"cannot read: {e.strerror or e}") from None
-
-
-def _validate_open(f, path) -> CheckpointInfo:
-    """reference.checkpoint.validate on a file already open: the same checks
-    in the same order (cheap end first, then the SHA-256 in CHUNK_BYTES
-    pieces), read through `f` rather than by reopening the path."""
-    size = os.fstat(f.fileno()).st_size
-    if size < PREFIX.size + TRAILER.size:
-        raise _error(path, f"file is {size} bytes, too short for a checkpoint")
-    f.seek(0)
-    prefix = f.read(PREFIX.size)
-    magic, version, hn = PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise _error(path, f"bad magic {magic!r} (expected {MAGIC!r})")
-    if version != VERSION:
-        raise _error(path, f"format version {version}, this reader knows {VERSION}")
-    if hn > MAX_HEADER:
-        raise _error(path, f"header length {hn} exceeds the limit {MAX_HEADER}")
-    if PREFIX.size + hn + TRAILER.size > size:
-        raise _error(path, f"header length {hn} runs beyond the file ({size} bytes)")
-    raw = f.read(hn)
-    header = _parse_header(path, raw)
-    count = _count_parameters(path, header["parameters"])
-    payload_offset = _align(PREFIX.size + hn)
-    payload_bytes = 12 * count
-    expected = payload_offset + payload_bytes + TRAILER.size
-    if size != expected:
-        raise _error(path, f"file is {size} bytes, expected {expected} for {count} parameters "
-                           "(truncated or extended)")
-    padding = f.read(payload_offset - PREFIX.size - hn)
-    if padding.count(0) != len(padding):
-        raise _error(path, "nonzero bytes in the padding after the header")
-    f.seek(size - TRAILER.size)
-    tail_magic, tail_bytes, digest = TRAILER.unpack(f.read(TRAILER.size))
-    if tail_magic != TRAILER_MAGIC:
-        raise _error(path, f"bad trailer magic {tail_magic!r} (expected {TRAILER_MAGIC!r})")
-    if tail_bytes != payload_bytes:
-        raise _error(path, f"trailer says {tail_bytes} payload bytes, header says {payload_bytes}")
-    sha = hashlib.sha256(prefix + raw + padding)
-    buffer = memoryview(bytearray(min(CHUNK_BYTES, payload_bytes)))
-    f.seek(payload_offset)
-    try:
-        for start in range(0, payload_bytes, CHUNK_BYTES):
-            piece = buffer[:min(CHUNK_BYTES, payload_bytes - start)]
-            _read_exact_into(f, piece)
-            sha.update(piece)
-    except EOFError:
-        raise _error(path, "file ended inside the payload (changed while reading?)") from None
-    if sha.digest() != digest:
-        raise _error(path, f"SHA-256 mismatch: trailer has {digest.hex()}, "
-                           f"content hashes to {sha.hexdigest()}")
-    return CheckpointInfo(path, header, payload_offset, payload_bytes, size, sha.hexdigest(),
-                          digest.hex(), digest_ok=True)
-
-
 class CheckpointFileSource(CheckpointSource):
     """A checkpoint file (SPEC section 10), validated and memory-mapped.
 
@@ -266,10 +198,10 @@ class CheckpointFileSource(CheckpointSource):
         # One open file for the check and the mapping. Validating by path and
         # then mapping the path would map whatever a republication (a rename
         # over the path) left there in between: an unchecked file.
-        with _open_checkpoint(self.path) as f:
+        with open_checkpoint(self.path) as f:
             # magic, version, lengths, the SHA-256, and a well-formed,
             # contiguous parameter list with 12 N payload bytes
-            self.info = _validate_open(f, self.path)
+            self.info = validate(self.path, file=f)
             self.header = self.info.header
             N = self.info.payload_bytes // 12  # elements of each of P, M, V
             self.N = N
