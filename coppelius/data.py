@@ -16,15 +16,20 @@ the same Python; a file the process may not read is left out. A file that
 does not end with a newline gets one, so each `# file:` marker is a line of
 its own.
 
-Cache layout under a cache directory (by default $XDG_CACHE_HOME/coppelius):
+Cache layout under a cache directory (by default runs/data under the current
+directory, beside the runs the main job writes to runs/<preset>, so that
+`coppelius tokenize` and `coppelius train` share one cache):
 
     corpus/stdlib-<python version>.txt       the materialised default source
     <source stem>-v<V>/<source stem>-v<V>.tokens   the stream
     <source stem>-v<V>/tokenizer.json        its tokenizer
 
-One directory per stream, because the tokenizer is named `tokenizer.json`.
-A cached stream is reused when its header holds the source's current mtime
-(ns) and size and a tokenizer of V ids lies beside it; otherwise it is rebuilt.
+A folder holds one stream, because its tokenizer is named `tokenizer.json`:
+writing a stream into a folder that holds another is refused. A cached stream
+is reused only when its header holds the source's current mtime (ns) and size,
+a tokenizer of V ids lies beside it, and that tokenizer encodes the first and
+last pieces of the source to the stream's first and last ids (so a stream is
+never trusted beside another stream's tokenizer); otherwise it is rebuilt.
 """
 
 from __future__ import annotations
@@ -35,16 +40,19 @@ import platform
 import re
 import sys
 import sysconfig
+import tempfile
 import time
 
 import numpy as np
 
 from reference.config import PRESETS, preset
 from reference.errors import ConfigError, StreamError
-from reference.fsutil import publish
-from reference.stream import HEADER_BYTES, TOKEN_BYTES, read_stream_header, write_stream
+from reference.fsutil import fsync_directory, publish
+from reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
+                              stream_body)
 
 TOKENIZER_NAME = "tokenizer.json"
+STREAM_SUFFIX = ".tokens"
 BYTE_SYMBOLS = 256  # a byte-level BPE starts from one symbol per byte value
 PIECE_CHARS = 1 << 16  # the text is trained on and encoded in pieces of about 64 K characters
 ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Encoding objects
@@ -58,6 +66,17 @@ ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Enc
 # rather than \S because Python's and Rust's ideas of whitespace differ
 # outside ASCII.
 _BOUNDARY = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def fs_error(what: str, path, e: OSError) -> StreamError:
+    """A file-system failure as one line: `what` names the path and the
+    action, then the system's reason, and the path it failed at when that is
+    another one (a parent directory that is a file, say)."""
+    failed = e.filename2 if e.filename2 is not None else e.filename  # a rename's target
+    at = ""
+    if failed is not None and os.path.abspath(failed) != os.path.abspath(path):
+        at = f" at {os.fsdecode(failed)}"
+    return StreamError(f"{what} ({e.strerror or e}{at})")
 
 
 # ---------------------------------------------------------------------------
@@ -112,10 +131,15 @@ def materialise_default_corpus(cache_dir, root: str | None = None) -> str:
         with open(path, "rb") as f:
             if f.read() == data:
                 return path
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    publish(path, lambda f: f.write(data))
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # not there yet (writing says why it cannot make it)
+    except OSError as e:
+        raise fs_error(f"corpus {path}: cannot read", path, e) from None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        publish(path, lambda f: f.write(data))
+    except OSError as e:
+        raise fs_error(f"corpus {path}: cannot write", path, e) from None
     return path
 
 
@@ -226,50 +250,156 @@ def tokenizer_sha(path) -> str | None:
                 h.update(block)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise fs_error(f"tokenizer {os.fspath(path)}: cannot read", path, e) from None
     return h.hexdigest()
 
 
 def tokenizer_beside(stream_path) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(stream_path)), TOKENIZER_NAME)
+    return os.path.join(os.path.dirname(os.fspath(stream_path)), TOKENIZER_NAME)
 
 
 # ---------------------------------------------------------------------------
 # Source -> stream, with the cache
 
 def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "coppelius")
+    """runs/data under the current directory: the one place `tokenize` and
+    `train` keep cached corpora and streams unless told otherwise."""
+    return os.path.join("runs", "data")
 
 
 def source_stamp(path) -> tuple:
     """(mtime_ns, size) of a source: what a stream's header records."""
+    path = os.fspath(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise StreamError(f"source {os.fspath(path)}: no such file") from None
+        raise StreamError(f"source {path}: no such file") from None
+    except OSError as e:
+        raise fs_error(f"source {path}: cannot read", path, e) from None
     return st.st_mtime_ns, st.st_size
 
 
+def head_and_tail(text: str) -> tuple:
+    """The first piece of `text` and a last piece, each cut where the
+    pre-tokenizer splits anyway (see pieces), so each encodes to the first /
+    last ids of the whole text's encoding. The tail starts at the first
+    boundary of the last PIECE_CHARS characters that hold one; it is empty
+    only when the head is the whole text."""
+    head = next(pieces(text), "")
+    end = len(text)
+    while end > len(head):
+        start = max(end - PIECE_CHARS, len(head))
+        m = _BOUNDARY.search(text, start, end)
+        if m:
+            return head, text[m.start():]
+        end = start
+    return head, ""
+
+
+def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
+    """Whether `tokenizer` turns the head and the tail of `text` into the
+    first and last ids of `ids` (N,). A tokenizer trained on another source,
+    or with another V, encodes them otherwise: this pairs a stream with the
+    tokenizer that made it without storing anything beyond SPEC's files, at
+    the cost of encoding about 2 * PIECE_CHARS characters."""
+    for piece, at_end in zip(head_and_tail(text), (False, True)):
+        want = np.array(tokenizer.encode(piece, add_special_tokens=False).ids, dtype=np.uint32)
+        if want.size > ids.size:
+            return False
+        got = ids[ids.size - want.size:] if at_end else ids[:want.size]
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
 def is_fresh(stream_path, source_path, vocab: int) -> bool:
-    """Whether the cached stream was made from the source as it is now, with a
-    tokenizer of `vocab` ids beside it."""
+    """Whether the cached stream was made from the source as it is now, by
+    the tokenizer of `vocab` ids that lies beside it."""
     try:
         if read_stream_header(stream_path) != source_stamp(source_path):
             return False
+        tokenizer_path = tokenizer_beside(stream_path)
+        if not os.path.isfile(tokenizer_path):
+            return False
+        tokenizer = load_tokenizer(tokenizer_path)
+        if tokenizer.get_vocab_size() != vocab:
+            return False
+        stream = open_stream(stream_path, vocab)
+        return encodes_to(tokenizer, read_source(source_path), stream.ids)
     except StreamError:
         return False
-    tokenizer_path = tokenizer_beside(stream_path)
-    if not os.path.exists(tokenizer_path):
-        return False
+
+
+def check_folder_is_its_own(stream_path) -> None:
+    """Refuse to write a stream into a folder that holds another one: the
+    two would share one tokenizer.json, and writing this stream's would pair
+    the other with a tokenizer that did not make it."""
+    stream_path = os.fspath(stream_path)
+    directory = os.path.dirname(stream_path)
     try:
-        return load_tokenizer(tokenizer_path).get_vocab_size() == vocab
-    except StreamError:
-        return False
+        names = os.listdir(directory or ".")
+    except (FileNotFoundError, NotADirectoryError):
+        return  # no folder yet: nothing to share (writing says why it cannot make one)
+    except OSError as e:
+        raise fs_error(f"stream {stream_path}: cannot list its folder", directory or ".", e) from None
+    others = sorted(n for n in names if n.endswith(STREAM_SUFFIX) and not n.startswith(".")
+                    and n != os.path.basename(stream_path))
+    if others:
+        raise StreamError(f"stream {stream_path}: its folder already holds the stream "
+                          f"{os.path.join(directory, others[0])}, whose {TOKENIZER_NAME} would "
+                          f"be replaced; write each stream to a folder of its own")
+
+
+def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
+                 tokenizer_json: str) -> str:
+    """Publish a stream of `ids` (N,) and its tokenizer.json -> the tokenizer
+    path. Two files cannot be renamed at once, so the order is chosen for
+    what any failure or crash leaves behind:
+
+      1. the whole stream is written and synced under a staged name;
+      2. the tokenizer is published (written, synced, renamed);
+      3. the staged stream is renamed over the stream.
+
+    A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
+    between 2 and 3 leaves the new tokenizer beside the old stream, and
+    is_fresh turns that pair down, so the next run rebuilds it: the old
+    header names an older source, or the new tokenizer does not encode the
+    source to the old ids. (It is accepted only where it is a true pair: the
+    same source and V train the same tokenizer, byte for byte.) At no point
+    is the old stream left without a tokenizer."""
+    stream_path = os.fspath(stream_path)
+    tokenizer_path = tokenizer_beside(stream_path)
+    directory = os.path.dirname(os.path.abspath(stream_path))
+    staged = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, staged = tempfile.mkstemp(prefix="." + os.path.basename(stream_path) + ".",
+                                      suffix=".staged", dir=directory)
+        os.close(fd)
+        publish(staged, stream_body(ids, mtime_ns, size, stream_path))  # 1
+        payload = tokenizer_json.encode("utf-8")
+        try:
+            publish(tokenizer_path, lambda f: f.write(payload))  # 2
+        except OSError as e:
+            raise fs_error(f"tokenizer {tokenizer_path}: cannot write", tokenizer_path, e) from None
+        os.replace(staged, stream_path)  # 3
+        staged = None
+        fsync_directory(directory)
+    except OSError as e:
+        raise fs_error(f"stream {stream_path}: cannot write", stream_path, e) from None
+    finally:
+        if staged is not None:
+            try:
+                os.unlink(staged)
+            except OSError:
+                pass  # a hidden leftover; the published files are what matter
+    return tokenizer_path
 
 
 def tokenize_source(source_path, stream_path, vocab: int, progress: bool = False) -> dict:
     """Train the tokenizer on the source, encode it, publish the stream and
-    its tokenizer.json. Returns what was written."""
+    its tokenizer.json (publish_pair). Returns what was written."""
     started = time.perf_counter()
     source_path = os.fspath(source_path)
     mtime_ns, size = source_stamp(source_path)
@@ -278,19 +408,8 @@ def tokenize_source(source_path, stream_path, vocab: int, progress: bool = False
         print(f"training a byte-level BPE of {vocab} ids on {source_path} "
               f"({size:,} bytes)", file=sys.stderr)
     tokenizer = train_tokenizer([text], vocab, name=source_path)
-    ids = encode(tokenizer, text, progress=progress)
-    tokenizer_path = tokenizer_beside(stream_path)
-    os.makedirs(os.path.dirname(tokenizer_path), exist_ok=True)
-    # The old tokenizer goes first: whatever instant the process dies at, a
-    # stream never sits beside a tokenizer that did not make it (the cache
-    # check then finds no tokenizer and rebuilds).
-    try:
-        os.unlink(tokenizer_path)
-    except FileNotFoundError:
-        pass
-    write_stream(stream_path, ids, mtime_ns, size)
-    payload = tokenizer.to_str().encode("utf-8")
-    publish(tokenizer_path, lambda f: f.write(payload))
+    ids = encode(tokenizer, text, progress=progress)  # (N,)
+    tokenizer_path = publish_pair(stream_path, ids, mtime_ns, size, tokenizer.to_str())
     return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": int(ids.size),
             "seconds": time.perf_counter() - started}
 
@@ -301,16 +420,19 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
 
     With `stream`, use it as is (with the tokenizer.json beside it, if any).
     Otherwise tokenize `source` (the embedded default when None) into `out`
-    (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`), reusing a
-    fresh cached stream and rebuilding a stale one."""
+    (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`, cache_dir
+    None meaning default_cache_dir()), reusing a fresh cached stream and
+    rebuilding a stale one."""
     if stream is not None:
         if source is not None:
             raise ConfigError("give a source or a stream, not both")
         stream = os.fspath(stream)
+        if os.path.isdir(stream):
+            raise StreamError(f"stream {stream}: is a directory, not a token stream")
         if not os.path.isfile(stream):
-            raise StreamError(f"{stream}: no such token stream")
+            raise StreamError(f"stream {stream}: no such token stream")
         tokenizer_path = tokenizer_beside(stream)
-        return stream, tokenizer_path if os.path.exists(tokenizer_path) else None
+        return stream, tokenizer_path if os.path.isfile(tokenizer_path) else None
     stream, tokenizer_path, _ = stream_for_source(source, vocab, out, cache_dir, progress)
     return stream, tokenizer_path
 
@@ -319,17 +441,23 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
                       progress: bool = False) -> tuple:
     """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?)."""
     check_vocab(vocab)
-    cache_dir = os.fspath(cache_dir or default_cache_dir())
+    cache_dir = os.fspath(default_cache_dir() if cache_dir is None else cache_dir)
+    if source is not None:
+        source = os.fspath(source)
+        source_stamp(source)  # a missing source is refused before anything is written
+    if out is None:
+        name = default_source_name() if source is None else os.path.splitext(
+            os.path.basename(source))[0]
+        stem = f"{name}-v{vocab}"
+        out = os.path.join(cache_dir, stem, stem + STREAM_SUFFIX)
+    out = os.fspath(out)
+    if os.path.isdir(out):
+        raise StreamError(f"stream {out}: is a directory, not a token stream file")
     if source is None:
         source = materialise_default_corpus(cache_dir)
-    source = os.fspath(source)
-    source_stamp(source)  # a missing source is refused before anything is written
-    if out is None:
-        stem = f"{os.path.splitext(os.path.basename(source))[0]}-v{vocab}"
-        out = os.path.join(cache_dir, stem, stem + ".tokens")
-    out = os.fspath(out)
     rebuilt = not is_fresh(out, source, vocab)
     if rebuilt:
+        check_folder_is_its_own(out)
         tokenize_source(source, out, vocab, progress=progress)
     return out, tokenizer_beside(out), rebuilt
 
@@ -359,8 +487,8 @@ def register(subparsers) -> None:
                         "(default: coppelius with a GPU, else tiny)")
     p.add_argument("--vocab", type=int, metavar="N", help="vocabulary size V (default: the preset's)")
     p.add_argument("--cache-dir", metavar="DIR",
-                   help="where cached corpora and streams live "
-                        "(default: $XDG_CACHE_HOME/coppelius, else ~/.cache/coppelius)")
+                   help="where cached corpora and streams live (default: runs/data, the "
+                        "cache `coppelius train` uses)")
     p.set_defaults(func=run_tokenize)
 
 

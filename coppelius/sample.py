@@ -15,7 +15,13 @@ import os
 import numpy as np
 
 from reference.config import Config, config_from_identity
-from reference.errors import ConfigError, StreamError
+from reference.errors import CheckpointError, ConfigError, NonFiniteError, StreamError
+
+# "def" rather than "def ": the byte-level BPE makes " name" one token, so a
+# prompt ending in a space leaves a lone-space token the model rarely saw
+# before a word (its continuation reads "def  return").
+DEFAULT_PROMPT = "def"
+
 
 def load_parameters(path) -> tuple:
     """(config, P (N,) float32, header) of a checkpoint file, P bound by name
@@ -29,7 +35,23 @@ def load_parameters(path) -> tuple:
         config = config_from_identity(header["model"], f"checkpoint {source.path}")
         values = bind_vectors(source, config, moments=False)
         P = flatten(registry(config), values)
+    check_finite(config, P, f"checkpoint {os.fspath(path)}")
     return config, P, header
+
+
+def check_finite(config: Config, P: np.ndarray, what: str) -> None:
+    """Refuse parameters P (N,) with a NaN or an infinity, naming the first
+    tensor and element: sampling from them would draw from NaN probabilities."""
+    from reference.params import registry
+
+    if np.isfinite(P).all():
+        return
+    for spec in registry(config).specs:
+        bad = np.flatnonzero(~np.isfinite(P[spec.slice]))
+        if bad.size:
+            index = ", ".join(str(int(i)) for i in np.unravel_index(bad[0], spec.shape))
+            raise CheckpointError(f"{what}: parameters are not finite "
+                                  f"(first: {spec.name}[{index}])")
 
 
 def named_tokenizer(header: dict) -> str | None:
@@ -42,16 +64,20 @@ def named_tokenizer(header: dict) -> str | None:
 
 
 def tokenizer_candidates(checkpoint_path) -> list:
-    """Where a checkpoint's tokenizer may lie: beside the checkpoint (its run
-    directory), the stream cache of runs beside that directory, the default
-    stream cache."""
+    """Where a checkpoint's tokenizer may lie, in order: beside the
+    checkpoint (a run copies its stream's tokenizer there), the stream cache
+    `data` beside its run directory, the default stream cache."""
     from coppelius.data import TOKENIZER_NAME, default_cache_dir
 
     run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
     places = [os.path.join(run_dir, TOKENIZER_NAME)]
     for cache in (os.path.join(os.path.dirname(run_dir), "data"), default_cache_dir()):
         places += sorted(glob.glob(os.path.join(glob.escape(cache), "*", TOKENIZER_NAME)))
-    return places
+    unique = []
+    for place in places:  # the two caches are one when the run is runs/<name>
+        if os.path.abspath(place) not in map(os.path.abspath, unique):
+            unique.append(place)
+    return unique
 
 
 def find_tokenizer(checkpoint_path, header: dict, override=None) -> str:
@@ -60,16 +86,22 @@ def find_tokenizer(checkpoint_path, header: dict, override=None) -> str:
     from coppelius.data import tokenizer_sha
 
     if override is not None:
+        override = os.fspath(override)
+        if os.path.isdir(override):
+            raise StreamError(f"tokenizer {override}: is a directory, not a tokenizer.json")
         if not os.path.isfile(override):
             raise StreamError(f"tokenizer {override}: no such file")
-        return os.fspath(override)
+        return override
     sha = named_tokenizer(header)
     if sha is None:
         raise StreamError(f"checkpoint {checkpoint_path}: trained on a stream without a "
                           f"tokenizer (tokenizer=none); give one with --tokenizer PATH")
     for place in tokenizer_candidates(checkpoint_path):
-        if tokenizer_sha(place) == sha:
-            return place
+        try:
+            if tokenizer_sha(place) == sha:
+                return place
+        except StreamError:
+            continue  # unreadable: not one this lookup can use
     raise StreamError(f"checkpoint {checkpoint_path}: no tokenizer.json with SHA-256 {sha} "
                       f"beside it, in its run directory or in the stream cache; "
                       f"give it with --tokenizer PATH")
@@ -79,13 +111,20 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     """The next id from one row of logits (V,): the argmax at temperature 0,
     else a draw from softmax(logits / temperature) over the top_k largest
     (all when top_k is 0)."""
+    if not np.isfinite(logits).all():
+        raise NonFiniteError(f"the model's logits are not finite "
+                             f"(first at id {int(np.flatnonzero(~np.isfinite(logits))[0])})")
     if temperature == 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature  # (V,)
+    z = logits.astype(np.float64)  # (V,)
     keep = np.argsort(-z, kind="stable")  # ties keep the lower id first
     if top_k:
         keep = keep[:top_k]
-    p = np.exp(z[keep] - z[keep].max())
+    # The max is subtracted before the division: (z - max) / temperature is
+    # <= 0, so a tiny temperature gives -inf (weight 0), never inf - inf =
+    # NaN, and the largest logits keep weight 1: the limit is greedy.
+    with np.errstate(over="ignore"):  # -inf is the intended result, not an accident
+        p = np.exp((z[keep] - z[keep[0]]) / temperature)  # (k,) in [0, 1], p[0] = 1
     return int(keep[rng.choice(keep.size, p=p / p.sum())])
 
 
@@ -106,22 +145,24 @@ def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float
     return out
 
 
-def check_options(tokens: int, temperature: float, top_k: int) -> None:
+def check_options(tokens: int, temperature: float, top_k: int, seed: int = 0) -> None:
     if tokens < 0:
         raise ConfigError(f"--tokens={tokens}: must be >= 0")
     if not temperature >= 0 or temperature == float("inf"):
         raise ConfigError(f"--temperature={temperature}: must be a finite number >= 0")
     if top_k < 0:
         raise ConfigError(f"--top-k={top_k}: must be >= 0 (0: no limit)")
+    if seed < 0:
+        raise ConfigError(f"--seed={seed}: must be >= 0")
 
 
-def generate_text(checkpoint_path, prompt: str = "def ", tokens: int = 200,
+def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
                   tokenizer=None) -> str:
     """The prompt and its continuation, decoded."""
     from coppelius.data import load_tokenizer
 
-    check_options(tokens, temperature, top_k)
+    check_options(tokens, temperature, top_k, seed)
     config, P, header = load_parameters(checkpoint_path)
     tokenizer_path = find_tokenizer(checkpoint_path, header, tokenizer)
     tok = load_tokenizer(tokenizer_path)
@@ -139,7 +180,8 @@ def register(subparsers) -> None:
         description="Continue a prompt with a checkpoint's model (reference forward, fp32, "
                     "a sliding window of the model's context).")
     p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("--prompt", default="def ", metavar="TEXT", help="text to continue (default 'def ')")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
+                   help=f"text to continue (default {DEFAULT_PROMPT!r})")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
                    help="tokens to generate (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="X",

@@ -26,8 +26,9 @@ TOKEN = np.dtype("<u4")
 CHUNK_IDS = 1 << 22  # 16 MiB of ids
 
 
-def write_stream(path, ids, source_mtime_ns: int, source_size: int) -> None:
-    """Publish a stream of `ids` (N,) atomically (reference.fsutil.publish)."""
+def stream_body(ids, source_mtime_ns: int, source_size: int, path="stream"):
+    """The writer of a stream file of `ids` (N,): `write_body(f)` for
+    reference.fsutil.publish. `path` names the file in a refusal."""
     ids = np.asarray(ids)
     if ids.ndim != 1:
         raise StreamError(f"{os.fspath(path)}: ids must be one-dimensional, got shape {ids.shape}")
@@ -41,7 +42,19 @@ def write_stream(path, ids, source_mtime_ns: int, source_size: int) -> None:
         for start in range(0, body.size, CHUNK_IDS):
             f.write(body[start:start + CHUNK_IDS].tobytes())
 
-    publish(path, write_body)
+    return write_body
+
+
+def write_stream(path, ids, source_mtime_ns: int, source_size: int) -> None:
+    """Publish a stream of `ids` (N,) atomically (reference.fsutil.publish).
+    A file-system failure is a StreamError naming the path; the file at the
+    path is then as it was."""
+    write_body = stream_body(ids, source_mtime_ns, source_size, path)
+    try:
+        publish(path, write_body)
+    except OSError as e:
+        raise StreamError(f"{os.fspath(path)}: cannot write token stream "
+                          f"({e.strerror or e})") from None
 
 
 def read_stream_header(path) -> tuple:
@@ -52,6 +65,8 @@ def read_stream_header(path) -> tuple:
             raw = f.read(HEADER_BYTES)
     except FileNotFoundError:
         raise StreamError(f"{path}: no such token stream") from None
+    except IsADirectoryError:
+        raise StreamError(f"{path}: is a directory, not a token stream") from None
     except OSError as e:
         raise StreamError(f"{path}: cannot read token stream ({e.strerror})") from None
     if len(raw) < HEADER_BYTES:
@@ -112,7 +127,10 @@ def open_stream(path, vocab: int) -> Stream:
     id < vocab. A refusal names the file and the byte offset."""
     path = os.fspath(path)
     mtime_ns, size = read_stream_header(path)
-    file_bytes = os.path.getsize(path)
+    try:
+        file_bytes = os.path.getsize(path)
+    except OSError as e:
+        raise StreamError(f"{path}: cannot read token stream ({e.strerror})") from None
     body_bytes = file_bytes - HEADER_BYTES
     stray = body_bytes % TOKEN_BYTES
     if stray:
@@ -124,7 +142,10 @@ def open_stream(path, vocab: int) -> Stream:
         ids = np.zeros(0, dtype=TOKEN)  # np.memmap refuses an empty mapping
         ids.flags.writeable = False
     else:
-        ids = np.memmap(path, dtype=TOKEN, mode="r", offset=HEADER_BYTES, shape=(n,))
+        try:
+            ids = np.memmap(path, dtype=TOKEN, mode="r", offset=HEADER_BYTES, shape=(n,))
+        except OSError as e:
+            raise StreamError(f"{path}: cannot map token stream ({e.strerror})") from None
     for start in range(0, n, CHUNK_IDS):
         chunk = ids[start:start + CHUNK_IDS]
         bad = np.flatnonzero(chunk >= vocab)

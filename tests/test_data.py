@@ -1,9 +1,11 @@
 """Source text -> tokenizer -> token stream (SPEC section 8), the default
 corpus, the stream cache and `coppelius tokenize`."""
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import pathlib
 import struct
 import sysconfig
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from coppelius import data
 from coppelius.cli import main
+from reference import fsutil
 from reference.errors import ConfigError, StreamError
 from reference.stream import open_stream, read_stream_header
 
@@ -26,6 +29,20 @@ def sample_text() -> str:
     root = os.path.join(sysconfig.get_paths()["stdlib"], "json")
     return "".join(open(os.path.join(root, name), encoding="utf-8").read()
                    for name in sorted(os.listdir(root)) if name.endswith(".py"))
+
+
+def other_text() -> str:
+    """Another source, trained to another tokenizer of the same V."""
+    root = sysconfig.get_paths()["stdlib"]
+    return "".join(open(os.path.join(root, name), encoding="utf-8").read()
+                   for name in ("textwrap.py", "shlex.py"))
+
+
+def decodes_to(stream_path, tokenizer_path, text) -> bool:
+    """Whether the pair on disk gives back `text`: the stream's ids decoded
+    with the tokenizer beside it."""
+    ids = open_stream(stream_path, data.load_tokenizer(tokenizer_path).get_vocab_size()).ids
+    return data.load_tokenizer(tokenizer_path).decode(ids.tolist()) == text
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +243,10 @@ def test_a_given_stream_is_used_as_is(tmp_path, counted):
     assert data.prepare_stream(stream=stream, vocab=V) == (
         str(stream), os.path.join(tmp_path, "tokenizer.json"))
     assert counted == []
-    with pytest.raises(StreamError, match="nothere.tokens"):
+    with pytest.raises(StreamError, match="nothere.tokens: no such token stream"):
         data.prepare_stream(stream=tmp_path / "nothere.tokens", vocab=V)
+    with pytest.raises(StreamError, match=f"stream {tmp_path}: is a directory"):
+        data.prepare_stream(stream=tmp_path, vocab=V)
 
 
 def test_a_missing_source_is_refused_naming_it(tmp_path):
@@ -264,3 +283,188 @@ def test_cli_tokenize_missing_source_exits_2_with_one_line(tmp_path, capsys):
     assert status == 2
     assert err.count("\n") == 1 and "absent.txt" in err and "Traceback" not in err
     assert err.startswith("coppelius tokenize: error: ")
+
+
+# ---------------------------------------------------------------------------
+# A stream and its tokenizer.json stay a pair
+
+def test_head_and_tail_encode_to_the_ends_of_the_whole_encoding(tokenizer, monkeypatch):
+    text = sample_text()
+    ids = tokenizer.encode(text, add_special_tokens=False).ids  # one call, no pieces
+    other = data.train_tokenizer([other_text()], V)
+    for size in (40, 700, 9000, 10**6):  # the last: one piece, no tail
+        monkeypatch.setattr(data, "PIECE_CHARS", size)
+        head, tail = data.head_and_tail(text)
+        assert text.startswith(head) and text.endswith(tail) and len(head) >= min(size, len(text))
+        assert bool(tail) == (len(head) < len(text))
+        assert tokenizer.encode(head).ids == ids[:len(tokenizer.encode(head).ids)]
+        assert tokenizer.encode(tail).ids == ids[len(ids) - len(tokenizer.encode(tail).ids):]
+        arr = np.array(ids, dtype=np.uint32)
+        assert data.encodes_to(tokenizer, text, arr)
+        assert not data.encodes_to(other, text, arr)
+        for at in (0, -1):
+            wrong = arr.copy()
+            wrong[at] = (wrong[at] + 1) % V
+            assert data.encodes_to(tokenizer, text, wrong) == (at == -1 and not tail
+                                                               and len(head) < len(text))
+        assert not data.encodes_to(tokenizer, text, arr[:10])
+
+
+def test_a_second_stream_in_a_folder_is_refused_naming_both(tmp_path, capsys):
+    a_src, b_src = tmp_path / "a.txt", tmp_path / "b.txt"
+    a_src.write_text(sample_text(), encoding="utf-8")
+    b_src.write_text(other_text(), encoding="utf-8")
+    folder = tmp_path / "d"
+    args = ["--vocab", str(V), "--preset", "test"]
+    assert main(["tokenize", str(a_src), "--out", str(folder / "a.tokens")] + args) == 0
+    tok = folder / "tokenizer.json"
+    before = tok.read_bytes()
+    capsys.readouterr()
+    assert main(["tokenize", str(b_src), "--out", str(folder / "b.tokens")] + args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("coppelius tokenize: error: stream ")
+    assert str(folder / "b.tokens") in err and str(folder / "a.tokens") in err
+    assert tok.read_bytes() == before and sorted(os.listdir(folder)) == ["a.tokens", "tokenizer.json"]
+    assert main(["tokenize", str(a_src), "--out", str(folder / "a.tokens")] + args) == 0
+    assert f"up to date {folder / 'a.tokens'}" in capsys.readouterr().out
+    assert decodes_to(folder / "a.tokens", tok, sample_text())
+
+
+def test_a_stream_beside_another_streams_tokenizer_is_rebuilt(tmp_path, counted):
+    a_src, b_src = tmp_path / "a.txt", tmp_path / "b.txt"
+    a_src.write_text(sample_text(), encoding="utf-8")
+    b_src.write_text(other_text(), encoding="utf-8")
+    a, a_tok = data.prepare_stream(source=a_src, vocab=V, out=tmp_path / "d" / "a.tokens")
+    b, b_tok = data.prepare_stream(source=b_src, vocab=V, out=tmp_path / "e" / "b.tokens")
+    a_sha = data.tokenizer_sha(a_tok)
+    assert a_sha != data.tokenizer_sha(b_tok) and len(counted) == 2
+    shutil.copyfile(b_tok, a_tok)  # same V, header still fresh: only the ids tell
+    assert read_stream_header(a) == (os.stat(a_src).st_mtime_ns, os.stat(a_src).st_size)
+    assert not data.is_fresh(a, a_src, V)
+    data.prepare_stream(source=a_src, vocab=V, out=a)
+    assert len(counted) == 3 and data.tokenizer_sha(a_tok) == a_sha
+    assert decodes_to(a, a_tok, sample_text())
+
+
+def failing_at(phase, count, error):
+    """An fsutil._hook raising `error` at the count-th time `phase` is reached."""
+    seen = []
+
+    def hook(name):
+        if name == phase:
+            seen.append(name)
+            if len(seen) == count:
+                raise error
+    return hook
+
+
+def folder_bytes(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+# publish_pair writes the staged stream first (publication 1), then the
+# tokenizer (publication 2), then renames the staged stream.
+@pytest.mark.parametrize("publication", [1, 2])
+def test_a_failed_rebuild_leaves_the_old_pair_as_it_was(tmp_path, monkeypatch, publication):
+    source = tmp_path / "a.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    stream, tok = data.prepare_stream(source=source, vocab=V, out=tmp_path / "d" / "a.tokens")
+    before = folder_bytes(tmp_path / "d")
+    source.write_text(other_text(), encoding="utf-8")  # the cache is stale now
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(fsutil, "_hook", failing_at("written", publication, full))
+    with pytest.raises(StreamError, match=r"a\.tokens|tokenizer\.json") as e:
+        data.prepare_stream(source=source, vocab=V, out=stream)
+    assert "No space left on device" in str(e.value)
+    assert folder_bytes(tmp_path / "d") == before  # no temporary left either
+    monkeypatch.setattr(fsutil, "_hook", None)
+    assert decodes_to(stream, tok, sample_text())
+    data.prepare_stream(source=source, vocab=V, out=stream)
+    assert decodes_to(stream, tok, other_text())
+
+
+class Crash(BaseException):
+    """The process dying between two steps (not an error anything catches)."""
+
+
+@pytest.mark.parametrize("change", ["source", "vocabulary"])
+def test_a_crash_between_the_two_renames_is_rebuilt(tmp_path, monkeypatch, counted, change):
+    source = tmp_path / "a.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    out = tmp_path / "d" / "a.tokens"
+    stream, tok = data.prepare_stream(source=source, vocab=V, out=out)
+    old_stream = out.read_bytes()
+    vocab = V
+    if change == "source":
+        source.write_text(other_text(), encoding="utf-8")
+    else:
+        vocab = V + 16  # same source and header: only the ids tell the pair apart
+    # the tokenizer is renamed, the stream is not
+    monkeypatch.setattr(fsutil, "_hook", failing_at("renamed", 2, Crash()))
+    with pytest.raises(Crash):
+        data.prepare_stream(source=source, vocab=vocab, out=out)
+    monkeypatch.setattr(fsutil, "_hook", None)
+    assert out.read_bytes() == old_stream and data.load_tokenizer(tok).get_vocab_size() == vocab
+    assert not data.is_fresh(out, source, vocab)
+    data.prepare_stream(source=source, vocab=vocab, out=out)
+    assert len(counted) == 3 and data.is_fresh(out, source, vocab)
+    assert decodes_to(out, tok, source.read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------
+# File-system failures are one line naming the path
+
+def test_out_naming_a_directory_is_refused(tmp_path, capsys):
+    source = tmp_path / "a.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    folder = tmp_path / "streams"
+    folder.mkdir()
+    with pytest.raises(StreamError, match=f"stream {folder}: is a directory"):
+        data.prepare_stream(source=source, vocab=V, out=folder)
+    assert main(["tokenize", str(source), "--out", str(folder), "--vocab", str(V)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"coppelius tokenize: error: stream {folder}: is a directory, not a token stream file\n"
+    assert os.listdir(folder) == [] and sorted(os.listdir(tmp_path)) == ["a.txt", "streams"]
+
+
+@pytest.mark.parametrize("with_source", [True, False])
+def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path, capsys, with_source):
+    source = tmp_path / "a.txt"
+    source.write_text(sample_text(), encoding="utf-8")
+    blocker = tmp_path / "file"  # a file where the cache's parent directory should be
+    blocker.write_text("")
+    cache = blocker / "cache"
+    argv = ["tokenize"] + ([str(source)] if with_source else []) + [
+        "--cache-dir", str(cache), "--vocab", str(V)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("coppelius tokenize: error: ")
+    assert f"{cache}{os.sep}" in err and "cannot write (Not a directory" in err
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "file"]
+
+
+# ---------------------------------------------------------------------------
+# One cache: runs/data under the current directory
+
+def test_tokenize_and_train_share_the_default_cache(tmp_path, monkeypatch, capsys, counted):
+    root = tmp_path / "lib"  # a standard library of one file of real text
+    root.mkdir()
+    (root / "json.py").write_text(sample_text(), encoding="utf-8")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(root)})
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert data.default_cache_dir() == os.path.join("runs", "data")
+    assert main(["tokenize", "--vocab", str(V), "--preset", "tiny"]) == 0
+    stem = f"{data.default_source_name()}-v{V}"
+    expected = os.path.join("runs", "data", stem, stem + ".tokens")
+    assert f"wrote {expected}: " in capsys.readouterr().out
+    assert (work / "runs" / "data" / "corpus" / f"{data.default_source_name()}.txt").is_file()
+    # what `coppelius train` asks for: the default cache, no rebuild
+    assert data.prepare_stream(vocab=V, cache_dir=None) == (
+        expected, os.path.join("runs", "data", stem, "tokenizer.json"))
+    assert len(counted) == 1
+    # --cache-dir still puts it elsewhere
+    assert main(["tokenize", "--vocab", str(V), "--cache-dir", str(tmp_path / "c")]) == 0
+    assert len(counted) == 2 and (tmp_path / "c" / stem / f"{stem}.tokens").is_file()
+    assert sorted(os.listdir(work)) == ["runs"]

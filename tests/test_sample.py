@@ -2,6 +2,7 @@
 greedy and top-k sampling on the reference forward."""
 
 import os
+import shutil
 import sysconfig
 
 import numpy as np
@@ -14,7 +15,7 @@ from coppelius.cli import main
 from reference import Hyper, forward, initialize, preset
 from reference.checkpoint import identities, write_checkpoint
 from reference.config import MODEL_FIELDS, PRESETS, Config, config_from_identity
-from reference.errors import ConfigError
+from reference.errors import ConfigError, NonFiniteError
 from reference.params import registry
 from reference.state import State
 
@@ -165,7 +166,7 @@ def test_load_parameters_gives_back_what_was_written(run):
 
 
 def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing in the default cache
+    monkeypatch.chdir(tmp_path)  # nothing in the default cache, runs/data
     prompt = "def decode(self, s"
     assert main(["sample", str(run["ckpt"]), "--prompt", prompt, "--tokens", "12",
                  "--temperature", "0"]) == 0
@@ -181,7 +182,7 @@ def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkey
 
 
 def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # nothing in the default cache, runs/data
     lone = tmp_path / "elsewhere" / "checkpoint.bin"
     lone.parent.mkdir()
     lone.write_bytes(run["ckpt"].read_bytes())
@@ -206,12 +207,105 @@ def test_cli_refuses_a_tokenizer_of_another_vocabulary(run, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("option", [["--tokens", "-1"], ["--temperature", "-0.5"],
-                                    ["--temperature", "nan"], ["--top-k", "-2"]])
+                                    ["--temperature", "nan"], ["--temperature", "inf"],
+                                    ["--top-k", "-2"], ["--seed", "-1"]])
 def test_cli_refuses_bad_options(run, capsys, option):
     assert main(["sample", str(run["ckpt"])] + option) == 2
-    assert option[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"coppelius sample: error: {option[0]}={option[1]}: must be ")
+    assert err.count("\n") == 1
 
 
 def test_cli_refuses_a_missing_checkpoint(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "none.bin")]) == 2
     assert "none.bin" in capsys.readouterr().err
+
+
+def greedy_text(run, prompt: str, n: int) -> str:
+    """`prompt` and n greedy tokens, computed independently of sample.generate."""
+    out = list(run["tok"].encode(prompt).ids)
+    for _ in range(n):
+        out.append(int(np.argmax(last_logits(BPE, run["P"], out))))
+    return run["tok"].decode(out)
+
+
+def test_the_default_prompt_is_def_without_a_trailing_space(run, capsys, monkeypatch, tmp_path):
+    assert sample.DEFAULT_PROMPT == "def"
+    monkeypatch.chdir(tmp_path)
+    assert main(["sample", str(run["ckpt"]), "--tokens", "6", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy_text(run, "def", 6) + "\n"
+
+
+@given(logits=st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=50),
+       top_k=st.integers(0, 5), temperature=st.sampled_from([1e-320, 5e-324, 1e-300, 1e-30]))
+def test_a_vanishing_temperature_draws_a_largest_logit(logits, top_k, temperature):
+    logits = np.array(logits, dtype=np.float32)
+    got = sample.pick(logits, temperature, top_k, np.random.default_rng(0))
+    assert logits[got] == logits.max()
+
+
+def test_a_huge_temperature_draws_uniformly_from_the_top_k():
+    logits = np.array([3.0, -1.0, 2.0, 0.5, 9.0], dtype=np.float32)
+    rng = np.random.default_rng(5)
+    n = 20000
+    counts = np.bincount([sample.pick(logits, 1e308, 3, rng) for _ in range(n)], minlength=5)
+    expected = np.array([1, 0, 1, 0, 1]) / 3  # ids 4, 0, 2 are the three largest
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(counts / n - expected) <= 5 * sigma + 1e-12), counts
+
+
+def test_pick_refuses_non_finite_logits():
+    with pytest.raises(NonFiniteError, match="id 2"):
+        sample.pick(np.array([0.0, 1.0, np.nan, np.inf], dtype=np.float32), 1.0, 0,
+                    np.random.default_rng(0))
+
+
+def test_cli_a_tiny_temperature_samples_like_greedy(run, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    prompt = "def decode(self, s"
+    assert main(["sample", str(run["ckpt"]), "--prompt", prompt, "--tokens", "12",
+                 "--temperature", "1e-320"]) == 0
+    assert capsys.readouterr().out == greedy_text(run, prompt, 12) + "\n"
+
+
+def test_cli_refuses_a_checkpoint_with_non_finite_parameters(run, capsys, tmp_path):
+    reg = registry(BPE)
+    spec = next(s for s in reg.specs if len(s.shape) == 2 and s.ordinal > 0)
+    later = reg.specs[-1]
+    P = run["P"].copy()
+    i, j = 3, 5
+    P[spec.offset + i * spec.shape[1] + j] = np.nan  # (row i, column j) of the tensor
+    P[later.offset] = np.inf  # a later one is not the first
+    P[:spec.offset] = 1.0  # every earlier tensor finite
+    ckpt = tmp_path / "nan.bin"
+    write_checkpoint(ckpt, BPE, run["ids"], State.fresh(P), contexts=0)
+    assert main(["sample", str(ckpt), "--tokenizer", str(run["tok_path"])]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"coppelius sample: error: checkpoint {ckpt}: parameters are not finite "
+                   f"(first: {spec.name}[{i}, {j}])\n")
+
+
+def test_the_tokenizer_beside_the_checkpoint_is_found_first(run, capsys, monkeypatch, tmp_path):
+    """A run on an explicit --stream: its stream and tokenizer lie elsewhere,
+    the run copies the tokenizer beside its checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    streams = tmp_path / "streams" / "mine"
+    streams.mkdir(parents=True)
+    shutil.copyfile(run["tok_path"], streams / "tokenizer.json")
+    (streams / "mine.tokens").write_bytes(b"")  # where the stream was; sample never reads it
+    run_dir = tmp_path / "experiments" / "first"
+    run_dir.mkdir(parents=True)
+    ckpt = run_dir / "checkpoint.bin"
+    shutil.copyfile(run["ckpt"], ckpt)
+    # without the copy: not found beside it, nor in the caches
+    assert main(["sample", str(ckpt), "--tokens", "2"]) == 2
+    assert "no tokenizer.json with SHA-256" in capsys.readouterr().err
+    shutil.copyfile(run["tok_path"], run_dir / "tokenizer.json")
+    # the same file in the default cache too: the copy beside the checkpoint comes first
+    cached = tmp_path / "runs" / "data" / "corpus-v320"
+    cached.mkdir(parents=True)
+    shutil.copyfile(run["tok_path"], cached / "tokenizer.json")
+    _, _, header = sample.load_parameters(ckpt)
+    assert sample.find_tokenizer(ckpt, header) == str(run_dir / "tokenizer.json")
+    assert main(["sample", str(ckpt), "--tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy_text(run, "def", 5) + "\n"

@@ -138,3 +138,32 @@ def test_contexts_and_batches_match_a_list_computation(tmp_path_factory, N, T, d
     else:
         with pytest.raises(StreamError, match="contexts"):
             stream.batch(c0, B, T)
+
+
+def test_file_system_failures_are_stream_errors_naming_the_path(tmp_path, monkeypatch):
+    import errno
+
+    from reference import fsutil
+
+    folder = tmp_path / "folder.tokens"
+    folder.mkdir()
+    with pytest.raises(StreamError, match=rf"folder\.tokens: is a directory, not a token stream"):
+        open_stream(folder, 64)
+    with pytest.raises(StreamError, match=rf"folder\.tokens: cannot write token stream"):
+        write_stream(folder, [1, 2, 3], 0, 0)
+    assert list(folder.iterdir()) == []
+
+    # a write that fails (a full disk) leaves the published stream as it was
+    path = tmp_path / "a.tokens"
+    raw_stream(path, 5, 6, [1, 2, 3])
+    before = path.read_bytes()
+
+    def disk_full(phase):
+        if phase == "written":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil, "_hook", disk_full)
+    with pytest.raises(StreamError, match=r"a\.tokens: cannot write token stream \(No space"):
+        write_stream(path, [4, 5, 6, 7], 8, 9)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tokens", "folder.tokens"]
