@@ -120,8 +120,7 @@ def make_plan(args) -> Plan:
         raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
 
     stream_path, tokenizer = data.prepare_stream(
-        source=args.source, stream=args.stream, vocab=config.vocab,
-        cache_dir=os.path.join(os.path.dirname(os.path.abspath(run_dir)), "data"))
+        source=args.source, stream=args.stream, vocab=config.vocab)  # cached under runs/data
     stream = open_stream(stream_path, config.vocab)
     ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
                                 stream.sha256, args.seed)
@@ -374,8 +373,8 @@ def main(args) -> int:
     print(f"loss plot:  {png}")
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()
-        text = sample.generate_text(plan.checkpoint, prompt="def ", tokens=80, temperature=0.8,
-                                    top_k=40, seed=0, tokenizer=plan.tokenizer)
+        text = sample.generate_text(plan.checkpoint, prompt=sample.DEFAULT_PROMPT, tokens=80,
+                                    temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer)
         print(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text)
     return 0
 
