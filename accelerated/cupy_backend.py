@@ -1,0 +1,710 @@
+"""The CuPy backend (SPEC sections 13 and 14), the production path: the
+whole training step -- forward, loss, backward, AdamW -- written as CUDA
+kernels (accelerated/cuda_kernels.py) and cuBLAS products
+(accelerated/cublas.py) on one stream, captured once as a CUDA graph and
+replayed.
+
+Memory plan. Everything the step touches is allocated at capture and kept
+for the program's life: P, M, V, G as flat float32 vectors with the
+registry's layout (a parameter is an offset into them), the update count t
+and the bias corrections on the device, the input slot (B, T+1) int32, and
+every activation the backward needs, per layer. Kernels and products write
+in place; nothing is allocated, copied to or from the host, or synchronized
+inside the captured step. New buffers are filled with NaN (bf16: all ones
+bits, also a NaN), so an element a kernel forgets to write shows up.
+
+Matrix products. Linear weights are (out, in) row-major slices of P, and
+the registry puts q, k, v next to each other (one (3D, D) product) and gate,
+up too (one (2F, D) product). Attention runs per batch element as strided
+batched products over the heads, reading q, k, v straight out of the
+(BT, 3D) projection with row stride 3D and writing y in the (BT, D) layout
+with row stride D, so no transpose kernel is needed. The scores are
+materialized (B, H, T, T) float32 and kept per layer for the backward.
+
+bf16 policy (SPEC 6). Every operand of every product is a bfloat16
+(rounded to nearest even) and every product accumulates in float32. The
+parameters' bfloat16 copy Pb is written by AdamW as it updates P (and once
+at capture); activations that are only ever operands (the normalized h,
+rotated q and k, v, attention probabilities p, y, silu(g)*u, dlogits, ds,
+and the gradients flowing into products) are written as bfloat16 by the
+kernel that produces them. Products whose result is only another product's
+operand (y = p v, dy, dv) let cuBLAS round their float32 result once.
+
+Tied embedding: its gradient is the unembedding product dlogits^T hf,
+written into G, plus the gather gradient that embedding_backward adds to
+the rows of the ids present, each summed in position order. Layernorm weight gradients are reduced in a fixed order at
+the end of the step, for every norm at once.
+
+AdamW (SPEC 7): a one-thread kernel advances the device update count t and
+computes c1 = float32(1 - beta1^t), c2 = float32(1 - beta2^t) with pow in
+float64, then one elementwise kernel updates P, M, V (and Pb).
+
+Capture (SPEC 13): the step runs once eagerly (compiles, sizes cuBLAS's
+choices), the state is restored from the host (capture performs no
+update), then the step is recorded on a non-blocking stream. Replay is one
+graph launch. COPPELIUS_NO_CAPTURE=1 runs the same step eagerly on every
+replay instead: for debugging, not for training.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import cupy
+except ImportError:  # the backend is simply unavailable
+    cupy = None
+
+from reference.adamw import AdamWConstants
+from reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
+from reference.errors import RunError
+from reference.layers.rope import rope_tables
+from reference.params import registry
+from reference.program import ReplayError, check_state, check_tokens, compilation_report
+from reference.state import State
+
+from . import cuda_kernels
+from . import cublas
+from .cublas import WORKSPACE_BYTES, Cublas
+
+BACKEND = "cupy"
+EPS = np.float32(float(LAYERNORM_EPS))
+
+
+def available() -> bool:
+    """CuPy importable and at least one CUDA device present; never raises."""
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def capture_enabled() -> bool:
+    return os.environ.get("COPPELIUS_NO_CAPTURE", "") in ("", "0")
+
+
+def _ptr(a, offset: int = 0) -> int:
+    """Device address of element `offset` of the contiguous array a."""
+    return a.data.ptr + offset * a.itemsize
+
+
+class Buffers:
+    """Allocates device buffers, filled with NaN, and counts their bytes. The
+    fills run on the program's stream, so they are ordered before its work
+    (a non-blocking stream does not wait for the legacy default stream)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.bytes = 0
+
+    def __call__(self, shape, dtype, zeros=False):
+        dtype = np.dtype(dtype)
+        with self.stream:
+            if zeros:
+                a = cupy.zeros(shape, dtype=dtype)
+            elif dtype == np.float32:
+                a = cupy.full(shape, np.nan, dtype=dtype)
+            elif dtype == np.uint16:  # bfloat16 bits: 0xffff is a NaN
+                a = cupy.full(shape, 0xFFFF, dtype=dtype)
+            else:
+                a = cupy.zeros(shape, dtype=dtype)
+        self.bytes += a.nbytes
+        return a
+
+    def upload(self, host):
+        with self.stream:
+            a = cupy.asarray(host)
+        self.bytes += a.nbytes
+        return a
+
+
+@dataclass(frozen=True)
+class LayerOffsets:
+    """Offsets into P (and G) of one layer's parameters."""
+
+    attn_norm: int  # attn_norm.weight (D,), its bias right after
+    qkv: int  # q, k, v weights, adjacent: one (3D, D) matrix
+    o: int  # (D, D)
+    mlp_norm: int  # mlp_norm.weight (D,), its bias right after
+    gate_up: int  # gate, up weights, adjacent: one (2F, D) matrix
+    down: int  # (D, F)
+
+
+def layer_offsets(config: Config) -> list:
+    """Per layer, the offsets of its parameters; checks the adjacency the
+    fused products rely on."""
+    reg = registry(config)
+    D, F = config.d_model, config.d_ff
+    out = []
+    for l in range(config.n_layer):
+        s = {name.split(".", 2)[2]: spec.offset for name, spec in reg.by_name.items()
+             if name.startswith(f"layers.{l}.")}
+        assert s["attn.k.weight"] == s["attn.q.weight"] + D * D
+        assert s["attn.v.weight"] == s["attn.k.weight"] + D * D
+        assert s["mlp.up.weight"] == s["mlp.gate.weight"] + F * D
+        assert s["attn_norm.bias"] == s["attn_norm.weight"] + D
+        assert s["mlp_norm.bias"] == s["mlp_norm.weight"] + D
+        out.append(LayerOffsets(s["attn_norm.weight"], s["attn.q.weight"], s["attn.o.weight"],
+                                s["mlp_norm.weight"], s["mlp.gate.weight"], s["mlp.down.weight"]))
+    return out
+
+
+def norm_offsets(config: Config) -> np.ndarray:
+    """(2L+1,) int64: offsets of every norm's weight, in the order of the
+    layernorm partials: 2l attn_norm, 2l+1 mlp_norm, 2L final_norm."""
+    reg = registry(config)
+    offsets = []
+    for l in range(config.n_layer):
+        offsets += [reg[f"layers.{l}.attn_norm.weight"].offset,
+                    reg[f"layers.{l}.mlp_norm.weight"].offset]
+    final = reg["final_norm.weight"].offset
+    assert reg["final_norm.bias"].offset == final + config.d_model
+    return np.array(offsets + [final], dtype=np.int64)
+
+
+class Activations:
+    """Every buffer one step of (B, T) needs. With train=False (an eager
+    forward) one layer's buffers serve every layer and the backward's are
+    not allocated."""
+
+    def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool):
+        D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
+        BT = B * T
+        self.B, self.T = B, T
+        f32 = np.float32
+        bf16 = op_dtype == np.uint16
+        n = L if train else 1
+
+        def per_layer(shape, dtype):
+            own = [alloc(shape, dtype) for _ in range(n)]
+            return [own[l % n] for l in range(L)]
+
+        # forward (saved for the backward when training)
+        self.x = per_layer((BT, D), f32) + [alloc((BT, D), f32)]  # residual input of layer l; x[L] final
+        self.x_mid = per_layer((BT, D), f32)  # residual after attention
+        self.mean1, self.rstd1 = per_layer((BT,), f32), per_layer((BT,), f32)
+        self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
+        self.h1 = per_layer((BT, D), op_dtype)  # attn_norm(x), operand
+        self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
+        self.att = per_layer((B, H, T, T), f32)  # probabilities p
+        self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
+        self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
+        self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
+        self.a = per_layer((BT, F), op_dtype)  # silu(g) * u, operand
+        self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
+        self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
+        self.logits = alloc((BT, V), f32)
+        # scratch
+        self.qkv32 = alloc((BT, 3 * D), f32)  # projections before rope
+        self.proj = alloc((BT, D), f32)  # output of the o and down products
+        # p as an operand: the kernels write its causal part only, the zeros
+        # above the diagonal stay from here on
+        self.att_op = alloc((B, H, T, T), op_dtype, zeros=True) if bf16 else None
+        if not train:
+            return
+        # loss and backward
+        self.ce = alloc((BT,), f32)  # row losses
+        self.loss = alloc((1,), f32)
+        self.dlogits = alloc((BT, V), op_dtype)
+        self.dh = alloc((BT, D), f32)  # gradient at a norm's output
+        self.dres = alloc((BT, D), f32)  # gradient of the residual stream
+        self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
+        self.da = alloc((BT, F), f32)
+        self.dgu = alloc((BT, 2 * F), op_dtype)
+        self.dy = alloc((BT, D), op_dtype)
+        self.dp = alloc((B, H, T, T), f32)
+        self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
+        self.dqk = alloc((BT, 2 * D), f32)  # gradients of the rotated q, k
+        self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
+        chunks = -(-BT // cuda_kernels.LAYERNORM_CHUNK)
+        self.ln_partials = alloc((2 * L + 1, chunks, 2 * D), f32)
+
+
+class Model:
+    """The step's kernels and products over the program's buffers."""
+
+    def __init__(self, config: Config, precision: str, kernels, blas, P, Pop, G, cos, sin,
+                 norms):
+        self.config, self.precision = config, precision
+        self.norm_offsets = norms  # (2L+1,) int64 on the device: see norm_offsets()
+        self.k, self.blas = kernels, blas
+        self.P, self.Pop, self.G = P, Pop, G  # Pop: the parameters as operands (Pb or P)
+        self.cos, self.sin = cos, sin  # (T, E/2)
+        self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
+        self.layers = layer_offsets(config)
+        self.scale = cuda_kernels.attention_scale(config.head_dim)
+        D = config.d_model
+        V = config.vocab
+        self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
+        self.final_norm = registry(config)["final_norm.weight"].offset
+        self.G_emb = G[self.emb:self.emb + V * D].reshape(V, D)
+
+    def norm(self, offset):
+        # (weight, bias) views of P for a norm whose weight starts at offset
+        D = self.config.d_model
+        return self.P[offset:offset + D], self.P[offset + D:offset + 2 * D]
+
+    def operand(self, a, a_op):
+        """The operand form of a float32 buffer: its bfloat16 copy under bf16."""
+        return a_op if a_op is not None else a
+
+    # -- products -------------------------------------------------------------
+
+    def gemm(self, trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, c_type="float32", **kw):
+        self.blas.gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, ab_type=self.op,
+                       c_type=c_type, **kw)
+
+    def linear_forward(self, x, W, out, n_out, n_in):
+        # x (rows, in) operand, W at offset into Pop (out, in) -> out (rows, out) = x @ W.T
+        self.gemm(False, True, x.shape[0], n_out, n_in, _ptr(x), n_in, _ptr(self.Pop, W),
+                  n_in, _ptr(out), n_out)
+
+    def linear_backward(self, dy, x, W, dx, n_out, n_in):
+        # dy (rows, out) operand -> dx (rows, in) = dy @ W ; G[W] (out, in) = dy.T @ x
+        rows = dy.shape[0]
+        self.gemm(False, False, rows, n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W), n_in,
+                  _ptr(dx), n_in)
+        self.gemm(True, False, n_out, n_in, rows, _ptr(dy), n_out, _ptr(x), n_in,
+                  _ptr(self.G, W), n_in)
+
+    # -- forward ----------------------------------------------------------------
+
+    def forward(self, a: Activations, ids, ids_stride: int) -> None:
+        """ids (B, ids_stride) int32, the first T of each row the inputs ->
+        a.logits (BT, V), every activation of the backward kept in a."""
+        c, k = self.config, self.k
+        L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
+        T = a.T
+        k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
+                            a.x[0])
+        for l, w in enumerate(self.layers):
+            # h = attn_norm(x), after the previous layer's residual add
+            prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
+            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h1[l], a.mean1[l], a.rstd1[l],
+                                *self.norm(w.attn_norm), EPS)
+            self.linear_forward(a.h1[l], w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
+            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
+            self.attention_forward(a, l)  # -> a.y[l] (BT,D)
+            self.linear_forward(a.y[l], w.o, a.proj, D, D)
+            # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
+            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h2[l], a.mean2[l], a.rstd2[l],
+                                *self.norm(w.mlp_norm), EPS)
+            self.linear_forward(a.h2[l], w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
+            k.swiglu_forward(a.gu[l], a.a[l])
+            self.linear_forward(a.a[l], w.down, a.proj, D, F)
+        # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
+        k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
+                            *self.norm(self.final_norm), EPS)
+        self.linear_forward(a.hf, self.emb, a.logits, V, D)
+
+    def attention_forward(self, a: Activations, l: int) -> None:
+        """a.qkv[l] (BT,3D) -> a.att[l] (B,H,T,T) probabilities, a.y[l] (BT,D)."""
+        c = self.config
+        B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        qkv, att, y = a.qkv[l], a.att[l], a.y[l]
+        for b in range(B):  # one strided batched product over the H heads
+            q, kk = _ptr(qkv, b * T * 3 * D), _ptr(qkv, b * T * 3 * D + D)
+            # s_h (T,T) = q_h (T,E) @ k_h^T
+            self.gemm(False, True, T, T, E, q, 3 * D, kk, 3 * D, _ptr(att, b * H * T * T), T,
+                      batch=H, stride_a=E, stride_b=E, stride_c=T * T)
+        self.k.attention_softmax_forward(att, a.att_op, self.scale)
+        p = self.operand(att, a.att_op)
+        for b in range(B):
+            v = _ptr(qkv, b * T * 3 * D + 2 * D)
+            # y_h (T,E) = p_h (T,T) @ v_h, at column h*E of y
+            self.gemm(False, False, T, E, T, _ptr(p, b * H * T * T), T, v, 3 * D,
+                      _ptr(y, b * T * D), D, c_type=self.op, batch=H, stride_a=T * T, stride_b=E,
+                      stride_c=E)
+
+    # -- loss and backward --------------------------------------------------------
+
+    def backward(self, a: Activations, ids, ids_stride: int) -> None:
+        """Row losses, mean loss and every parameter's gradient into G."""
+        c, k = self.config, self.k
+        L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
+        T, BT = a.T, a.B * a.T
+        dce = np.float32(1.0 / BT)  # d mean / d ce, as the reference's float32 1/n
+        k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce, a.dlogits, dce)
+        k.mean_loss(a.ce, a.loss)
+        # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
+        self.linear_backward(a.dlogits, a.hf, self.emb, a.dh, V, D)
+        dres_op = self.operand(a.dres, a.dres_op)
+        k.layernorm_backward(a.dh, None, a.x[L], a.meanf, a.rstdf, self.norm(self.final_norm)[0],
+                             a.dres, a.dres_op, a.ln_partials[2 * L])
+        for l in reversed(range(L)):
+            w = self.layers[l]
+            # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
+            self.linear_backward(dres_op, a.a[l], w.down, a.da, D, F)
+            k.swiglu_backward(a.da, a.gu[l], a.dgu)
+            self.linear_backward(a.dgu, a.h2[l], w.gate_up, a.dh, 2 * F, D)  # dh = dh_gate + dh_up
+            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l],
+                                 self.norm(w.mlp_norm)[0], a.dres, a.dres_op,
+                                 a.ln_partials[2 * l + 1])
+            # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
+            self.gemm(False, False, BT, D, D, _ptr(dres_op), D, _ptr(self.Pop, w.o), D,
+                      _ptr(a.dy), D, c_type=self.op)  # dy = dres Wo, an operand only
+            self.gemm(True, False, D, D, BT, _ptr(dres_op), D, _ptr(a.y[l]), D, _ptr(self.G, w.o),
+                      D)
+            self.attention_backward(a, l)  # -> a.dqkv (BT,3D)
+            self.linear_backward(a.dqkv, a.h1[l], w.qkv, a.dh, 3 * D, D)  # dh = dh_q + dh_k + dh_v
+            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l],
+                                 self.norm(w.attn_norm)[0], a.dres, a.dres_op,
+                                 a.ln_partials[2 * l])
+        # the gather gradient, added to the unembedding gradient already in G_emb
+        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb)
+        k.layernorm_param_grads(a.ln_partials, self.norm_offsets, self.G)
+
+    def attention_backward(self, a: Activations, l: int) -> None:
+        """a.dy (BT,D) -> a.dqkv (BT,3D): dq, dk through rope, and dv."""
+        c = self.config
+        B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        qkv, att = a.qkv[l], a.att[l]
+        for b in range(B):
+            v = _ptr(qkv, b * T * 3 * D + 2 * D)
+            # dp_h (T,T) = dy_h (T,E) @ v_h^T
+            self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D), D, v, 3 * D,
+                      _ptr(a.dp, b * H * T * T), T, batch=H, stride_a=E, stride_b=E,
+                      stride_c=T * T)
+        self.k.attention_softmax_backward(att, a.dp, a.ds, a.att_op, self.scale)
+        p = self.operand(att, a.att_op)
+        for b in range(B):
+            q, kk = _ptr(qkv, b * T * 3 * D), _ptr(qkv, b * T * 3 * D + D)
+            hh = dict(batch=H, stride_a=T * T, stride_b=E, stride_c=E)
+            # dv_h (T,E) = p_h^T dy_h, an operand only: straight into dqkv[:, 2D:]
+            self.gemm(True, False, T, E, T, _ptr(p, b * H * T * T), T, _ptr(a.dy, b * T * D), D,
+                      _ptr(a.dqkv, b * T * 3 * D + 2 * D), 3 * D, c_type=self.op, **hh)
+            # dq_h = ds_h k_h ; dk_h = ds_h^T q_h  (T,E), into dqk (BT,2D)
+            ds = _ptr(a.ds, b * H * T * T)
+            self.gemm(False, False, T, E, T, ds, T, kk, 3 * D, _ptr(a.dqk, b * T * 2 * D), 2 * D,
+                      **hh)
+            self.gemm(True, False, T, E, T, ds, T, q, 3 * D, _ptr(a.dqk, b * T * 2 * D + D),
+                      2 * D, **hh)
+        self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, T, c.n_head)
+
+
+class Event:
+    """A submitted replay: wait() blocks until the step has finished."""
+
+    def __init__(self, event):
+        self.event = event  # cupy.cuda.Event recorded after the graph launch
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class DeviceState:
+    """The optimizer state the captured graph reads and writes."""
+
+    backend = BACKEND
+
+    def __init__(self, P, M, V, t):
+        self.P, self.M, self.V, self.t = P, M, V, t  # (N,) float32 x3, (1,) int32
+
+
+def _check_update_count(t):
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31 - 1:
+        raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31 - 1)")
+
+
+_KERNELS = {}  # precision -> Kernels: each policy's module is compiled once per process
+
+
+def kernels_for(precision: str):
+    if precision not in _KERNELS:
+        _KERNELS[precision] = cuda_kernels.Kernels(precision)
+    return _KERNELS[precision]
+
+
+class CupyProgram:
+    """The captured training step on CUDA (the TrainingProgram interface)."""
+
+    backend = BACKEND
+
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
+        check_precision(precision)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise RunError(f"batch={batch!r}: must be a positive integer")
+        check_state(config, state)
+        _check_update_count(state.t)
+        if config.d_model > cuda_kernels.MAX_D:
+            raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
+                           f"a row in registers, at most {cuda_kernels.MAX_D} features")
+        self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
+        self.captured = capture_enabled()
+        self.replays = 0
+        reg = registry(config)
+        N, T, E = reg.total, config.context, config.head_dim
+        bf16 = precision == "bf16"
+        op_dtype = np.uint16 if bf16 else np.float32
+
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.alloc = alloc = Buffers(self.stream)
+        # the optimizer state, its gradient, and the step's constants
+        self.P, self.M, self.V, self.G = (alloc((N,), np.float32) for _ in range(4))
+        self.Pb = alloc((N,), np.uint16) if bf16 else None
+        self.t = alloc((1,), np.int32)
+        self.c = alloc((2,), np.float32)  # c1, c2 of the current update
+        self.decay = alloc.upload(reg.decay_mask().astype(np.uint8))  # (N,)
+        cos, sin = rope_tables(T, E)  # (T, E/2) float32, from float64 angles
+        self.cos, self.sin = alloc.upload(cos), alloc.upload(sin)
+        self.ids = alloc((batch, T + 1), np.int32)  # the input slot
+        self.workspace = alloc((WORKSPACE_BYTES,), np.uint8)
+        self.adamw = AdamWConstants.of(hyper)
+        self.betas = (float(hyper.beta1), float(hyper.beta2))  # the float64 bias corrections'
+
+        self.kernels = kernels_for(precision)
+        self.blas = Cublas(self.stream.ptr, _ptr(self.workspace), WORKSPACE_BYTES)
+        weakref.finalize(self, self.blas.close)
+        self.model = Model(config, precision, self.kernels, self.blas, self.P,
+                           self.Pb if bf16 else self.P, self.G, self.cos, self.sin,
+                           alloc.upload(norm_offsets(config)))
+        self.acts = Activations(config, batch, T, op_dtype, alloc, train=True)
+        self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
+        self._eager = None  # (B', T', Activations) of the last logits() shape
+        self._uploaded = False
+        self._stepped = False
+        self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
+        self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.graph = None
+
+        self._load(state)
+        self.recorded = self._counted(self._step)  # warm-up: compiles, lets cuBLAS choose
+        self._load(state)  # the warm-up updated the state: capture performs no update
+        if self.captured:
+            def record():
+                self.stream.begin_capture()
+                try:
+                    self._step()
+                finally:
+                    self.graph = self.stream.end_capture()
+
+            self.recorded = self._counted(record)
+        self.stream.synchronize()
+
+    # -- the step ----------------------------------------------------------------
+
+    def _load(self, state: State) -> None:
+        """Host state -> the device buffers the graph reads (in place)."""
+        self.P.set(state.P, stream=self.stream)
+        self.M.set(state.M, stream=self.stream)
+        self.V.set(state.V, stream=self.stream)
+        self.t.set(np.array([state.t], dtype=np.int32), stream=self.stream)
+        if self.Pb is not None:
+            with self.stream:
+                self.kernels.round_bf16(self.P, self.Pb)
+        self.stream.synchronize()
+
+    def _counted(self, work) -> dict:
+        """Run work() on the stream; count its kernel launches and products."""
+        k = self.kernels
+        launches, calls, k.trace = k.launches, self.blas.calls, []
+        try:
+            with self.stream:
+                work()
+        finally:
+            names, k.trace = set(k.trace), None
+        self.stream.synchronize()
+        return {"kernel_launches": k.launches - launches, "products": self.blas.calls - calls,
+                "kernels": sorted(names)}
+
+    def _step(self) -> None:
+        """Forward, backward and AdamW on the input slot: the captured work."""
+        k, a = self.kernels, self.acts
+        T = self.config.context
+        self.model.forward(a, self.ids, T + 1)
+        self.model.backward(a, self.ids, T + 1)
+        k.adamw_bias_corrections(self.t, self.c, *self.betas)  # t += 1 on the device
+        k.adamw_update(self.P, self.M, self.V, self.G, self.decay, self.Pb, self.c, self.adamw)
+
+    # -- the TrainingProgram interface -------------------------------------------------
+
+    def upload_input(self, tokens) -> None:
+        """tokens (B, T+1) ids -> the input slot."""
+        tokens = check_tokens(self.config, self.batch, tokens).astype(np.int32)
+        # a pending replay still reads the slot: the host waits for it before
+        # the copy (free in training, where the previous step was waited for)
+        self._done.synchronize()
+        self.ids.set(tokens, stream=self.stream)
+        self._uploaded = True
+
+    def replay(self) -> Event:
+        """Submit one step without waiting; returns an event."""
+        if not self._uploaded:
+            raise ReplayError("replay before upload_input: the input slot is empty")
+        s = self.device_state
+        if getattr(s, "backend", None) != BACKEND:
+            raise ReplayError(f"replay with {getattr(s, 'backend', type(s).__name__)!r} state: "
+                              f"this program replays only the state of backend {BACKEND!r}")
+        if s is not self._owned:
+            raise ReplayError("replay after the optimizer state was replaced: capture a new "
+                              "program from the new state")
+        self._submit()
+        self._done.record(self.stream)
+        self.replays += 1
+        self._stepped = True
+        return Event(self._done)
+
+    def _submit(self) -> None:
+        if self.graph is not None:
+            self.graph.launch(stream=self.stream)
+        else:
+            with self.stream:
+                self._step()
+
+    def replay_and_wait(self) -> float:
+        self.replay().wait()
+        return float(self.acts.loss.get(stream=self.stream)[0])  # the step's one read back
+
+    def replay_timed_and_wait(self):
+        """-> (mean loss, device seconds between events around the launch)."""
+        self._start.record(self.stream)
+        event = self.replay()
+        self._end.record(self.stream)
+        event.wait()
+        self._end.synchronize()
+        seconds = cupy.cuda.get_elapsed_time(self._start, self._end) / 1e3
+        return float(self.acts.loss.get(stream=self.stream)[0]), seconds
+
+    def _last(self, what):
+        if not self._stepped:
+            raise ReplayError(f"{what}: no step has been replayed yet")
+        self._done.synchronize()
+
+    def row_losses(self) -> np.ndarray:
+        self._last("row_losses")
+        return self.acts.ce.get(stream=self.stream).reshape(self.batch, self.config.context)
+
+    def gradients(self) -> np.ndarray:
+        self._last("gradients")
+        return self.G.get(stream=self.stream)  # (N,)
+
+    def state(self) -> State:
+        self._done.synchronize()
+        get = lambda a: a.get(stream=self.stream)  # noqa: E731
+        return State(get(self.P), get(self.M), get(self.V), int(get(self.t)[0]))
+
+    def logits(self, tokens) -> np.ndarray:
+        """tokens (B', T') with T' <= T -> logits (B', T', V) with the current
+        parameters: an eager forward on buffers of its own."""
+        tokens = np.asarray(tokens)
+        T, V = self.config.context, self.config.vocab
+        if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
+                or not 0 < tokens.shape[1] <= T or tokens.shape[0] < 1):
+            raise ReplayError(f"logits tokens {tokens.dtype} {tokens.shape}: expected integer ids "
+                              f"of shape (B, T) with T <= {T}")
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ReplayError(f"logits token id {int(tokens[(tokens < 0) | (tokens >= V)][0])}: "
+                              f"out of range [0, {V})")
+        B2, T2 = tokens.shape
+        if self._eager is None or self._eager[:2] != (B2, T2):
+            self._eager = None  # free the previous shape's buffers first
+            op = np.uint16 if self.precision == "bf16" else np.float32
+            acts = Activations(self.config, B2, T2, op, Buffers(self.stream), train=False)
+            self._eager = (B2, T2, acts)
+        acts = self._eager[2]
+        ids = Buffers(self.stream).upload(tokens.astype(np.int32))
+        self._done.synchronize()
+        with self.stream:
+            self.model.forward(acts, ids, T2)  # after any pending replay, on the same stream
+        self.stream.synchronize()
+        return acts.logits.get(stream=self.stream).reshape(B2, T2, V)
+
+    def compilation_report(self) -> dict:
+        return _report(self)
+
+    def diagnostics(self) -> dict:
+        report = _report(self)
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        free, total = cupy.cuda.runtime.memGetInfo()
+        report["runtime"] = {
+            "cupy_version": cupy.__version__,
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "cublas_version": self.blas.version,
+            "cublas_library": cublas.LOADED_FROM,
+            "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "update_count": int(self.t.get(stream=self.stream)[0]),  # a sync: not in the loop
+            "device_free_bytes": int(free),
+            "device_total_bytes": int(total),
+        }
+        return report
+
+
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> CupyProgram:
+    """Allocate, warm up and capture the step once; performs no training update."""
+    if not available():
+        raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
+    return CupyProgram(config, hyper, precision, batch, state)
+
+
+# ---------------------------------------------------------------- the report
+
+def graph_nodes(graph):
+    """Nodes of the captured graph, read from CUDA's DOT dump of it
+    (cudaGraphDebugDotPrint through CuPy), or None where CuPy lacks it."""
+    dump = getattr(graph, "debug_dot_str", None)
+    if dump is None:
+        return None
+    try:
+        return len(set(re.findall(r'"(graph_\d+_node_\d+)"', dump())))
+    except Exception:
+        return None
+
+
+def _report(program: CupyProgram) -> dict:
+    """What was done to the step, stage by stage (SPEC section 13). Counts:
+    the commands (kernel launches and cuBLAS products) recorded into the
+    graph, and its nodes as CUDA reports them (a product may be more than
+    one kernel)."""
+    B = program.batch
+    on = program.graph is not None
+    rec = program.recorded
+    launches, products = rec["kernel_launches"], rec["products"]
+    commands = launches + products
+    nodes = graph_nodes(program.graph) if on else None
+    bf16 = program.precision == "bf16"
+    stages = {
+        "semantic_validation": ("applied", 1, 1),
+        "replay_safety": ("analyzed", 1, 1),
+        "decomposition": ("applied", 1, commands),
+        "fusion": ("applied", commands, commands),
+        "placement": ("applied", commands, commands),
+        "precision": ("applied" if bf16 else "analyzed", products, products),
+        "kernel_selection": ("applied", commands, commands),
+        "lowering_validation": ("analyzed", commands, commands),
+        "memory_planning": ("applied", 1, 1),
+        "synchronization_planning": ("applied", 1, 1),
+        "command_recording": ("applied" if on else "not_run", commands, 1 if on else 0),
+    }
+    notes = {
+        "semantic_validation": "configuration, precision, batch and state checked at capture",
+        "replay_safety": "fixed shapes; t and the bias corrections live on the device; the input "
+                         "slot is the only per-step host input",
+        "decomposition": "hand-written forward and backward: NVRTC kernels and cuBLAS products",
+        "fusion": "residual add into layernorm; loss, softmax and dlogits in one kernel; q,k,v "
+                  "and gate,up as single products; operands rounded by their producers",
+        "placement": "one CUDA device, one non-blocking stream",
+        "precision": "bfloat16 operands, float32 accumulation and results" if bf16
+                     else "float32 products, CUBLAS_COMPUTE_32F, no TF32",
+        "kernel_selection": "cuBLAS heuristics (GemmEx, GemmStridedBatchedEx)",
+        "lowering_validation": "the step runs eagerly once before capture",
+        "memory_planning": "every buffer allocated before capture; no allocation in the step",
+        "synchronization_planning": "stream order only; the host waits once per replay",
+        "command_recording": "CUDA graph by stream capture" if on
+                             else "disabled by COPPELIUS_NO_CAPTURE: the step runs eagerly",
+    }
+    return compilation_report(
+        BACKEND, stages, kernels=len(rec["kernels"]),
+        graph_nodes=nodes if nodes is not None else (commands if on else 0),
+        device_bytes=program.alloc.bytes, replays=program.replays, precision=program.precision,
+        batch=B, captured=on, kernel_names=rec["kernels"], kernel_launches=launches,
+        products=products,
+        graph_nodes_source=("cudaGraphDebugDotPrint" if nodes is not None
+                            else "recorded commands" if on else "no graph"),
+        notes=notes)

@@ -1,0 +1,515 @@
+"""Run the CuPy backend on the CPU: a stand-in for the few CuPy pieces it
+uses, NumPy versions of its kernels, and a column-major GEMM behind the
+cuBLAS entry points. What this checks without a GPU is everything but the
+CUDA source: the buffer plan, the launch arguments, the row-major to
+column-major mapping of every product (pointers, leading dimensions, batch
+strides), the order of the step, capture semantics (commands recorded once,
+replayed later, pointers and scalars frozen at capture) and the program's
+interface -- against reference.step through the conformance suite.
+
+    python dev/cuda/emulate.py            # test preset, fp32 and bf16
+    python dev/cuda/emulate.py --pytest   # tests/test_cupy_backend.py on the stand-ins
+
+The NumPy kernels follow the CUDA kernels' contracts (cuda_kernels.py), not
+their code; the CUDA source itself is checked on the device
+(tests/test_cupy_backend.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+
+_RECORDING = None  # the command list of the capturing stream, or None
+
+
+def _submit(command):
+    if _RECORDING is not None:
+        _RECORDING.append(command)
+    else:
+        command()
+
+
+# ---------------------------------------------------------------- arrays
+
+class DevArray(np.ndarray):
+    """Host memory standing in for device memory: .data.ptr is a real address."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    def get(self, stream=None):
+        return np.array(self.view(np.ndarray), copy=True)
+
+    def set(self, arr, stream=None):
+        self.view(np.ndarray)[...] = np.asarray(arr).reshape(self.shape)
+
+
+def _dev(a):
+    return np.ascontiguousarray(a).view(DevArray)
+
+
+def full(shape, value, dtype):
+    return _dev(np.full(shape, value, dtype=dtype))
+
+
+def zeros(shape, dtype):
+    return _dev(np.zeros(shape, dtype=dtype))
+
+
+def asarray(a):
+    return _dev(np.array(a, copy=True))
+
+
+def empty(shape, dtype=np.float32):
+    return _dev(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0xAB, dtype=dtype))
+
+
+def asnumpy(a):
+    return np.array(np.asarray(a).view(np.ndarray), copy=True)
+
+
+class Graph:
+    def __init__(self, commands):
+        self.commands = commands
+
+    def launch(self, stream=None):
+        for command in self.commands:
+            command()
+
+
+class Stream:
+    def __init__(self, non_blocking=False):
+        self.ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        assert _RECORDING is None, "synchronize during capture"
+
+    def begin_capture(self):
+        global _RECORDING
+        assert _RECORDING is None
+        _RECORDING = []
+
+    def end_capture(self):
+        global _RECORDING
+        graph, _RECORDING = Graph(_RECORDING), None
+        return graph
+
+
+class Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        assert _RECORDING is None, "event recorded during capture"
+
+    def synchronize(self):
+        pass
+
+
+class Device:
+    id = 0
+
+    def synchronize(self):
+        assert _RECORDING is None, "synchronize during capture"
+
+
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: 1,
+    getDeviceProperties=lambda i: {"name": b"emulated"},
+    memGetInfo=lambda: (0, 0),
+    runtimeGetVersion=lambda: 0,
+)
+
+
+class RawModule:
+    def __init__(self, code, options=()):
+        self.bf16 = "-DOPERAND_BF16" in options
+
+    def get_function(self, name):
+        body = KERNELS[name]
+        bf16 = self.bf16
+
+        def launch(grid, block, args, shared_mem=0):
+            frozen = tuple(args)  # arguments are frozen at launch, as in a graph
+            _submit(lambda: body(bf16, *frozen))
+
+        return launch
+
+
+fake_cupy = types.SimpleNamespace(
+    __version__="emulated", full=full, zeros=zeros, asarray=asarray, empty=empty,
+    asnumpy=asnumpy, RawModule=RawModule,
+    cuda=types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device, runtime=runtime,
+                               get_elapsed_time=lambda a, b: 1.0))
+
+
+# ---------------------------------------------------------------- kernels (NumPy)
+
+def _null(p):
+    return isinstance(p, np.uint64) and p == 0
+
+
+def _a(x):
+    return x.view(np.ndarray)
+
+
+def _store(out, values, bf16):
+    """Write float32 values into an operand buffer (bfloat16 bits under bf16)."""
+    values = np.asarray(values, dtype=np.float32)
+    if bf16:
+        _a(out)[...] = values.astype(ml_dtypes.bfloat16).view(np.uint16).reshape(out.shape)
+    else:
+        _a(out)[...] = values.reshape(out.shape)
+
+
+def _rows_ids(ids, stride, T, BT, shift=0):
+    flat = _a(ids).reshape(-1)
+    r = np.arange(BT)
+    return flat[(r // T) * stride + r % T + shift]
+
+
+f32 = np.float32
+
+
+def k_round_bf16(bf16, x, out, n):
+    _store(out, _a(x)[:n], True)
+
+
+def k_embedding_forward(bf16, ids, stride, T, W, x, BT, D):
+    _a(x)[...] = _a(W)[_rows_ids(ids, int(stride), int(T), int(BT))]
+
+
+def k_embedding_backward(bf16, dx, ids, stride, T, BT, dW, D):
+    acc = np.zeros(dW.shape, dtype=np.float32)
+    np.add.at(acc, _rows_ids(ids, int(stride), int(T), int(BT)), _a(dx))
+    _a(dW)[...] = _a(dW) + acc
+
+
+def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, eps):
+    x = _a(x_prev)
+    if not _null(add):
+        x = x + _a(add)
+        _a(x_out)[...] = x
+    mu = x.mean(-1, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(-1, keepdims=True)
+    rs = f32(1.0) / np.sqrt(var + eps)
+    _store(h, xc * rs * _a(w) + _a(b), bf16)
+    _a(mean)[...] = mu[:, 0]
+    _a(rstd)[...] = rs[:, 0]
+
+
+def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D):
+    dy = _a(dout)
+    rs = _a(rstd)[:, None]
+    xhat = (_a(x) - _a(mean)[:, None]) * rs
+    dxhat = dy * _a(w)
+    v = rs * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+    if not _null(dres):
+        v = _a(dres) + v
+    _a(dx)[...] = v
+    if not _null(dx_op):
+        _store(dx_op, v, bf16)
+    from accelerated.cuda_kernels import LAYERNORM_CHUNK as chunk
+
+    for c in range(partials.shape[0]):
+        s = slice(c * chunk, (c + 1) * chunk)
+        _a(partials)[c, :int(D)] = (dy[s] * xhat[s]).sum(0)
+        _a(partials)[c, int(D):] = dy[s].sum(0)
+
+
+def k_layernorm_param_grads(bf16, partials, offsets, G, norms, chunks, D):
+    for n in range(int(norms)):
+        off = int(_a(offsets)[n])
+        _a(G)[off:off + 2 * int(D)] = _a(partials)[n].sum(0)
+
+
+def _rope_split(x, H):
+    # (BT, D) -> (BT, H, E/2) x2
+    BT, D = x.shape
+    x = x.reshape(BT, H, D // H)
+    half = D // H // 2
+    return x[..., :half], x[..., half:]
+
+
+def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, D, H):
+    D, H, T = int(D), int(H), int(T)
+    x = _a(qkv)
+    pos = np.arange(int(BT)) % T
+    c, s = _a(cos)[pos][:, None, :], _a(sin)[pos][:, None, :]
+    res = x.copy()
+    for part in (0, 1):
+        x1, x2 = _rope_split(x[:, part * D:(part + 1) * D], H)
+        res[:, part * D:(part + 1) * D] = np.concatenate(
+            [x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(-1, D)
+    _store(out, res, bf16)
+
+
+def k_rope_backward(bf16, dqk, dqkv, cos, sin, BT, T, D, H):
+    D, H, T = int(D), int(H), int(T)
+    x = _a(dqk)
+    pos = np.arange(int(BT)) % T
+    c, s = _a(cos)[pos][:, None, :], _a(sin)[pos][:, None, :]
+    res = np.empty_like(x)
+    for part in (0, 1):
+        d1, d2 = _rope_split(x[:, part * D:(part + 1) * D], H)
+        res[:, part * D:(part + 1) * D] = np.concatenate(
+            [d1 * c + d2 * s, d2 * c - d1 * s], axis=-1).reshape(-1, D)
+    full_ = np.zeros((int(BT), 3 * D), dtype=np.float32)
+    full_[:, :2 * D] = res
+    if bf16:
+        _a(dqkv)[:, :2 * D] = res.astype(ml_dtypes.bfloat16).view(np.uint16)
+    else:
+        _a(dqkv)[:, :2 * D] = res
+
+
+def _causal(T):
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
+
+
+def _store_causal(out, values, bf16):
+    """Write the causal part (j <= i) of (..., T, T) values only."""
+    T = out.shape[-1]
+    keep = ~_causal(T)
+    o = _a(out).reshape(-1, T, T)
+    v = np.asarray(values, np.float32).reshape(-1, T, T)
+    if bf16:
+        v = v.astype(ml_dtypes.bfloat16).view(np.uint16)
+    o[:, keep] = v[:, keep]
+
+
+def k_attention_softmax_forward(bf16, s, p_op, rows, T, scale):
+    T = int(T)
+    x = _a(s).reshape(-1, T, T) * scale
+    x[:, _causal(T)] = -np.inf
+    x = x - x.max(-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(-1, keepdims=True)
+    if _null(p_op):  # under fp32 the product reads s: its zeros are written too
+        _a(s)[...] = p.reshape(s.shape)
+    else:
+        _store_causal(s, p, False)
+        _store_causal(p_op, p, bf16)
+
+
+def k_attention_softmax_backward(bf16, p, dp, ds, p_op, rows, T, scale):
+    T = int(T)
+    keep = ~_causal(T)
+    P = np.where(keep, _a(p).reshape(-1, T, T), 0)  # the causal part only is read
+    dP = np.where(keep, _a(dp).reshape(-1, T, T), 0)
+    g = P * (dP - (dP * P).sum(-1, keepdims=True))
+    g *= scale
+    _store_causal(ds, g, bf16)
+    if not _null(p_op):
+        _store_causal(p_op, P, bf16)
+
+
+def k_swiglu_forward(bf16, gu, a, BT, F):
+    F = int(F)
+    g, u = _a(gu)[:, :F], _a(gu)[:, F:]
+    sig = f32(1.0) / (f32(1.0) + np.exp(-g))
+    _store(a, g * sig * u, bf16)
+
+
+def k_swiglu_backward(bf16, da, gu, dgu, BT, F):
+    F = int(F)
+    g, u = _a(gu)[:, :F], _a(gu)[:, F:]
+    sig = f32(1.0) / (f32(1.0) + np.exp(-g))
+    d = _a(da)
+    du = d * g * sig
+    dg = d * u * (sig + g * sig * (f32(1.0) - sig))
+    _store(dgu, np.concatenate([dg, du], axis=1), bf16)
+
+
+def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, ce, dlogits, V, dce):
+    l = _a(logits)
+    BT = l.shape[0]
+    target = _rows_ids(ids, int(stride), int(T), BT, shift=1)
+    mx = l.max(-1, keepdims=True)
+    e = np.exp(l - mx)
+    se = e.sum(-1, keepdims=True)
+    _a(ce)[...] = (np.log(se) + mx)[:, 0] - l[np.arange(BT), target]
+    p = e / se
+    p[np.arange(BT), target] -= f32(1.0)
+    _store(dlogits, p * dce, bf16)
+
+
+def k_mean_loss(bf16, ce, loss, n):
+    _a(loss)[0] = _a(ce)[:int(n)].mean(dtype=np.float32)
+
+
+def k_adamw_bias_corrections(bf16, t, c, beta1, beta2):
+    _a(t)[0] += 1
+    tn = int(_a(t)[0])
+    _a(c)[0] = f32(1.0 - float(beta1) ** tn)
+    _a(c)[1] = f32(1.0 - float(beta2) ** tn)
+
+
+def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
+    for i, tn in enumerate(_a(ts)[:int(n)]):
+        _a(c1)[i] = f32(1.0 - float(beta1) ** int(tn))
+        _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
+
+
+def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, n, b1, omb1, b2, omb2, lr, lrwd, eps):
+    p, m, v, g = _a(P), _a(M), _a(V), _a(G)
+    c1, c2 = _a(c)[0], _a(c)[1]
+    m[...] = b1 * m + omb1 * g
+    v[...] = b2 * v + omb2 * g * g
+    p[...] = np.where(_a(decay).astype(bool), p - lrwd * p, p)
+    p[...] = p - lr * (m / c1) / (np.sqrt(v / c2) + eps)
+    if not _null(Pb):
+        _store(Pb, p, True)
+
+
+KERNELS = {name[2:]: fn for name, fn in globals().items() if name.startswith("k_")}
+
+
+# ---------------------------------------------------------------- cuBLAS (column-major)
+
+def _matrix(addr, dtype_code, rows, cols, ld, batch=0, stride=0):
+    """The column-major (rows, cols) matrix at addr with leading dimension ld,
+    as float32, by real pointer arithmetic on host memory."""
+    itemsize = 4 if dtype_code == 0 else 2
+    addr += batch * stride * itemsize
+    span = ((cols - 1) * ld + rows) * itemsize
+    buf = (ctypes.c_char * span).from_address(addr)
+    raw = np.frombuffer(buf, dtype=np.float32 if dtype_code == 0 else np.uint16)
+    view = np.lib.stride_tricks.as_strided(raw, shape=(rows, cols), strides=(itemsize, ld * itemsize))
+    if dtype_code == 0:
+        return view
+    return (view.astype(np.uint32) << 16).view(np.float32)
+
+
+def _write(addr, dtype_code, rows, cols, ld, values, batch=0, stride=0):
+    itemsize = 4 if dtype_code == 0 else 2
+    addr += batch * stride * itemsize
+    span = ((cols - 1) * ld + rows) * itemsize
+    buf = (ctypes.c_char * span).from_address(addr)
+    raw = np.frombuffer(buf, dtype=np.float32 if dtype_code == 0 else np.uint16)
+    view = np.lib.stride_tricks.as_strided(raw, shape=(rows, cols), strides=(itemsize, ld * itemsize),
+                                           writeable=True)
+    if dtype_code == 0:
+        view[...] = values
+    else:
+        view[...] = values.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _value(ref):
+    return ref._obj.value
+
+
+def _addr(p):
+    return p.value or 0
+
+
+def _gemm(transa, transb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb, beta, C, ct, ldc, sc,
+          batch, compute):
+    assert compute == 68, "CUBLAS_COMPUTE_32F expected"
+    assert at == bt, "operand types differ"
+    for i in range(batch):
+        a = _matrix(A, at, *((m, k) if transa == 0 else (k, m)), lda, i, sa)
+        b = _matrix(B, bt, *((k, n) if transb == 0 else (n, k)), ldb, i, sb)
+        a = a if transa == 0 else a.T
+        b = b if transb == 0 else b.T
+        c = alpha * np.matmul(np.ascontiguousarray(a), np.ascontiguousarray(b))
+        if beta != 0:
+            c = c + beta * _matrix(C, ct, m, n, ldc, i, sc)
+        _write(C, ct, m, n, ldc, c, i, sc)
+
+
+class FakeCublas:
+    """The entry points accelerated/cublas.py declares."""
+
+    def __init__(self):
+        self.gemms = 0
+
+    def cublasCreate_v2(self, ref):
+        return 0
+
+    def cublasDestroy_v2(self, h):
+        return 0
+
+    def cublasSetStream_v2(self, h, s):
+        return 0
+
+    def cublasSetWorkspace_v2(self, h, p, n):
+        return 0
+
+    def cublasSetMathMode(self, h, mode):
+        assert mode == 0
+        return 0
+
+    def cublasGetVersion_v2(self, h, ref):
+        return 0
+
+    def cublasGetStatusString(self, status):
+        return b"emulated"
+
+    def cublasGemmEx(self, h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc,
+                     compute, algo):
+        args = (ta, tb, m, n, k, _value(alpha), _addr(A), at, lda, 0, _addr(B), bt, ldb, 0,
+                _value(beta), _addr(C), ct, ldc, 0, 1, compute)
+        _submit(lambda: _gemm(*args))
+        return 0
+
+    def cublasGemmStridedBatchedEx(self, h, ta, tb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb,
+                                   beta, C, ct, ldc, sc, batch, compute, algo):
+        args = (ta, tb, m, n, k, _value(alpha), _addr(A), at, lda, sa, _addr(B), bt, ldb, sb,
+                _value(beta), _addr(C), ct, ldc, sc, batch, compute)
+        _submit(lambda: _gemm(*args))
+        return 0
+
+
+def install():
+    """Point the backend's modules at the stand-ins; returns the backend module."""
+    from accelerated import cublas, cuda_kernels, cupy_backend
+
+    cupy_backend.cupy = fake_cupy
+    cuda_kernels.cupy = fake_cupy
+    cublas._LIB = FakeCublas()
+    cupy_backend._KERNELS.clear()
+    return cupy_backend
+
+
+def main():
+    from conformance.suite import run_suite
+
+    if sys.argv[1:2] == ["--pytest"]:  # the GPU test file, against the stand-ins
+        import pytest
+
+        sys.modules["cupy"] = fake_cupy
+        install()
+        sys.exit(pytest.main([os.path.join(ROOT, "tests", "test_cupy_backend.py"), "-q",
+                              "-p", "no:cacheprovider", *sys.argv[2:]]))
+
+    backend = install()
+    backend.NAME = "cupy (emulated on the CPU)"
+    status = 0
+    preset = sys.argv[1] if len(sys.argv) > 1 else "test"
+    for precision in ("fp32", "bf16"):
+        report = run_suite(backend, preset, precision, steps=6)
+        print(report.table(report.failures) if report.failures else "", end="")
+        print(report.summary())
+        status |= not report.passed
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

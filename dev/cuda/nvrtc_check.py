@@ -1,0 +1,61 @@
+"""Compile the CUDA backend's kernel source with NVRTC, as CuPy does, for
+both precision policies, without a GPU: catches compile errors before any
+device time is spent.
+
+    python dev/cuda/nvrtc_check.py [path/to/libnvrtc.so]
+
+Without an argument, libnvrtc is looked up in NVIDIA's wheels
+(pip install nvidia-cuda-nvrtc) and the usual library path."""
+
+import ctypes
+import glob
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from accelerated import cuda_kernels  # noqa: E402
+
+
+def load(path=None):
+    names = [path] if path else []
+    for base in sys.path:
+        names += glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*"))
+    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    sys.exit("libnvrtc not found")
+
+
+def compile_source(lib, source, options):
+    prog = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernels.cu", 0, None,
+                                    None)
+    assert status == 0, status
+    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    status = lib.nvrtcCompileProgram(prog, len(options), opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    return status, log.value.decode()
+
+
+def main():
+    lib = load(sys.argv[1] if len(sys.argv) > 1 else None)
+    failed = False
+    for precision in ("fp32", "bf16"):
+        options = ["-arch=compute_90", "-std=c++17", *cuda_kernels.compile_options(precision)]
+        status, log = compile_source(lib, cuda_kernels.SOURCE, options)
+        print(f"{precision}: nvrtc status {status}")
+        if log.strip():
+            print(log)
+        failed |= status != 0
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,619 @@
+"""The CuPy backend on a CUDA device: each kernel against the reference's
+layer function (forward and backward, hypothesis-drawn shapes and values),
+the cuBLAS mapping against NumPy, AdamW and the bfloat16 rounding bitwise,
+the whole step against reference.step (SPEC 14 tolerances), and the graph:
+bit-reproducible replays, exact resume, capture without update, refusals,
+the compilation report.
+
+Every test needs a GPU (marker gpu): skipped elsewhere."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference
+from conformance.cases import random_state
+from conformance.suite import step_rows
+from conformance.tolerances import relative_error, tolerance
+from reference.adamw import AdamWConstants, adamw_update, bias_corrections
+from reference.config import Config, Hyper, preset
+from reference.layers.attention import attention_forward
+from reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
+from reference.layers.embedding import embedding_backward
+from reference.layers.layernorm import layernorm_backward, layernorm_forward
+from reference.layers.rope import rope_backward, rope_forward, rope_tables
+from reference.layers.swiglu import swiglu_backward, swiglu_forward
+from reference.params import initialize, registry
+from reference.precision import round_bf16
+from reference.program import STAGES, ReplayError
+from reference.state import State
+
+cupy = pytest.importorskip("cupy")
+from accelerated import cublas, cuda_kernels, cupy_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = preset("test")
+B = 2
+PRECISIONS = ["fp32", "bf16"]
+small = settings(max_examples=12, deadline=None)
+
+
+def kernels(precision="fp32"):
+    return cupy_backend.kernels_for(precision)
+
+
+def dev(x):
+    return cupy.asarray(np.ascontiguousarray(x))
+
+
+def host(x):
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(x)
+
+
+def empty(shape, dtype=np.float32):
+    # poisoned, so an element a kernel does not write fails the comparison
+    return cupy.full(shape, 0xFFFF if dtype == np.uint16 else np.nan, dtype=dtype)
+
+
+def op_dtype(precision):
+    return np.uint16 if precision == "bf16" else np.float32
+
+
+def as_float(x, precision):
+    """An operand buffer read back as float32 (bfloat16 bits widened)."""
+    x = host(x)
+    return (x.astype(np.uint32) << 16).view(np.float32) if precision == "bf16" else x
+
+
+def policy(x, precision):
+    """What the reference's value becomes as an operand under the policy."""
+    return round_bf16(x) if precision == "bf16" else x
+
+
+def check_close(what, got, want, tol):
+    error, worst, a, b = relative_error(got, want)
+    assert error <= tol, f"{what}: error {error:.3e} > {tol:.0e} at {worst}: {a!r} vs {b!r}"
+
+
+def check_bitwise(what, got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    diff = got.view(np.uint32) != want.view(np.uint32)
+    assert not diff.any(), (f"{what}: {int(diff.sum())} elements differ, first at "
+                            f"{np.argwhere(diff)[0]}: {got[diff][0]!r} vs {want[diff][0]!r}")
+
+
+def operand_tol(precision):
+    # fp32: float32 arithmetic in another order; bf16: the reference's float32
+    # value and ours may round to neighbouring bfloat16 values now and then
+    return 1e-5 if precision == "fp32" else 4e-3
+
+
+def fresh(config=CONFIG):
+    return State.fresh(initialize(config))
+
+
+def windows(n, seed=0, config=CONFIG, batch=B):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, config.vocab, size=(n, batch, config.context + 1))
+
+
+# ------------------------------------------------------------------ precision
+
+def test_round_bf16_matches_reference_bitwise():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 38, 1 << 16)).astype(np.float32)
+    # exact ties (a bfloat16 value plus half its last place), both parities
+    ties = (rng.standard_normal(4096).astype(ml_dtypes.bfloat16).astype(np.float32)
+            .view(np.uint32) | np.uint32(0x8000)).view(np.float32)
+    special = np.float32([np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, -1e-45,
+                          np.finfo(np.float32).max])
+    x = np.concatenate([x, ties, special])
+    out = empty(x.shape, np.uint16)
+    kernels().round_bf16(dev(x), out)
+    check_bitwise("round_bf16", as_float(out, "bf16"), round_bf16(x))
+    nan = np.float32([np.nan, -np.nan])
+    out = empty(nan.shape, np.uint16)
+    kernels().round_bf16(dev(nan), out)
+    assert np.isnan(as_float(out, "bf16")).all()
+
+
+# ------------------------------------------------------------------ cuBLAS
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+def test_gemm_row_major_against_numpy(precision, trans_a, trans_b):
+    """C = op(A) @ op(B) in row-major terms, batched with strides and padded
+    row strides, float32 accumulation over bfloat16 (or float32) operands."""
+    rng = np.random.default_rng(1)
+    batch, m, n, k, pad = 3, 37, 29, 53, 5
+    shape_a = (k, m) if trans_a else (m, k)
+    shape_b = (n, k) if trans_b else (k, n)
+    a = rng.standard_normal((batch,) + shape_a).astype(np.float32)
+    b = rng.standard_normal((batch,) + shape_b).astype(np.float32)
+    # operands laid out with row strides wider than the rows
+    A = np.full((batch, shape_a[0], shape_a[1] + pad), np.nan, np.float32)
+    Bm = np.full((batch, shape_b[0], shape_b[1] + pad), np.nan, np.float32)
+    A[:, :, :shape_a[1]], Bm[:, :, :shape_b[1]] = a, b
+    kind = "bfloat16" if precision == "bf16" else "float32"
+    to_op = (lambda x: dev(x.astype(ml_dtypes.bfloat16).view(np.uint16))) if precision == "bf16" \
+        else dev
+    dA, dB = to_op(A), to_op(Bm)
+    ldc = n + 3
+    for c_type in ("float32", kind):
+        C = empty((batch, m, ldc), np.float32 if c_type == "float32" else np.uint16)
+        cupy.cuda.Device().synchronize()  # the copies ran on the default stream
+        stream = cupy.cuda.Stream(non_blocking=True)
+        ws = cupy.empty(cublas.WORKSPACE_BYTES, np.uint8)
+        blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
+        blas.gemm(trans_a, trans_b, m, n, k, dA.data.ptr, shape_a[1] + pad, dB.data.ptr,
+                  shape_b[1] + pad, C.data.ptr, ldc, ab_type=kind, c_type=c_type, batch=batch,
+                  stride_a=A[0].size, stride_b=Bm[0].size, stride_c=m * ldc)
+        stream.synchronize()
+        blas.close()
+        got = as_float(C, "bf16" if c_type == "bfloat16" else "fp32")
+        ra, rb = policy(a, precision).astype(np.float64), policy(b, precision).astype(np.float64)
+        ra = np.swapaxes(ra, 1, 2) if trans_a else ra
+        rb = np.swapaxes(rb, 1, 2) if trans_b else rb
+        want = ra @ rb
+        check_close(f"gemm {c_type}", got[:, :, :n], want, 1e-6 if c_type == "float32" else 4e-3)
+        assert np.isnan(got[:, :, n:]).all(), "wrote outside the (m, n) block"
+
+
+def test_fp32_products_are_not_tf32():
+    """Operands whose low mantissa bits matter: TF32 (10 bits) would lose them."""
+    m = n = k = 64
+    a = np.full((m, k), 1 + 2.0 ** -20, np.float32)
+    b = np.eye(k, n, dtype=np.float32)
+    C, da, db = empty((m, n)), dev(a), dev(b)
+    cupy.cuda.Device().synchronize()  # the copies ran on the default stream
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ws = cupy.empty(cublas.WORKSPACE_BYTES, np.uint8)
+    blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
+    blas.gemm(False, False, m, n, k, da.data.ptr, k, db.data.ptr, n, C.data.ptr, n,
+              ab_type="float32", c_type="float32")
+    stream.synchronize()
+    blas.close()
+    assert (host(C) == a).all()
+
+
+# ------------------------------------------------------------------ layer kernels
+
+dims = st.tuples(st.integers(1, 3), st.integers(1, 40), st.sampled_from([1, 4, 6, 32, 40, 130]),
+                 st.integers(0, 2**31 - 1))
+
+
+@small
+@given(dims, st.sampled_from(PRECISIONS), st.booleans())
+def test_layernorm_forward(shape, precision, residual):
+    Bn, T, D, seed = shape
+    rng = np.random.default_rng(seed)
+    rows = Bn * T
+    x = (rng.standard_normal((rows, D)) * 3 + 1).astype(np.float32)
+    add = rng.standard_normal((rows, D)).astype(np.float32)
+    w, b = rng.standard_normal((2, D)).astype(np.float32)
+    h, mean, rstd = empty((rows, D), op_dtype(precision)), empty((rows,)), empty((rows,))
+    x_out = empty((rows, D))
+    kernels(precision).layernorm_forward(dev(x), dev(add) if residual else None,
+                                         x_out if residual else None, h, mean, rstd, dev(w),
+                                         dev(b), cupy_backend.EPS)
+    xin = x + add if residual else x
+    if residual:
+        check_bitwise("residual", host(x_out), xin)
+    out, (xhat, want_rstd, _) = layernorm_forward(xin, w, b, float(cupy_backend.EPS))
+    check_close("h", as_float(h, precision), policy(out, precision), operand_tol(precision))
+    check_close("rstd", host(rstd), want_rstd[:, 0], 1e-6)
+    check_close("mean", host(mean), xin.mean(-1), 1e-6)
+
+
+@small
+@given(dims, st.sampled_from(PRECISIONS), st.booleans())
+def test_layernorm_backward_and_param_grads(shape, precision, residual):
+    Bn, T, D, seed = shape
+    rng = np.random.default_rng(seed)
+    rows = Bn * T
+    x = (rng.standard_normal((rows, D)) * 2 - 1).astype(np.float32)
+    w, b = rng.standard_normal((2, D)).astype(np.float32)
+    dout, dres = rng.standard_normal((2, rows, D)).astype(np.float32)
+    _, cache = layernorm_forward(x, w, b, float(cupy_backend.EPS))
+    want_dx, want_dw, want_db = layernorm_backward(dout, cache)
+    if residual:
+        want_dx = dres + want_dx
+    k = kernels(precision)
+    h, mean, rstd = empty((rows, D), op_dtype(precision)), empty((rows,)), empty((rows,))
+    dx_x = dev(x)
+    k.layernorm_forward(dx_x, None, None, h, mean, rstd, dev(w), dev(b), cupy_backend.EPS)
+    dx = dev(dres) if residual else empty((rows, D))  # in place over dres, as the step does
+    dx_op = empty((rows, D), np.uint16) if precision == "bf16" else None
+    chunks = -(-rows // cuda_kernels.LAYERNORM_CHUNK)
+    partials = empty((2, chunks, 2 * D))  # two norms: this one, and a copy at another offset
+    k.layernorm_backward(dev(dout), dx if residual else None, dx_x, mean, rstd, dev(w), dx, dx_op,
+                         partials[0])
+    partials[1] = partials[0]
+    G = empty((5 * D + 7,))
+    offsets = dev(np.array([D + 3, 3 * D + 7], np.int64))
+    k.layernorm_param_grads(partials, offsets, G)
+    check_close("dx", host(dx), want_dx, 1e-5)
+    if dx_op is not None:
+        check_close("dx operand", as_float(dx_op, "bf16"), round_bf16(host(dx)), 0)
+    g = host(G)
+    for off in (D + 3, 3 * D + 7):
+        check_close("dw", g[off:off + D], want_dw, 1e-5)
+        check_close("db", g[off + D:off + 2 * D], want_db, 1e-5)
+    assert np.isnan(g[:D + 3]).all() and np.isnan(g[3 * D + 3:3 * D + 7]).all()
+
+
+@small
+@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([(1, 2), (2, 4), (3, 6), (8, 64)]),
+       st.integers(0, 2**31 - 1))
+def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
+    """Half-split pairs; the same float32 operations as the reference."""
+    H, E = HE
+    D = H * E
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((Bn * T, 3 * D)).astype(np.float32)
+    Tmax = T + 3  # the table may be longer than the context (an eager prefix)
+    cos, sin = rope_tables(Tmax, E)
+    k = kernels("fp32")
+    out = empty((Bn * T, 3 * D))
+    k.rope_forward(dev(qkv), out, dev(cos), dev(sin), T, H)
+    got = host(out).reshape(Bn, T, 3, H, E)
+    x = qkv.reshape(Bn, T, 3, H, E)
+    c, s = cos[:T], sin[:T]
+    check_bitwise("q", got[:, :, 0], rope_forward(x[:, :, 0], c, s))
+    check_bitwise("k", got[:, :, 1], rope_forward(x[:, :, 1], c, s))
+    check_bitwise("v", got[:, :, 2], x[:, :, 2])
+
+    dqk = rng.standard_normal((Bn * T, 2 * D)).astype(np.float32)
+    dqkv = empty((Bn * T, 3 * D))
+    k.rope_backward(dev(dqk), dqkv, dev(cos), dev(sin), T, H)
+    got = host(dqkv).reshape(Bn, T, 3, H, E)
+    d = dqk.reshape(Bn, T, 2, H, E)
+    check_bitwise("dq", got[:, :, 0], rope_backward(d[:, :, 0], c, s))
+    check_bitwise("dk", got[:, :, 1], rope_backward(d[:, :, 1], c, s))
+    assert np.isnan(got[:, :, 2]).all(), "rope_backward wrote the v columns"
+
+
+@small
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 70), st.sampled_from([2, 8, 64]),
+       st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
+def test_attention_softmax_forward_backward(Bn, H, T, E, precision, seed):
+    """The causal softmax over (B,H,T,T) scores and its backward. Under bf16
+    only the causal part is written (the operand buffers keep the zeros
+    above the diagonal that the program allocates them with); under fp32 the
+    products read the float32 p itself, so its zeros are written."""
+    rng = np.random.default_rng(seed)
+    q, kk, v = (rng.standard_normal((3, Bn, H, T, E)) * 2).astype(np.float32)
+    _, (_, _, _, p_want, scale) = attention_forward(q, kk, v, "fp32")  # p of the reference
+    assert scale == cuda_kernels.attention_scale(E)
+    s = dev(q @ np.swapaxes(kk, -1, -2))  # the unscaled product, as the kernel receives it
+    causal = np.tril(np.ones((T, T), bool))
+    bf16 = precision == "bf16"
+    k = kernels(precision)
+    p_op = cupy.zeros(s.shape, np.uint16) if bf16 else None
+    k.attention_softmax_forward(s, p_op, scale)
+    p = host(s)  # under bf16, the scores are left above the diagonal
+    check_close("p", np.where(causal, p, 0), p_want, 1e-6)
+    if bf16:
+        check_close("p operand", as_float(p_op, "bf16"), round_bf16(np.where(causal, p, 0)), 0)
+    else:
+        assert (p[..., ~causal] == 0).all()
+
+    dp = rng.standard_normal(p.shape).astype(np.float32)
+    ds = cupy.zeros(p.shape, op_dtype(precision))
+    p_op2 = cupy.zeros(p.shape, np.uint16) if bf16 else None
+    k.attention_softmax_backward(dev(p), dev(dp), ds, p_op2, scale)
+    p64, dp64 = np.where(causal, p, 0).astype(np.float64), dp.astype(np.float64)
+    want = p64 * (dp64 - (dp64 * p64).sum(-1, keepdims=True)) * scale
+    check_close("ds", as_float(ds, precision), policy(want.astype(np.float32), precision),
+                operand_tol(precision))
+    if bf16:
+        check_close("p operand (backward)", as_float(p_op2, "bf16"),
+                    round_bf16(np.where(causal, p, 0)), 0)
+
+
+@small
+@given(st.integers(1, 50), st.integers(1, 70), st.sampled_from(PRECISIONS),
+       st.integers(0, 2**31 - 1))
+def test_swiglu_forward_backward(BT, F, precision, seed):
+    rng = np.random.default_rng(seed)
+    gu = (rng.standard_normal((BT, 2 * F)) * 4).astype(np.float32)
+    da = rng.standard_normal((BT, F)).astype(np.float32)
+    g, u = gu[:, :F], gu[:, F:]
+    want_a, cache = swiglu_forward(g, u)
+    want_dg, want_du = swiglu_backward(da, cache)
+    k = kernels(precision)
+    a = empty((BT, F), op_dtype(precision))
+    k.swiglu_forward(dev(gu), a)
+    check_close("a", as_float(a, precision), policy(want_a, precision), operand_tol(precision))
+    dgu = empty((BT, 2 * F), op_dtype(precision))
+    k.swiglu_backward(dev(da), dev(gu), dgu)
+    got = as_float(dgu, precision)
+    check_close("dg", got[:, :F], policy(want_dg, precision), operand_tol(precision))
+    check_close("du", got[:, F:], policy(want_du, precision), operand_tol(precision))
+
+
+@small
+@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([2, 7, 64, 1000, 12288]),
+       st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
+def test_crossentropy_forward_backward(Bn, T, V, precision, seed):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((Bn, T, V)) * 5).astype(np.float32)
+    ids = rng.integers(0, V, (Bn, T + 1))
+    want_ce, cache = crossentropy_forward(logits, ids[:, 1:])
+    n = Bn * T
+    dce = np.float32(1.0 / n)
+    want_dl = crossentropy_backward(np.full((Bn, T), dce, np.float32), cache)
+    k = kernels(precision)
+    ce, dl, loss = empty((n,)), empty((n, V), op_dtype(precision)), empty((1,))
+    k.crossentropy_forward_backward(dev(logits.reshape(n, V)), dev(ids.astype(np.int32)), T + 1,
+                                    T, ce, dl, dce)
+    k.mean_loss(ce, loss)
+    check_close("ce", host(ce).reshape(Bn, T), want_ce, 1e-6)
+    check_close("loss", host(loss)[0], want_ce.mean(dtype=np.float32), 1e-6)
+    check_close("dlogits", as_float(dl, precision).reshape(Bn, T, V), policy(want_dl, precision),
+                operand_tol(precision))
+
+
+@small
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50), st.sampled_from([1, 5, 32, 70]),
+       st.integers(0, 2**31 - 1))
+def test_embedding_forward_backward(Bn, T, V, D, seed):
+    """The gather, and the gather gradient added to the unembedding gradient
+    in position order: bitwise the reference's d_head + np.add.at."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((V, D)).astype(np.float32)
+    ids = rng.integers(0, min(V, 4), (Bn, T + 1))  # few ids: many repeats
+    k = kernels()
+    x = empty((Bn * T, D))
+    k.embedding_forward(dev(ids.astype(np.int32)), T + 1, T, dev(W), x)
+    check_bitwise("gather", host(x), W[ids[:, :T].reshape(-1)])
+    dx = rng.standard_normal((Bn * T, D)).astype(np.float32)
+    d_head = rng.standard_normal((V, D)).astype(np.float32)
+    dW = dev(d_head)
+    k.embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW)
+    check_bitwise("dW", host(dW), d_head + embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V))
+
+
+def test_embedding_backward_many_positions():
+    """More positions than one shared-memory tile of ids."""
+    rng = np.random.default_rng(5)
+    Bn, T, V, D = 3, 900, 37, 24
+    ids = rng.integers(0, V, (Bn, T + 1))
+    dx = rng.standard_normal((Bn * T, D)).astype(np.float32)
+    d_head = rng.standard_normal((V, D)).astype(np.float32)
+    dW = dev(d_head)
+    kernels().embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW)
+    check_bitwise("dW", host(dW), d_head + embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V))
+
+
+# ------------------------------------------------------------------ AdamW
+
+def test_bias_corrections_bitwise_for_t_up_to_10000():
+    hyper = Hyper()
+    ts = np.arange(1, 10001, dtype=np.int32)
+    c1, c2 = empty((ts.size,)), empty((ts.size,))
+    k = kernels()
+    k.adamw_bias_corrections_table(dev(ts), c1, c2, float(hyper.beta1), float(hyper.beta2))
+    want = np.array([bias_corrections(hyper, int(t)) for t in ts], dtype=np.float32)
+    check_bitwise("c1", host(c1), want[:, 0])
+    check_bitwise("c2", host(c2), want[:, 1])
+    # the in-graph kernel: advances t on the device, then its c1, c2
+    for t0 in (0, 1, 41, 9999):
+        t, c = dev(np.array([t0], np.int32)), empty((2,))
+        k.adamw_bias_corrections(t, c, float(hyper.beta1), float(hyper.beta2))
+        assert int(host(t)[0]) == t0 + 1
+        check_bitwise(f"c at t={t0 + 1}", host(c), np.float32(bias_corrections(hyper, t0 + 1)))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_adamw_update_bitwise(precision):
+    """The same float32 operations as reference.adamw.adamw_update."""
+    rng = np.random.default_rng(7)
+    n, t = 100_003, 17
+    hyper = Hyper(lr="1/1000", weight_decay="3/10")
+    P = rng.standard_normal(n).astype(np.float32)
+    M = (1e-3 * rng.standard_normal(n)).astype(np.float32)
+    V = (1e-5 * rng.random(n)).astype(np.float32)
+    G = (1e-2 * rng.standard_normal(n)).astype(np.float32)
+    decay = rng.random(n) < 0.7
+    want = adamw_update(P, M, V, G, decay, hyper, t)
+    dP, dM, dV = dev(P), dev(M), dev(V)
+    Pb = empty((n,), np.uint16) if precision == "bf16" else None
+    c = dev(np.float32(bias_corrections(hyper, t)))
+    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(decay.astype(np.uint8)), Pb, c,
+                                    AdamWConstants.of(hyper))
+    for name, got, w in zip("PMV", (dP, dM, dV), want):
+        check_bitwise(name, host(got), w)
+    if Pb is not None:
+        check_bitwise("Pb", as_float(Pb, "bf16"), round_bf16(want[0]))
+
+
+# ------------------------------------------------------------------ the whole step
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_one_step_matches_reference(precision):
+    """Logits, loss, row losses, every gradient, P, M, V and t against
+    reference.step, from a state in the middle of a run."""
+    state = random_state(CONFIG, seed=3, t=41)
+    program = cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    rows = step_rows(program, CONFIG, Hyper(), precision, state, windows(1, seed=4)[0])
+    failures = [r for r in rows if not r.passed]
+    assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
+                                   f"at {r.worst}: {r.got} vs {r.want}" for r in failures)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trajectory_matches_reference(precision):
+    state = fresh()
+    program = cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    losses = []
+    for tokens in windows(8, seed=5):
+        program.upload_input(tokens)
+        losses.append(program.replay_and_wait())
+        want = reference.step(CONFIG, state, tokens, precision)
+        state = want.state
+        check_close("row losses", program.row_losses(), want.row_losses,
+                    tolerance("trajectory", precision))
+    got = program.state()
+    assert got.t == 8
+    check_close("P after 8 steps", got.P, state.P, 10 * tolerance("update", precision))
+
+
+def test_logits_of_a_prefix_and_another_batch():
+    state = random_state(CONFIG, seed=8, t=3)
+    program = cupy_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
+    for shape in [(1, CONFIG.context), (3, 5), (B, CONFIG.context)]:
+        tokens = np.random.default_rng(9).integers(0, CONFIG.vocab, shape)
+        check_close(f"logits {shape}", program.logits(tokens),
+                    reference.forward(CONFIG, state.P, tokens, "fp32"), 1e-5)
+    # after a step, the logits use the updated parameters
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+    tokens = windows(1)[0][:, :-1]
+    check_close("logits after a step", program.logits(tokens),
+                reference.forward(CONFIG, program.state().P, tokens, "fp32"), 1e-5)
+
+
+# ------------------------------------------------------------------ the graph
+
+def run(program, inputs):
+    rows = []
+    for tokens in inputs:
+        program.upload_input(tokens)
+        program.replay_and_wait()
+        rows.append(program.row_losses())
+    return np.stack(rows), program.state()
+
+
+def check_same_state(a: State, b: State):
+    for name in "PMV":
+        check_bitwise(name, getattr(a, name), getattr(b, name))
+    assert a.t == b.t
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_capture_performs_no_update_and_replays_are_bit_reproducible(precision):
+    state = random_state(CONFIG, seed=11, t=5)
+    one = cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    check_same_state(one.state(), state)  # the warm-up step was undone
+    two = cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    inputs = windows(3, seed=12)
+    rows1, s1 = run(one, inputs)
+    rows2, s2 = run(two, inputs)
+    check_bitwise("row losses", rows1, rows2)
+    check_same_state(s1, s2)
+    assert s1.t == 8
+    check_bitwise("gradients", one.gradients(), two.gradients())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_exact_resume(precision):
+    """S1 steps, state(), a new capture from it, S2 steps == S1 + S2 steps."""
+    state = fresh()
+    inputs = windows(5, seed=13)
+    rows, whole = run(cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy()), inputs)
+    rows1, middle = run(cupy_backend.capture(CONFIG, Hyper(), precision, B, state.copy()),
+                        inputs[:2])
+    rows2, resumed = run(cupy_backend.capture(CONFIG, Hyper(), precision, B, middle), inputs[2:])
+    check_bitwise("row losses", np.concatenate([rows1, rows2]), rows)
+    check_same_state(resumed, whole)
+
+
+def test_no_capture_switch_runs_the_same_step_eagerly(monkeypatch):
+    state = random_state(CONFIG, seed=14, t=2)
+    inputs = windows(2, seed=15)
+    rows, captured = run(cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy()), inputs)
+    monkeypatch.setenv("COPPELIUS_NO_CAPTURE", "1")
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    assert program.graph is None and not program.compilation_report()["captured"]
+    rows_eager, eager = run(program, inputs)
+    check_bitwise("row losses", rows_eager, rows)
+    check_same_state(eager, captured)
+
+
+def test_replay_returns_at_once_with_an_event_and_times_the_device():
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, fresh())
+    program.upload_input(windows(1)[0])
+    event = program.replay()
+    assert isinstance(event.event, cupy.cuda.Event)
+    event.wait()
+    loss, seconds = program.replay_timed_and_wait()
+    assert math.isfinite(loss) and 0 < seconds < 10
+    assert program.state().t == 2
+
+
+def test_refusals_name_what_is_wrong():
+    program = cupy_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    T, V = CONFIG.context, CONFIG.vocab
+    with pytest.raises(ReplayError, match="upload"):
+        program.replay()
+    with pytest.raises(ReplayError, match="no step"):
+        program.gradients()
+    with pytest.raises(ReplayError, match="shape"):
+        program.upload_input(np.zeros((B, T), np.int64))
+    with pytest.raises(ReplayError, match="shape"):
+        program.upload_input(np.zeros((B + 1, T + 1), np.int64))
+    with pytest.raises(ReplayError, match="dtype"):
+        program.upload_input(np.zeros((B, T + 1), np.float32))
+    with pytest.raises(ReplayError, match="outside"):
+        program.upload_input(np.full((B, T + 1), V))
+    with pytest.raises(ReplayError, match="T <= "):
+        program.logits(np.zeros((1, T + 1), np.int64))
+    with pytest.raises(ReplayError, match="out of range"):
+        program.logits(np.full((1, 2), -1))
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+    program.device_state = cupy_backend.DeviceState(program.P, program.M, program.V, program.t)
+    with pytest.raises(ReplayError, match="replaced"):
+        program.replay()
+    bad = fresh()
+    bad.t = -1
+    with pytest.raises(ReplayError, match="t=-1"):
+        cupy_backend.capture(CONFIG, Hyper(), "fp32", B, bad)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compilation_report(precision):
+    program = cupy_backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+    report = program.diagnostics()
+    assert report["schema"] == "coppelius.training_compilation.v1"
+    assert [s["stage"] for s in report["stages"]] == list(STAGES)
+    assert report["captured"] and report["replays"] == 1
+    # the logits product and its two gradients, 4 linear products per layer and
+    # their 8 gradients, and per layer and batch element 2 attention products
+    # and their 4 gradients
+    L = CONFIG.n_layer
+    assert report["products"] == 3 + 12 * L + 6 * L * B
+    assert report["kernels"] == len(cuda_kernels.KERNELS) - 2  # all but round_bf16 and the table
+    assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]
+    assert report["device_bytes"] >= 4 * 4 * registry(CONFIG).total
+    assert report["runtime"]["update_count"] == 1
+
+
+def test_available_and_backend_module():
+    import accelerated
+
+    assert cupy_backend.available()
+    assert accelerated.backend_module("cupy") is cupy_backend
+    assert accelerated.best_backend() == "cupy"
+
+
+def test_a_hypothesis_config_runs_every_odd_shape():
+    """Odd sizes everywhere (no dimension a multiple of 32) against the reference."""
+    config = Config(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13)
+    state = random_state(config, seed=16, t=7)
+    for precision in PRECISIONS:
+        program = cupy_backend.capture(config, Hyper(), precision, 3, state.copy())
+        tokens = np.random.default_rng(17).integers(0, config.vocab, (3, config.context + 1))
+        rows = step_rows(program, config, Hyper(), precision, state, tokens)
+        failures = [f"{r.check} {r.tensor} {r.error:.2e}" for r in rows if not r.passed]
+        assert not failures, (precision, failures)
