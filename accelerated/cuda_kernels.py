@@ -119,12 +119,13 @@ extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int id
     x[i] = W[(long long)id * D + d];
 }
 
-// One block per position p (BT blocks), threads across D. The block of the
-// first position holding id v sums dx over every position holding v, in
-// position order (the order of the reference's np.add.at), and adds the sum
+// One block per position p (BT blocks), one thread per feature (D <= 1024).
+// The block of the first position holding id v adds dx over every position
+// holding v, in position order (the order of the reference's np.add.at),
 // to the unembedding gradient already in dW[v]; the blocks of later
-// positions of v do nothing. Rows of ids that occur nowhere are not
-// touched. No atomics. shared: TILE ids.
+// positions of v do nothing, and rows of ids that occur nowhere are not
+// touched. Per tile of ids, warp 0 lists the matching positions in order
+// (ballots), then every thread adds their rows. No atomics.
 #define EMBEDDING_TILE 1024
 __device__ __forceinline__ int id_at(const int* ids, int ids_stride, int T, int r) {
     return ids[(r / T) * ids_stride + r % T];
@@ -133,29 +134,36 @@ __device__ __forceinline__ int id_at(const int* ids, int ids_stride, int T, int 
 extern "C" __global__ void embedding_backward(const float* __restrict__ dx,
                                               const int* __restrict__ ids, int ids_stride, int T,
                                               int BT, float* __restrict__ dW, int D) {
-    __shared__ int tile[EMBEDDING_TILE];
-    int p = blockIdx.x;
+    __shared__ int tile[EMBEDDING_TILE];  // ids of positions base .. base + n
+    __shared__ int hits[EMBEDDING_TILE];  // the positions among them holding v, in order
+    __shared__ int count;
+    int p = blockIdx.x, d = threadIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int v = id_at(ids, ids_stride, T, p);
     int earlier = 0;
     for (int q = threadIdx.x; q < p; q += blockDim.x) earlier |= id_at(ids, ids_stride, T, q) == v;
     if (__syncthreads_or(earlier)) return;  // uniform: the whole block leaves
-    float* out = dW + (long long)v * D;
-    for (int d0 = 0; d0 < D; d0 += blockDim.x) {
-        int d = d0 + threadIdx.x;
-        float acc = 0.0f;
-        for (int base = p; base < BT; base += EMBEDDING_TILE) {
-            int n = min(EMBEDDING_TILE, BT - base);
-            __syncthreads();
-            for (int k = threadIdx.x; k < n; k += blockDim.x)
-                tile[k] = id_at(ids, ids_stride, T, base + k);
-            __syncthreads();
-            if (d < D) {
-                for (int k = 0; k < n; k++)
-                    if (tile[k] == v) acc += dx[(long long)(base + k) * D + d];
+    float acc = 0.0f;
+    for (int base = p; base < BT; base += EMBEDDING_TILE) {
+        int n = min(EMBEDDING_TILE, BT - base);
+        for (int k = threadIdx.x; k < n; k += blockDim.x) tile[k] = id_at(ids, ids_stride, T, base + k);
+        __syncthreads();
+        if (warp == 0) {
+            int c = 0;
+            for (int k0 = 0; k0 < n; k0 += 32) {
+                int k = k0 + lane;
+                bool hit = k < n && tile[k] == v;
+                unsigned mask = __ballot_sync(0xffffffffu, hit);
+                if (hit) hits[c + __popc(mask & ((1u << lane) - 1u))] = base + k;
+                c += __popc(mask);
             }
+            if (lane == 0) count = c;
         }
-        if (d < D) out[d] = out[d] + acc;
+        __syncthreads();
+        if (d < D)
+            for (int m = 0; m < count; m++) acc += dx[(long long)hits[m] * D + d];
+        __syncthreads();  // tile, hits and count are rewritten by the next pass
     }
+    if (d < D) dW[(long long)v * D + d] = dW[(long long)v * D + d] + acc;
 }
 
 // ---------------------------------------------------------------- layernorm
@@ -308,6 +316,10 @@ extern "C" __global__ void layernorm_param_grads(const float* partials, const lo
 
 // ---------------------------------------------------------------- rope
 
+// The row-wise elementwise kernels run on a 2-D grid: x over the columns of
+// a row, y over the rows (striding by gridDim.y), so a thread finds its
+// column and row without dividing.
+
 // qkv (BT,3D) float32, the q, k, v projections side by side -> out (BT,3D)
 // operands: q and k rotated, v as is. Half-split pairs: element j of a head
 // pairs with element j + E/2; cos, sin (T,E/2).
@@ -315,22 +327,25 @@ extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* _
                                         const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, int BT, int T, int D,
                                         int H) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BT * 3 * D) return;
-    int row = i / (3 * D), col = i % (3 * D);
-    float v;
-    if (col >= 2 * D) {
-        v = qkv[i];
-    } else {
-        int E = D / H, half = E / 2, e = col % E;
-        int head = i - e;  // element 0 of this head
-        int j = e < half ? e : e - half;
-        float x1 = qkv[head + j], x2 = qkv[head + j + half];
-        float c = cos_t[(row % T) * half + j], s = sin_t[(row % T) * half + j];
-        v = e < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s))
-                     : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= 3 * D) return;
+    int E = D / H, half = E / 2, e = col % E;
+    int head = col - e;  // element 0 of this head in the row
+    int j = e < half ? e : e - half;
+    for (int row = blockIdx.y; row < BT; row += gridDim.y) {
+        const float* x = qkv + (long long)row * 3 * D;
+        float v;
+        if (col >= 2 * D) {
+            v = x[col];
+        } else {
+            int t = row % T;
+            float x1 = x[head + j], x2 = x[head + j + half];
+            float c = cos_t[t * half + j], s = sin_t[t * half + j];
+            v = e < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s))
+                         : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+        }
+        out[(long long)row * 3 * D + col] = to_operand(v);
     }
-    out[i] = to_operand(v);
 }
 
 // dqk (BT,2D) float32 gradients of the rotated q, k -> dqkv[:, :2D] (row
@@ -339,17 +354,20 @@ extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* 
                                          const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, int BT, int T, int D,
                                          int H) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BT * 2 * D) return;
-    int row = i / (2 * D), col = i % (2 * D);
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= 2 * D) return;
     int E = D / H, half = E / 2, e = col % E;
-    int head = i - e;
+    int head = col - e;
     int j = e < half ? e : e - half;
-    float d1 = dqk[head + j], d2 = dqk[head + j + half];
-    float c = cos_t[(row % T) * half + j], s = sin_t[(row % T) * half + j];
-    float v = e < half ? __fadd_rn(__fmul_rn(d1, c), __fmul_rn(d2, s))
-                       : __fsub_rn(__fmul_rn(d2, c), __fmul_rn(d1, s));
-    dqkv[row * 3 * D + col] = to_operand(v);
+    for (int row = blockIdx.y; row < BT; row += gridDim.y) {
+        const float* g = dqk + (long long)row * 2 * D;
+        int t = row % T;
+        float d1 = g[head + j], d2 = g[head + j + half];
+        float c = cos_t[t * half + j], s = sin_t[t * half + j];
+        float v = e < half ? __fadd_rn(__fmul_rn(d1, c), __fmul_rn(d2, s))
+                           : __fsub_rn(__fmul_rn(d2, c), __fmul_rn(d1, s));
+        dqkv[(long long)row * 3 * D + col] = to_operand(v);
+    }
 }
 
 // ---------------------------------------------------------------- attention
@@ -417,12 +435,14 @@ extern "C" __global__ void attention_softmax_backward(const float* __restrict__ 
 // gu (BT,2F): gate then up projections -> a (BT,F) = silu(g) * u operand
 extern "C" __global__ void swiglu_forward(const float* __restrict__ gu, floatX* __restrict__ a,
                                           int BT, int F) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BT * F) return;
-    int r = i / F, f = i % F;
-    float g = gu[r * 2 * F + f], u = gu[r * 2 * F + F + f];
-    float sig = 1.0f / (1.0f + expf(-g));
-    a[i] = to_operand(__fmul_rn(__fmul_rn(g, sig), u));
+    int f = blockIdx.x * blockDim.x + threadIdx.x;
+    if (f >= F) return;
+    for (int r = blockIdx.y; r < BT; r += gridDim.y) {
+        const float* row = gu + (long long)r * 2 * F;
+        float g = row[f], u = row[F + f];
+        float sig = 1.0f / (1.0f + expf(-g));
+        a[(long long)r * F + f] = to_operand(__fmul_rn(__fmul_rn(g, sig), u));
+    }
 }
 
 // da (BT,F) -> dgu (BT,2F) operands: dg then du
@@ -430,17 +450,19 @@ extern "C" __global__ void swiglu_forward(const float* __restrict__ gu, floatX* 
 extern "C" __global__ void swiglu_backward(const float* __restrict__ da,
                                            const float* __restrict__ gu, floatX* __restrict__ dgu,
                                            int BT, int F) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BT * F) return;
-    int r = i / F, f = i % F;
-    float g = gu[r * 2 * F + f], u = gu[r * 2 * F + F + f];
-    float sig = 1.0f / (1.0f + expf(-g));
-    float d = da[i];
-    float du = __fmul_rn(__fmul_rn(d, g), sig);
-    float gs = __fmul_rn(g, sig);
-    float dg = __fmul_rn(__fmul_rn(d, u), __fadd_rn(sig, __fmul_rn(gs, __fsub_rn(1.0f, sig))));
-    dgu[r * 2 * F + f] = to_operand(dg);
-    dgu[r * 2 * F + F + f] = to_operand(du);
+    int f = blockIdx.x * blockDim.x + threadIdx.x;
+    if (f >= F) return;
+    for (int r = blockIdx.y; r < BT; r += gridDim.y) {
+        const float* row = gu + (long long)r * 2 * F;
+        float g = row[f], u = row[F + f];
+        float sig = 1.0f / (1.0f + expf(-g));
+        float d = da[(long long)r * F + f];
+        float du = __fmul_rn(__fmul_rn(d, g), sig);
+        float gs = __fmul_rn(g, sig);
+        float dg = __fmul_rn(__fmul_rn(d, u), __fadd_rn(sig, __fmul_rn(gs, __fsub_rn(1.0f, sig))));
+        dgu[(long long)r * 2 * F + f] = to_operand(dg);
+        dgu[(long long)r * 2 * F + F + f] = to_operand(du);
+    }
 }
 
 // ---------------------------------------------------------------- loss
@@ -586,10 +608,16 @@ class Kernels:
         self.trace = None  # a list to log launched kernel names into, or None
 
     def _launch(self, name, grid, block, args, shared_mem=0):
+        # grid: blocks, or a tuple of blocks per dimension
         self.launches += 1
         if self.trace is not None:
             self.trace.append(name)
-        self.functions[name]((int(grid),), (int(block),), args, shared_mem=int(shared_mem))
+        grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
+        self.functions[name](grid, (int(block),), args, shared_mem=int(shared_mem))
+
+    def _rowwise(self, name, rows, cols, args):
+        # 2-D grid: x over the columns, y over the rows (the kernel strides by gridDim.y)
+        self._launch(name, (_cdiv(cols, THREADS), min(rows, 65535)), THREADS, args)
 
     def _elementwise(self, name, n, args):
         assert n < 2**31 or name in ("round_bf16", "adamw_update"), (name, n)  # int indices
@@ -610,6 +638,7 @@ class Kernels:
     def embedding_backward(self, dx, ids, ids_stride, T, dW):
         # dx (BT,D), dW (V,D) holding the unembedding gradient: dW += gather gradient
         BT, D = dx.shape
+        assert D <= 1024, D  # one thread per feature
         self._launch("embedding_backward", BT, _threads_over(D, 1024),
                      (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D)))
 
@@ -641,14 +670,14 @@ class Kernels:
     def rope_forward(self, qkv, out, cos, sin, T, H):
         # qkv (BT,3D) float32 -> out (BT,3D) operands
         BT, D3 = qkv.shape
-        self._elementwise("rope_forward", BT * D3, (qkv, out, cos, sin, i32(BT), i32(T),
-                                                    i32(D3 // 3), i32(H)))
+        self._rowwise("rope_forward", BT, D3, (qkv, out, cos, sin, i32(BT), i32(T), i32(D3 // 3),
+                                               i32(H)))
 
     def rope_backward(self, dqk, dqkv, cos, sin, T, H):
         # dqk (BT,2D) float32 -> dqkv[:, :2D] (BT,3D) operands
         BT, D2 = dqk.shape
-        self._elementwise("rope_backward", BT * D2, (dqk, dqkv, cos, sin, i32(BT), i32(T),
-                                                     i32(D2 // 2), i32(H)))
+        self._rowwise("rope_backward", BT, D2, (dqk, dqkv, cos, sin, i32(BT), i32(T),
+                                                i32(D2 // 2), i32(H)))
 
     # -- attention
     def attention_softmax_forward(self, s, p_op, scale):
@@ -669,12 +698,12 @@ class Kernels:
     def swiglu_forward(self, gu, a):
         # gu (BT,2F) -> a (BT,F) operand
         BT, F = a.shape
-        self._elementwise("swiglu_forward", BT * F, (gu, a, i32(BT), i32(F)))
+        self._rowwise("swiglu_forward", BT, F, (gu, a, i32(BT), i32(F)))
 
     def swiglu_backward(self, da, gu, dgu):
         # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands
         BT, F = da.shape
-        self._elementwise("swiglu_backward", BT * F, (da, gu, dgu, i32(BT), i32(F)))
+        self._rowwise("swiglu_backward", BT, F, (da, gu, dgu, i32(BT), i32(F)))
 
     # -- loss
     def crossentropy_forward_backward(self, logits, ids, ids_stride, T, ce, dlogits, dce):
