@@ -284,6 +284,15 @@ def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 70), st.sampled_from([2, 8, 64]),
        st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
 def test_attention_softmax_forward_backward(Bn, H, T, E, precision, seed):
+    check_attention_softmax(Bn, H, T, E, precision, seed)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_attention_softmax_rows_longer_than_the_registers(precision):
+    check_attention_softmax(1, 1, 32 * 32 + 9, 4, precision, 18)
+
+
+def check_attention_softmax(Bn, H, T, E, precision, seed):
     """The causal softmax over (B,H,T,T) scores and its backward. Under bf16
     only the causal part is written (the operand buffers keep the zeros
     above the diagonal that the program allocates them with); under fp32 the
