@@ -15,9 +15,10 @@ included, so NVRTC compiles it as is.
 Determinism: no kernel uses atomics. Every reduction runs in a fixed order
 (warp shuffles in a fixed tree, then shared memory in warp order), so a
 replay gives the same bits every time and resume is exact (SPEC 9).
-Layernorm's weight gradients reduce in two passes (per-chunk partials, then
-the chunks in order); the embedding gradient is gathered per vocabulary
-row, scanning the positions in order, as the reference's np.add.at does.
+Layernorm's weight gradients reduce in two passes (per-block partials, then
+the blocks in order); the embedding gradient of an id is summed by one
+block over the positions holding it, in position order, as the reference's
+np.add.at does.
 
 Elementwise formulas that the reference writes as separate float32
 operations use the _rn intrinsics (no fused multiply-add) where that makes

@@ -11,7 +11,7 @@ products; and with only the launches of one kernel; each replayed and
 timed with CUDA events (median of 20). They run on whatever the buffers hold
 after the timed steps (real activations, not zeros).
 
-Floor for one coppelius B=1 step on the H200 (ACCELERATED.md): 0.51 ms of
+Floor for one coppelius B=1 step on an H200: 0.51 ms of
 bf16 matrix work, 0.38 ms of AdamW traffic. The PyTorch peer: 4.77 ms
 (torch.compile + CUDA graph), 51.8 ms (eager).
 """
@@ -35,7 +35,7 @@ from reference.config import Hyper, preset  # noqa: E402
 from reference.params import initialize  # noqa: E402
 from reference.state import State  # noqa: E402
 
-PEER = {"torch.compile + CUDA graph": 4.77, "eager": 51.8}  # ms, B=1, bf16 (ACCELERATED.md)
+PEER = {"torch.compile + CUDA graph": 4.77, "eager": 51.8}  # ms, B=1, bf16, measured on an H200
 
 
 def record(program, work):
