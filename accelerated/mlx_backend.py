@@ -510,13 +510,16 @@ class MLXBindingBackend:
     returns the very same array: the tied unembedding shares its storage."""
 
     name = "mlx"
-    DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+    @staticmethod
+    def _dtype(name: str):
+        return {"float32": mx.float32, "bfloat16": mx.bfloat16}[name]
 
     def from_host(self, array: np.ndarray, dtype: str):
         host = np.ascontiguousarray(array)
         if host.dtype != np.float32:  # bfloat16 leases: widen exactly on the host
             host = host.astype(np.float32)
-        return mx.array(host).astype(self.DTYPES[dtype])
+        return mx.array(host).astype(self._dtype(dtype))
 
     def slice(self, x, axis: int, start: int, stop: int):
         index = (slice(None),) * axis + (slice(start, stop),)
@@ -529,7 +532,7 @@ class MLXBindingBackend:
         return mx.transpose(x)
 
     def cast(self, x, dtype: str):
-        return x.astype(self.DTYPES[dtype])  # float32 -> bfloat16 rounds to nearest even
+        return x.astype(self._dtype(dtype))  # float32 -> bfloat16 rounds to nearest even
 
     def alias(self, x):
         return x

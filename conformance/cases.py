@@ -85,6 +85,10 @@ def strategies():
             state = random_state(config, seed, scale=draw(st.sampled_from([0.0, 1.0, 10.0])))
         rng = np.random.default_rng(seed)
         tokens = rng.integers(0, config.vocab, size=(batch, config.context + 1), dtype=np.int64)
+        if (tokens == tokens.flat[0]).all():
+            # one id everywhere makes every v row equal, so the exact q and k
+            # gradients are zero and their relative error is rounding noise / 0
+            tokens.flat[0] = (tokens.flat[0] + 1) % config.vocab
         precision = draw(st.sampled_from(list(precisions)))
         return config, batch, tokens, state, precision
 

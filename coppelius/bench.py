@@ -204,6 +204,8 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the NumPy reference (seconds per step on the coppelius preset)")
     parser.add_argument("--reference-coppelius", type=int, default=0, metavar="N",
                         help="also time N steps of the reference on the coppelius preset "
                              "(seconds per step)")
@@ -221,8 +223,9 @@ def run(args) -> int:
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
     inputs = windows(config, args.batch, args.warmup + args.steps)
-    runners = [program_runner("reference", config, precision, args.batch)
-               for precision in args.precision or ["fp32"]]
+    runners = [] if args.no_reference else [
+        program_runner("reference", config, precision, args.batch)
+        for precision in args.precision or ["fp32"]]
     for name in backends:
         if name == "reference":
             continue
