@@ -324,7 +324,7 @@ def train(plan: Plan, quiet=False) -> dict:
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,
             "first_step": first_step, "losses": losses, "seconds": elapsed,
             "tokens_per_second": done * B * T / elapsed if elapsed > 0 else math.nan,
-            "signal": stopper.signum}
+            "signal": stopper.signum, "program": program}
 
 
 def _final_record(writer, program, config, last_tokens):
@@ -374,7 +374,8 @@ def main(args) -> int:
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()
         text = sample.generate_text(plan.checkpoint, prompt=sample.DEFAULT_PROMPT, tokens=80,
-                                    temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer)
+                                    temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer,
+                                    logits_of=summary["program"].logits)
         print(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text)
     return 0
 

@@ -129,18 +129,22 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
 
 
 def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float = 0.0,
-             top_k: int = 0, rng: np.random.Generator | None = None) -> list:
+             top_k: int = 0, rng: np.random.Generator | None = None, logits_of=None) -> list:
     """`ids` followed by `tokens` new ids, each predicted from the last T
-    (at most) ids with the reference forward in fp32."""
+    (at most) ids: by default with the reference forward in fp32;
+    `logits_of(window (1,n)) -> (1,n,V)` is another forward of the same
+    parameters (a backend's program, which the run loop uses on a GPU)."""
     from reference import forward
 
+    if logits_of is None:
+        logits_of = lambda window: forward(config, P, window, "fp32")  # noqa: E731
     if len(ids) == 0:
         raise ConfigError("prompt is empty: the model has no start token, give some text")
     rng = rng or np.random.default_rng(0)
     out = [int(i) for i in ids]
     for _ in range(tokens):
         window = np.array(out[-config.context:], dtype=np.int64)[None, :]  # (1,n), n <= T
-        logits = forward(config, P, window, "fp32")[0, -1]  # (V,) at the last position
+        logits = np.asarray(logits_of(window))[0, -1]  # (V,) at the last position
         out.append(pick(logits, temperature, top_k, rng))
     return out
 
@@ -158,8 +162,8 @@ def check_options(tokens: int, temperature: float, top_k: int, seed: int = 0) ->
 
 def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-                  tokenizer=None) -> str:
-    """The prompt and its continuation, decoded."""
+                  tokenizer=None, logits_of=None) -> str:
+    """The prompt and its continuation, decoded (`logits_of`: see generate)."""
     from coppelius.data import load_tokenizer
 
     check_options(tokens, temperature, top_k, seed)
@@ -170,7 +174,8 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
         raise StreamError(f"tokenizer {tokenizer_path}: has {tok.get_vocab_size()} ids, the "
                           f"checkpoint's model has V={config.vocab}")
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed))
+    out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed),
+                   logits_of)
     return tok.decode(out, skip_special_tokens=False)
 
 
