@@ -48,7 +48,6 @@ replay instead: for debugging, not for training.
 
 from __future__ import annotations
 
-import os
 import re
 import weakref
 from dataclasses import dataclass
@@ -61,11 +60,12 @@ except ImportError:  # the backend is simply unavailable
     cupy = None
 
 from reference.adamw import AdamWConstants
-from reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
+from reference.config import LAYERNORM_EPS, Config, Hyper
 from reference.errors import RunError
 from reference.layers.rope import rope_tables
 from reference.params import registry
-from reference.program import ReplayError, check_state, check_tokens, compilation_report
+from reference.program import (ReplayError, capture_enabled, check_capture, check_tokens,
+                               compilation_report)
 from reference.state import State
 
 from . import cuda_kernels
@@ -85,9 +85,6 @@ def available() -> bool:
     except Exception:
         return False
 
-
-def capture_enabled() -> bool:
-    return os.environ.get("COPPELIUS_NO_CAPTURE", "") in ("", "0")
 
 
 def _ptr(a, offset: int = 0) -> int:
@@ -408,10 +405,6 @@ class DeviceState:
         self.P, self.M, self.V, self.t = P, M, V, t  # (N,) float32 x3, (1,) int32
 
 
-def _check_update_count(t):
-    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31 - 1:
-        raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31 - 1)")
-
 
 _KERNELS = {}  # precision -> Kernels: each policy's module is compiled once per process
 
@@ -428,11 +421,7 @@ class CupyProgram:
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_precision(precision)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
-            raise RunError(f"batch={batch!r}: must be a positive integer")
-        check_state(config, state)
-        _check_update_count(state.t)
+        check_capture(config, precision, batch, state)
         if config.d_model > cuda_kernels.MAX_D:
             raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
                            f"a row in registers, at most {cuda_kernels.MAX_D} features")

@@ -37,7 +37,6 @@ step again, eagerly): for debugging the graph, not for training.
 from __future__ import annotations
 
 import math
-import os
 import re
 import tempfile
 
@@ -53,7 +52,8 @@ from reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
 from reference.errors import RunError
 from reference.layers.rope import rope_tables
 from reference.params import registry
-from reference.program import ReplayError, check_state, check_tokens, compilation_report
+from reference.program import (ReplayError, capture_enabled, check_capture, check_tokens,
+                               compilation_report)
 from reference.state import State
 
 BACKEND = "mlx"
@@ -62,9 +62,6 @@ BACKEND = "mlx"
 def available() -> bool:
     return mx is not None
 
-
-def capture_enabled() -> bool:
-    return os.environ.get("COPPELIUS_NO_CAPTURE", "") in ("", "0")
 
 
 # ---------------------------------------------------------------- precision
@@ -273,10 +270,6 @@ class Event:
         mx.eval(self._arrays)
 
 
-def _check_update_count(t):
-    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
-        raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31)")
-
 
 class MLXProgram:
     """The captured training step on MLX (the TrainingProgram interface)."""
@@ -284,11 +277,7 @@ class MLXProgram:
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_precision(precision)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
-            raise RunError(f"batch={batch!r}: must be a positive integer")
-        check_state(config, state)
-        _check_update_count(state.t)
+        check_capture(config, precision, batch, state)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
         self.model = Model(config, precision)
         self.adamw = AdamW(config, hyper)

@@ -19,11 +19,12 @@ Interface (duck-typed; every backend's `capture(...)` returns one):
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from .config import Config, Hyper, check_precision
-from .errors import CoppeliusError
+from .errors import CoppeliusError, RunError
 from .params import registry
 from .state import State
 from .step import forward, step
@@ -73,6 +74,25 @@ def check_state(config: Config, state: State) -> None:
             raise ReplayError(f"state.{name} must be a host float32 vector of {n} elements")
 
 
+def capture_enabled() -> bool:
+    """COPPELIUS_NO_CAPTURE=1 turns capture off: a backend then runs its step
+    eagerly on every replay (for debugging, not for training)."""
+    return os.environ.get("COPPELIUS_NO_CAPTURE", "") in ("", "0")
+
+
+def check_capture(config: Config, precision: str, batch: int, state: State) -> None:
+    """What every backend's capture checks before it allocates anything: the
+    policy, the batch, the state's vectors and its update count (kept on a
+    device as int32 and advanced in the step, so t + 1 must fit)."""
+    check_precision(precision)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        raise RunError(f"batch={batch!r}: must be a positive integer")
+    check_state(config, state)
+    t = state.t
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31 - 1:
+        raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31 - 1)")
+
+
 class Event:
     """The reference computes synchronously: the event is complete on return."""
 
@@ -84,8 +104,7 @@ class ReferenceProgram:
     backend = "reference"
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_precision(precision)
-        check_state(config, state)
+        check_capture(config, precision, batch, state)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
         self._state = state.copy()  # the program owns its buffers, like a device backend
         self._tokens = None
