@@ -131,10 +131,6 @@ def make_plan(args) -> Plan:
 
     default_data = args.source is None and args.stream is None
     repeat = args.repeat_data
-    # outputs: found unwritable now, not after the first interval of training
-    for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
-                      os.path.dirname(os.path.abspath(args.results or ckpt))}:
-        writable_directory(directory)
     K = stream.n_contexts(config.context)
     need = c0 + steps * batch
     if K == 0:
@@ -146,6 +142,10 @@ def make_plan(args) -> Plan:
         repeat = True
         print(f"note: the embedded corpus holds {K} contexts and this run needs {need}: "
               f"repeating data (context c is read as c mod {K})", file=sys.stderr)
+    # outputs: found unwritable now, not after the first interval of training
+    for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                      os.path.dirname(os.path.abspath(args.results or ckpt))}:
+        writable_directory(directory)
     return Plan(config=config, backend=backend, precision=precision, hyper=hyper, batch=batch,
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
