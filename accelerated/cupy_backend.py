@@ -15,11 +15,19 @@ bits, also a NaN), so an element a kernel forgets to write shows up.
 
 Matrix products. Linear weights are (out, in) row-major slices of P, and
 the registry puts q, k, v next to each other (one (3D, D) product) and gate,
-up too (one (2F, D) product). Attention runs per batch element as strided
-batched products over the heads, reading q, k, v straight out of the
-(BT, 3D) projection with row stride 3D and writing y in the (BT, D) layout
-with row stride D, so no transpose kernel is needed. The scores are
-materialized (B, H, T, T) float32 and kept per layer for the backward.
+up too (one (2F, D) product).
+
+Attention. Under bf16 with a head dim of 16, 32 or 64, from a batch of
+cuda_kernels.ATTENTION_FUSED_MIN_BATCH on, it is fused
+(flash-attention style, cuda_kernels.attention_forward_e*): tensor-core
+tiles over the keys, causal tiles skipped, nothing of size T^2 in memory;
+per row only the maximum and the sum of the softmax are kept for the
+backward, which recomputes p. Otherwise (fp32, other head dims, small
+batches, where the fused kernels leave the chip idle) it runs per
+batch element as strided batched products over the heads, reading q, k, v
+straight out of the (BT, 3D) projection with row stride 3D and writing y in
+the (BT, D) layout with row stride D, with the scores materialized
+(B, H, T, T) float32 and kept per layer for the backward.
 
 bf16 policy (SPEC 6). Every operand of every product is a bfloat16
 (rounded to nearest even) and every product accumulates in float32. The
@@ -85,6 +93,13 @@ def available() -> bool:
     except Exception:
         return False
 
+
+
+def fused_attention(config: Config, precision: str, batch: int) -> bool:
+    """Whether the attention of a (batch, T) step is the fused kernels (else
+    the materialized scores and cuBLAS batched products)."""
+    return (precision == "bf16" and config.head_dim in cuda_kernels.ATTENTION_HEAD_DIMS
+            and batch >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH)
 
 
 def _ptr(a, offset: int = 0) -> int:
@@ -177,6 +192,7 @@ class Activations:
         self.B, self.T = B, T
         f32 = np.float32
         bf16 = op_dtype == np.uint16
+        self.fused = fused = fused_attention(config, "bf16" if bf16 else "fp32", B)
         n = L if train else 1
 
         def per_layer(shape, dtype):
@@ -190,7 +206,10 @@ class Activations:
         self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
         self.h1 = per_layer((BT, D), op_dtype)  # attn_norm(x), operand
         self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
-        self.att = per_layer((B, H, T, T), f32)  # probabilities p
+        if fused:  # per row: the softmax's maximum and sum, for the backward
+            self.att_m, self.att_l = per_layer((B, H, T), f32), per_layer((B, H, T), f32)
+        else:
+            self.att = per_layer((B, H, T, T), f32)  # probabilities p
         self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
         self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
@@ -203,7 +222,7 @@ class Activations:
         self.proj = alloc((BT, D), f32)  # output of the o and down products
         # p as an operand: the kernels write its causal part only, the zeros
         # above the diagonal stay from here on
-        self.att_op = alloc((B, H, T, T), op_dtype, zeros=True) if bf16 else None
+        self.att_op = alloc((B, H, T, T), op_dtype, zeros=True) if bf16 and not fused else None
         if not train:
             return
         # loss and backward
@@ -216,8 +235,11 @@ class Activations:
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, 2 * F), op_dtype)
         self.dy = alloc((BT, D), op_dtype)
-        self.dp = alloc((B, H, T, T), f32)
-        self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
+        if fused:
+            self.att_dot = alloc((B, H, T), f32)  # sum_j dp p per row
+        else:
+            self.dp = alloc((B, H, T, T), f32)
+            self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
         self.dqk = alloc((BT, 2 * D), f32)  # gradients of the rotated q, k
         self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
         chunks = -(-BT // cuda_kernels.LAYERNORM_CHUNK)
@@ -302,9 +324,15 @@ class Model:
         self.linear_forward(a.hf, self.emb, a.logits, V, D)
 
     def attention_forward(self, a: Activations, l: int) -> None:
-        """a.qkv[l] (BT,3D) -> a.att[l] (B,H,T,T) probabilities, a.y[l] (BT,D)."""
+        """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]
+        (B,H,T,T) probabilities, or the fused kernels' a.att_m[l], a.att_l[l]
+        (B,H,T) row maxima and sums."""
         c = self.config
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        if a.fused:
+            self.k.attention_forward(a.qkv[l], a.y[l], a.att_m[l], a.att_l[l], B, T, H,
+                                     self.scale)
+            return
         qkv, att, y = a.qkv[l], a.att[l], a.y[l]
         for b in range(B):  # one strided batched product over the H heads
             q, kk = _ptr(qkv, b * T * 3 * D), _ptr(qkv, b * T * 3 * D + D)
@@ -362,6 +390,11 @@ class Model:
         """a.dy (BT,D) -> a.dqkv (BT,3D): dq, dk through rope, and dv."""
         c = self.config
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        if a.fused:
+            self.k.attention_backward(a.qkv[l], a.y[l], a.dy, a.att_m[l], a.att_l[l], a.att_dot,
+                                      a.dqk, a.dqkv, B, T, H, self.scale)
+            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, T, c.n_head)
+            return
         qkv, att = a.qkv[l], a.att[l]
         for b in range(B):
             v = _ptr(qkv, b * T * 3 * D + 2 * D)
@@ -677,11 +710,15 @@ def _report(program: CupyProgram) -> dict:
                          "slot is the only per-step host input",
         "decomposition": "hand-written forward and backward: NVRTC kernels and cuBLAS products",
         "fusion": "residual add into layernorm; loss, softmax and dlogits in one kernel; q,k,v "
-                  "and gate,up as single products; operands rounded by their producers",
+                  "and gate,up as single products; operands rounded by their producers"
+                  + ("; causal attention fused (scores never in memory)"
+                     if program.acts.fused else ""),
         "placement": "one CUDA device, one non-blocking stream",
         "precision": "bfloat16 operands, float32 accumulation and results" if bf16
                      else "float32 products, CUBLAS_COMPUTE_32F, no TF32",
-        "kernel_selection": "cuBLAS heuristics (GemmEx, GemmStridedBatchedEx)",
+        "kernel_selection": "cuBLAS heuristics (GemmEx, GemmStridedBatchedEx)"
+                            + ("; attention: mma.sync bfloat16 tiles"
+                               if program.acts.fused else ""),
         "lowering_validation": "the step runs eagerly once before capture",
         "memory_planning": "every buffer allocated before capture; no allocation in the step",
         "synchronization_planning": "stream order only; the host waits once per replay",

@@ -7,6 +7,7 @@ the compilation report.
 
 Every test needs a GPU (marker gpu): skipped elsewhere."""
 
+import contextlib
 import math
 
 import ml_dtypes
@@ -21,7 +22,7 @@ from conformance.suite import step_rows
 from conformance.tolerances import relative_error, tolerance
 from reference.adamw import AdamWConstants, adamw_update, bias_corrections
 from reference.config import Config, Hyper, preset
-from reference.layers.attention import attention_forward
+from reference.layers.attention import attention_backward, attention_forward
 from reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
 from reference.layers.embedding import embedding_backward
 from reference.layers.layernorm import layernorm_backward, layernorm_forward
@@ -327,6 +328,82 @@ def check_attention_softmax(Bn, H, T, E, precision, seed):
                     round_bf16(np.where(causal, p, 0)), 0)
 
 
+@contextlib.contextmanager
+def fused_from_batch(n):
+    """The step's attention fused from batch n on (bf16, head dims with kernels)."""
+    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    cuda_kernels.ATTENTION_FUSED_MIN_BATCH = n
+    try:
+        yield
+    finally:
+        cuda_kernels.ATTENTION_FUSED_MIN_BATCH = saved
+
+
+def step_attention(precision, q, k, v, dy):
+    """The step's attention (Model.attention_forward, then attention_backward)
+    on q, k, v, dy (B,H,T,E), with the path the backend picks for them. ->
+    y, dq, dk, dv (B,H,T,E) as float32 (y and dv are operands, dq and dk
+    float32)."""
+    Bn, H, T, E = q.shape
+    D = H * E
+    config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    alloc = cupy_backend.Buffers(stream)
+    ws = alloc((cublas.WORKSPACE_BYTES,), np.uint8)
+    blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
+    P = alloc((registry(config).total,), np.float32)
+    cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
+    model = cupy_backend.Model(config, precision, kernels(precision), blas, P, P, P, cos, sin,
+                               None)
+    acts = cupy_backend.Activations(config, Bn, T, op_dtype(precision), alloc, train=True)
+
+    def rows(x):  # (B,H,T,E) -> (BT, D) in the operand type
+        x = x.transpose(0, 2, 1, 3).reshape(Bn * T, D)
+        return x.astype(ml_dtypes.bfloat16).view(np.uint16) if precision == "bf16" else x
+
+    def heads(x):  # (BT, D) -> (B,H,T,E)
+        return x.reshape(Bn, T, H, E).transpose(0, 2, 1, 3)
+
+    acts.qkv[0].set(np.concatenate([rows(q), rows(k), rows(v)], axis=1), stream=stream)
+    acts.dy.set(rows(dy), stream=stream)
+    with stream:
+        model.attention_forward(acts, 0)
+        model.attention_backward(acts, 0)
+    stream.synchronize()
+    blas.close()
+    dqk = acts.dqk.get(stream=stream)
+    dv = as_float(acts.dqkv, precision)[:, 2 * D:]
+    return (heads(as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
+            heads(dv))
+
+
+@small
+@given(st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 5, 63, 64, 65, 130, 200]),
+       st.sampled_from([16, 32, 64]), st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
+def test_attention_matches_reference_layer(Bn, H, T, E, precision, seed):
+    """The step's attention, forward and backward, against
+    reference.layers.attention: under bf16 the fused kernels (query and key
+    tiles of 64: T below, at and across tile edges), under fp32 the
+    materialized scores."""
+    rng = np.random.default_rng(seed)
+    q, k = 2 * rng.standard_normal((2, Bn, H, T, E))  # scores of a few units: peaked rows
+    v, dy = rng.standard_normal((2, Bn, H, T, E))
+    q, k, v, dy = (policy(x.astype(np.float32), precision) for x in (q, k, v, dy))
+    with fused_from_batch(1):
+        assert cupy_backend.fused_attention(Config(8, T, H * E, 1, H, 8), precision, Bn) == \
+            (precision == "bf16")
+        y, dq, dk, dv = step_attention(precision, q, k, v, dy)
+    want_y, cache = attention_forward(q, k, v, precision)
+    want_dq, want_dk, want_dv = attention_backward(dy, cache, precision)
+    # y and dv are operands: one rounding to a neighbouring bfloat16 apart at
+    # most; dq, dk come from the rounded ds, a roundoff apart now and then
+    check_close("y", y, policy(want_y, precision), operand_tol(precision))
+    check_close("dv", dv, policy(want_dv, precision), operand_tol(precision))
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    check_close("dq", dq, want_dq, tol)
+    check_close("dk", dk, want_dk, tol)
+
+
 @small
 @given(st.integers(1, 50), st.integers(1, 70), st.sampled_from(PRECISIONS),
        st.integers(0, 2**31 - 1))
@@ -456,6 +533,25 @@ def test_one_step_matches_reference(precision):
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
                                    f"at {r.worst}: {r.got} vs {r.want}" for r in failures)
+
+
+def test_one_step_with_fused_attention():
+    """The whole bf16 step at the batch from which attention is fused:
+    against reference.step, and bit-reproducible across two captures."""
+    batch = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    state = random_state(CONFIG, seed=21, t=9)
+    tokens = windows(1, seed=22, batch=batch)[0]
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
+    assert program.acts.fused
+    assert "attention_forward_e16" in program.compilation_report()["kernel_names"]
+    rows = step_rows(program, CONFIG, Hyper(), "bf16", state, tokens)
+    failures = [r for r in rows if not r.passed]
+    assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
+                                   f"at {r.worst}: {r.got} vs {r.want}" for r in failures)
+    again = cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
+    again.upload_input(tokens)
+    again.replay_and_wait()
+    check_bitwise("gradients", again.gradients(), program.gradients())
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -598,11 +694,20 @@ def test_compilation_report(precision):
     assert [s["stage"] for s in report["stages"]] == list(STAGES)
     assert report["captured"] and report["replays"] == 1
     # the logits product and its two gradients, 4 linear products per layer and
-    # their 8 gradients, and per layer and batch element 2 attention products
-    # and their 4 gradients
+    # their 8 gradients, and unless attention is fused, per layer and batch
+    # element 2 attention products and their 4 gradients
     L = CONFIG.n_layer
-    assert report["products"] == 3 + 12 * L + 6 * L * B
-    assert report["kernels"] == len(cuda_kernels.KERNELS) - 2  # all but round_bf16 and the table
+    fused = cupy_backend.fused_attention(CONFIG, precision, B)
+    assert program.acts.fused == fused
+    assert report["products"] == 3 + 12 * L + (0 if fused else 6 * L * B)
+    E = CONFIG.head_dim
+    attention = ({f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
+                                                         "backward_dkdv")} if fused
+                 else {"attention_softmax_forward", "attention_softmax_backward"})
+    others = {name for name in cuda_kernels.KERNELS if not name.startswith("attention_")}
+    assert set(report["kernel_names"]) == (others | attention) - {"round_bf16",
+                                                                   "adamw_bias_corrections_table"}
+    assert report["kernels"] == len(report["kernel_names"])
     assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]
     assert report["device_bytes"] >= 4 * 4 * registry(CONFIG).total
     assert report["runtime"]["update_count"] == 1

@@ -23,8 +23,11 @@ done
 
 timeout 150 python dev/cuda/bench_step.py --breakdown > "$OUT/bench.log" 2>&1
 echo "bench exit $?"
+timeout 90 python dev/cuda/bench_step.py --batch 8 --precision bf16 > "$OUT/bench-b8.log" 2>&1
+echo "bench B=8 exit $?"
 
 echo "================================================================ summary"
 tail -3 "$OUT/pytest.log"
 grep -h "^conformance" "$OUT"/conformance-*.log
 cat "$OUT/bench.log"
+tail -2 "$OUT/bench-b8.log"

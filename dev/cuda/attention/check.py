@@ -1,0 +1,183 @@
+"""The fused causal attention (accelerated/cuda_kernels.py,
+attention_forward_e* and attention_backward_*_e*) against the reference
+layer, and timed against the materialized path it replaces.
+
+    PYTHONPATH=. python dev/cuda/attention/check.py [--batch 1 --batch 8] [--variant 5]
+    bash dev/cuda/attention/device_run.sh   # this, then dev/cuda/device_check.sh
+
+Variants (each the step's attention, forward then backward, one layer):
+  0  materialized: cuBLAS strided batched products per batch element over
+     (B,H,T,T) float32 scores, the row-wise softmax kernels
+  1  fused (v1.cu): mma.sync bfloat16 tiles of 64 queries x 64 keys, two
+     passes in the forward (row max and sum, then round(p) v, p normalized as
+     the reference's operand), dq per query tile in two passes (dot = sum dp p,
+     then ds k), dk, dv per key tile; expf, IEEE division, a mask on every tile
+  2  (v2.cu) 1 with exp2 of an fma (log2 e folded into the scale), 1/l once
+     per row, cvt.rn.bf16x2 packing, the mask only on diagonal tiles
+  3  (v3.cu) 2 with a one-pass forward (online softmax: the operand of p v
+     is the unnormalized exp, rounded) and dot = dy . y (one pass for dq;
+     ds of a row with a single key then comes out nonzero, not 0)
+  4  (v4.cu) 2 with the one-pass forward of 3 (the backward of 2)
+  5  (v5.cu) 2 with every tile copied by cp.async into double buffers (tile
+     t+1 lands while tile t is used) and no transposed tiles: the b
+     fragments of p v, ds k, p^T dy, ds^T q come from row-major tiles through
+     ldmatrix.trans
+
+The variant in accelerated/cuda_kernels.py is checked as "in package".
+Checks, on fresh random inputs: each variant against
+reference.layers.attention (NumPy float32 with the reference's own bf16
+rounding) at the coppelius shape and two smaller ones (T across tile edges,
+E = 32 and 16); every output element written (buffers start as NaN); two
+runs bitwise equal. Timing: each variant captured as a
+CUDA graph and replayed (median of 20), bf16, coppelius shape."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+
+import cupy  # noqa: E402
+
+from accelerated import cuda_kernels, cupy_backend  # noqa: E402
+from conformance.tolerances import relative_error  # noqa: E402
+from reference.config import Config, preset  # noqa: E402
+from reference.layers.attention import attention_backward, attention_forward  # noqa: E402
+from reference.layers.rope import rope_tables  # noqa: E402
+from reference.params import registry  # noqa: E402
+from reference.precision import round_bf16  # noqa: E402
+from tests.test_cupy_backend import fused_from_batch, step_attention  # noqa: E402
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MARK_A = "// ---------------------------------------------------------------- fused attention (bf16)"
+MARK_B = "// ---------------------------------------------------------------- swiglu"
+
+
+def variant_kernels(name):
+    """The bf16 module with its attention section replaced by dev/cuda/attention/<name>."""
+    if name is None:
+        return cuda_kernels.Kernels("bf16")
+    source = cuda_kernels.SOURCE
+    a, b = source.index(MARK_A), source.index(MARK_B)
+    with open(os.path.join(HERE, name)) as f:
+        cuda_kernels.SOURCE = source[:a] + f.read() + source[b:]
+    try:
+        return cuda_kernels.Kernels("bf16")
+    finally:
+        cuda_kernels.SOURCE = source
+
+
+def check(kernels, Bn, H, T, E, seed):
+    saved = dict(cupy_backend._KERNELS)
+    cupy_backend._KERNELS["bf16"] = kernels
+    try:
+        with fused_from_batch(1):
+            return _check(Bn, H, T, E, seed)
+    finally:
+        cupy_backend._KERNELS.clear()
+        cupy_backend._KERNELS.update(saved)
+
+
+def _check(Bn, H, T, E, seed):
+    rng = np.random.default_rng(seed)
+    q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
+    v, dy = rng.standard_normal((2, Bn, H, T, E))
+    q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
+    got = step_attention("bf16", q, k, v, dy)
+    again = step_attention("bf16", q, k, v, dy)
+    y, cache = attention_forward(q, k, v, "bf16")
+    want = (round_bf16(y), *attention_backward(dy, cache, "bf16"))
+    want = want[:3] + (round_bf16(want[3]),)
+    ok = True
+    for name, g, w, a in zip(("y", "dq", "dk", "dv"), got, want, again):
+        err, worst, x1, x2 = relative_error(g, w)
+        same = np.array_equal(g.view(np.uint32), a.view(np.uint32))
+        print(f"  B={Bn} H={H} T={T} E={E} {name}: error {err:.2e} (worst at {worst}: {x1} vs "
+              f"{x2}), all written {np.isfinite(g).all()}, replay bitwise {same}")
+        ok &= err <= 1e-2 and np.isfinite(g).all() and same
+    return ok
+
+
+def timed(config, B, kernels):
+    """ms per forward + backward of one layer's attention, graph replays."""
+    fused = kernels is not None
+    with fused_from_batch(1 if fused else 1 << 30):
+        T, D = config.context, config.d_model
+        stream = cupy.cuda.Stream(non_blocking=True)
+        alloc = cupy_backend.Buffers(stream)
+        ws = alloc((cupy_backend.WORKSPACE_BYTES,), np.uint8)
+        blas = cupy_backend.Cublas(stream.ptr, ws.data.ptr, cupy_backend.WORKSPACE_BYTES)
+        one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
+        P = alloc((registry(one).total,), np.float32)
+        cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
+        model = cupy_backend.Model(one, "bf16", kernels or cupy_backend.kernels_for("bf16"), blas,
+                                   P, P, P, cos, sin, None)
+        acts = cupy_backend.Activations(one, B, T, np.uint16, alloc, train=True)
+        assert acts.fused == fused
+        rng = np.random.default_rng(1)
+        bits = lambda shape: (round_bf16(rng.standard_normal(shape).astype(np.float32))  # noqa
+                              .view(np.uint32) >> 16).astype(np.uint16)
+        acts.qkv[0].set(bits((B * T, 3 * D)), stream=stream)
+        acts.dy.set(bits((B * T, D)), stream=stream)
+
+        def work():
+            model.attention_forward(acts, 0)
+            model.attention_backward(acts, 0)
+
+        with stream:
+            work()
+            stream.begin_capture()
+            work()
+            graph = stream.end_capture()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        ms = []
+        for _ in range(22):
+            start.record(stream)
+            graph.launch(stream=stream)
+            end.record(stream)
+            end.synchronize()
+            ms.append(cupy.cuda.get_elapsed_time(start, end))
+        blas.close()
+        return float(np.median(ms[2:]))
+
+
+VARIANTS = {"1": "v1.cu", "2": "v2.cu", "3": "v3.cu", "4": "v4.cu", "5": "v5.cu",
+            "in package": None}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, action="append")
+    parser.add_argument("--preset", default="coppelius")
+    parser.add_argument("--variant", action="append", help="of " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    config = preset(args.preset)
+    shapes = [(1, config.n_head, config.context, config.head_dim), (2, 3, 200, 32), (1, 2, 77, 16)]
+    names = args.variant or list(VARIANTS)
+    batches = args.batch or [1, 2, 4, 8]
+    ok_all, times = True, {}
+    for name in names:
+        kernels = variant_kernels(VARIANTS[name])
+        print(f"variant {name}: bf16 against reference.layers.attention")
+        ok = True
+        for i, (Bn, H, T, E) in enumerate(shapes):
+            ok &= check(kernels, Bn, H, T, E, seed=100 + i)
+        print(f"variant {name}: {'correct' if ok else 'WRONG'}")
+        ok_all &= ok
+        times[name] = [timed(config, B, kernels) for B in batches]
+    times["0 materialized"] = [timed(config, B, None) for B in batches]
+    print(f"\nattention forward + backward, one layer, {args.preset} (T={config.context}, "
+          f"H={config.n_head}, E={config.head_dim}), bf16, ms (graph replay, median of 20)")
+    print(f"{'variant':<16}" + "".join(f"{f'B={B}':>9}" for B in batches))
+    for name, row in times.items():
+        print(f"{name:<16}" + "".join(f"{t:>9.3f}" for t in row))
+    sys.exit(0 if ok_all else 1)
+
+
+if __name__ == "__main__":
+    main()
