@@ -731,3 +731,39 @@ def test_a_hypothesis_config_runs_every_odd_shape():
         rows = step_rows(program, config, Hyper(), precision, state, tokens)
         failures = [f"{r.check} {r.tensor} {r.error:.2e}" for r in rows if not r.passed]
         assert not failures, (precision, failures)
+
+
+def test_binding_through_the_cupy_backend(tmp_path):
+    """The binding layer realizes a checkpoint on the GPU: the file's values,
+    the tied head as the very same array, a fused qkv recipe as the
+    concatenation, and a bfloat16 cast rounded to nearest even."""
+    from reference.binding import Cast, Concat, RecipeBind, Tensor, bind, default_bindings
+    from reference.checkpoint import identities, write_checkpoint
+    from reference.sources import CheckpointFileSource
+
+    config = preset("test")
+    reg = registry(config)
+    P = initialize(config)
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, config, identities(config, Hyper(), "fp32", 1, None, "0" * 64),
+                     State.fresh(P), 0)
+    backend = cupy_backend.CupyBindingBackend()
+    D = config.d_model
+    with CheckpointFileSource(path) as source:
+        values = bind(reg, default_bindings(config), source, backend,
+                      offered=[s.name for s in reg.specs])
+        for spec in reg.specs:
+            got = cupy.asnumpy(values[spec.name])
+            assert got.dtype == np.float32 and np.array_equal(
+                got, P[spec.slice].reshape(spec.shape)), spec.name
+        assert values["lm_head.weight"] is values["tok_embedding.weight"]
+        qkv = [Tensor(f"layers.0.attn.{x}.weight") for x in "qkv"]
+        fused = bind({"qkv": ("float32", (3 * D, D))}, [RecipeBind("qkv", Concat(qkv, 0))],
+                     source, backend, offered=[t.key for t in qkv])["qkv"]
+        q16 = bind({"q16": ("bfloat16", (D, D))},
+                   [RecipeBind("q16", Cast(Tensor("layers.0.attn.q.weight"), "bfloat16"))],
+                   source, backend, offered=["layers.0.attn.q.weight"])["q16"]
+    want = np.concatenate([P[reg[f"layers.0.attn.{x}.weight"].slice].reshape(D, D) for x in "qkv"])
+    assert np.array_equal(cupy.asnumpy(fused), want)
+    q = P[reg["layers.0.attn.q.weight"].slice].reshape(D, D)
+    assert np.array_equal(cupy.asnumpy(q16), q.astype(ml_dtypes.bfloat16).view(np.uint16))

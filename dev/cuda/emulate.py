@@ -155,6 +155,8 @@ class RawModule:
 fake_cupy = types.SimpleNamespace(
     __version__="emulated", full=full, zeros=zeros, asarray=asarray, empty=empty,
     asnumpy=asnumpy, RawModule=RawModule,
+    ascontiguousarray=lambda a: _dev(np.ascontiguousarray(a)),
+    concatenate=lambda xs, axis=0: _dev(np.concatenate([np.asarray(x) for x in xs], axis=axis)),
     cuda=types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device, runtime=runtime,
                                get_elapsed_time=lambda a, b: 1.0))
 
