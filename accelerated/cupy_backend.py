@@ -72,8 +72,8 @@ from reference.config import LAYERNORM_EPS, Config, Hyper
 from reference.errors import RunError
 from reference.layers.rope import rope_tables
 from reference.params import registry
-from reference.program import (ReplayError, capture_enabled, check_capture, check_tokens,
-                               compilation_report)
+from reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
+                               check_tokens, compilation_report)
 from reference.state import State
 
 from . import cuda_kernels
@@ -561,12 +561,7 @@ class CupyProgram:
         if not self._uploaded:
             raise ReplayError("replay before upload_input: the input slot is empty")
         s = self.device_state
-        if getattr(s, "backend", None) != BACKEND:
-            raise ReplayError(f"replay with {getattr(s, 'backend', type(s).__name__)!r} state: "
-                              f"this program replays only the state of backend {BACKEND!r}")
-        if s is not self._owned:
-            raise ReplayError("replay after the optimizer state was replaced: capture a new "
-                              "program from the new state")
+        check_replay_state(s, self._owned, BACKEND)
         self._submit()
         self._done.record(self.stream)
         self.replays += 1

@@ -93,6 +93,17 @@ def check_capture(config: Config, precision: str, batch: int, state: State) -> N
         raise ReplayError(f"state.t={t!r}: must be an integer update count in [0, 2^31 - 1)")
 
 
+def check_replay_state(state, owned, backend: str) -> None:
+    """A replay runs only on the state its program owns: refuse another
+    backend's state, or a state replaced since the capture (SPEC 13)."""
+    if getattr(state, "backend", None) != backend:
+        raise ReplayError(f"replay with {getattr(state, 'backend', type(state).__name__)!r} state: "
+                          f"this program replays only the state of backend {backend!r}")
+    if state is not owned:
+        raise ReplayError("replay after the optimizer state was replaced: capture a new "
+                          "program from the new state")
+
+
 class Event:
     """The reference computes synchronously: the event is complete on return."""
 
