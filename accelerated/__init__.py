@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib
 import platform
 
-from reference.errors import ConfigError
+from coppelius.reference.errors import ConfigError
 
 BACKENDS = {
-    "reference": "reference.program",
-    "mlx": "accelerated.mlx_backend",
-    "cupy": "accelerated.cupy_backend",
+    "reference": "coppelius.reference.program",
+    "mlx": "coppelius.accelerated.mlx_backend",
+    "cupy": "coppelius.accelerated.cupy_backend",
 }
 
 

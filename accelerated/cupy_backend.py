@@ -67,14 +67,14 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from reference.adamw import AdamWConstants
-from reference.config import LAYERNORM_EPS, Config, Hyper
-from reference.errors import RunError
-from reference.layers.rope import rope_tables
-from reference.params import registry
-from reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
+from coppelius.reference.adamw import AdamWConstants
+from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper
+from coppelius.reference.errors import RunError
+from coppelius.reference.layers.rope import rope_tables
+from coppelius.reference.params import registry
+from coppelius.reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
                                check_tokens, compilation_report)
-from reference.state import State
+from coppelius.reference.state import State
 
 from . import cuda_kernels
 from . import cublas

@@ -47,14 +47,14 @@ try:
 except ImportError:  # the backend is simply unavailable
     mx = None
 
-from reference.adamw import AdamWConstants
-from reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
-from reference.errors import RunError
-from reference.layers.rope import rope_tables
-from reference.params import registry
-from reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
+from coppelius.reference.adamw import AdamWConstants
+from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
+from coppelius.reference.errors import RunError
+from coppelius.reference.layers.rope import rope_tables
+from coppelius.reference.params import registry
+from coppelius.reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
                                check_tokens, compilation_report)
-from reference.state import State
+from coppelius.reference.state import State
 
 BACKEND = "mlx"
 

@@ -1,5 +1,5 @@
 import sys
 
-from conformance.command import main
+from coppelius.conformance.command import main
 
 sys.exit(main())

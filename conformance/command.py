@@ -1,4 +1,4 @@
-"""The conformance command line, shared by `python -m conformance` and
+"""The conformance command line, shared by `python -m coppelius.conformance` and
 `coppelius conformance`.
 
     --backend NAME      (repeatable) default: every available backend but the
@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 
-import accelerated
-from reference.config import PRECISIONS, Hyper, config_from_identity
-from reference.config import preset as preset_config
-from reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
+from coppelius import accelerated
+from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity
+from coppelius.reference.config import preset as preset_config
+from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -102,7 +102,7 @@ def run(args) -> int:
     precisions = args.precision or list(PRECISIONS)
     windows, inputs = None, None
     if args.stream:
-        from reference.stream import open_stream
+        from coppelius.reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
@@ -152,8 +152,8 @@ def hyper_from_learner(learner: str, path) -> tuple:
 def load_checkpoint(path, preset_name: str | None = None) -> tuple:
     """-> (config, hyper, precision, batch, state, header) of a checkpoint file.
     `preset_name`, when given, must name the checkpoint's model."""
-    from reference.binding import state_from_source
-    from reference.sources import CheckpointFileSource
+    from coppelius.reference.binding import state_from_source
+    from coppelius.reference.sources import CheckpointFileSource
 
     named = None if preset_name is None else preset_config(preset_name).identity()
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
@@ -179,7 +179,7 @@ def load_checkpoint(path, preset_name: str | None = None) -> tuple:
 def debug_checkpoint(args, backends: list) -> int:
     """One step from a real checkpoint on the reference and on each backend;
     every tensor's difference, worst first."""
-    from reference.stream import open_stream
+    from coppelius.reference.stream import open_stream
 
     if not args.stream:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
@@ -203,12 +203,12 @@ def debug_checkpoint(args, backends: list) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m conformance`: the same options as `coppelius conformance`."""
+    """`python -m coppelius.conformance`: the same options as `coppelius conformance`."""
     import sys
 
-    from reference.errors import CoppeliusError
+    from coppelius.reference.errors import CoppeliusError
 
-    parser = argparse.ArgumentParser(prog="python -m conformance",
+    parser = argparse.ArgumentParser(prog="python -m coppelius.conformance",
                                      description="Check backends against the reference (SPEC 14).")
     add_arguments(parser)
     args = parser.parse_args(argv)

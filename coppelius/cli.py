@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from reference.errors import CoppeliusError
+from coppelius.reference.errors import CoppeliusError
 
 # module -> the subcommands it registers
 MODULES = (

@@ -1,12 +1,12 @@
 """`coppelius conformance`: check backends against the reference (SPEC 14).
 The options and the work live in conformance/command.py, shared with
-`python -m conformance`."""
+`python -m coppelius.conformance`."""
 
 from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from conformance.command import add_arguments, run
+    from coppelius.conformance.command import add_arguments, run
 
     parser = subparsers.add_parser(
         "conformance", help="check backends against the reference, tensor by tensor",

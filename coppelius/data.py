@@ -45,10 +45,10 @@ import time
 
 import numpy as np
 
-from reference.config import PRESETS, preset
-from reference.errors import ConfigError, StreamError
-from reference.fsutil import fsync_directory, publish
-from reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
+from coppelius.reference.config import PRESETS, preset
+from coppelius.reference.errors import ConfigError, StreamError
+from coppelius.reference.fsutil import fsync_directory, publish
+from coppelius.reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
                               stream_body)
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -467,7 +467,7 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
 
 def default_preset() -> str:
     """`coppelius` where a GPU with CuPy is available, else `tiny` (SPEC section 15)."""
-    from accelerated import best_backend
+    from coppelius.accelerated import best_backend
 
     return "coppelius" if best_backend() == "cupy" else "tiny"
 

@@ -40,16 +40,16 @@ from fractions import Fraction
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor, UnexpectedValue,
+from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor, UnexpectedValue,
                                bind, bind_vectors, flatten)
-from reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
-from reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity, Hyper, data_identity,
+from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
+from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity, Hyper, data_identity,
                               initialization_identity, preset, schema_identity)
-from reference.errors import CoppeliusError
-from reference.fsutil import publish
-from reference.params import registry
-from reference.sources import CheckpointFileSource, SafetensorsSource, moment_key
-from reference.state import State
+from coppelius.reference.errors import CoppeliusError
+from coppelius.reference.fsutil import publish
+from coppelius.reference.params import registry
+from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource, moment_key
+from coppelius.reference.state import State
 
 METADATA_KEYS = IDENTITY_KEYS + ("step", "contexts")
 SHA256 = re.compile(r"[0-9a-f]{64}")

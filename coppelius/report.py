@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-from reference import checkpoint, results
-from reference.errors import CoppeliusError
-from reference.fsutil import publish
+from coppelius.reference import checkpoint, results
+from coppelius.reference.errors import CoppeliusError
+from coppelius.reference.fsutil import publish
 
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
 LAST_FRACTION = 0.1  # the by-position curve averages the last 10% of steps (at least one)

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import accelerated
+from coppelius import accelerated
 from coppelius import report, sample
-from reference import checkpoint, fsutil, results
-from reference.binding import load_state
-from reference.config import (PRESETS, SEED, Hyper, check_precision, parse_rational, preset,
+from coppelius.reference import checkpoint, fsutil, results
+from coppelius.reference.binding import load_state
+from coppelius.reference.config import (PRESETS, SEED, Hyper, check_precision, parse_rational, preset,
                               rational_text)
-from reference.errors import NonFiniteError, ResultFileError, RunError
-from reference.params import initialize, registry
-from reference.state import State
-from reference.stream import open_stream
+from coppelius.reference.errors import NonFiniteError, ResultFileError, RunError
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.state import State
+from coppelius.reference.stream import open_stream
 
 
 def register(sub) -> None:

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from reference.config import Config, config_from_identity
-from reference.errors import CheckpointError, ConfigError, NonFiniteError, StreamError
+from coppelius.reference.config import Config, config_from_identity
+from coppelius.reference.errors import CheckpointError, ConfigError, NonFiniteError, StreamError
 
 # "def" rather than "def ": the byte-level BPE makes " name" one token, so a
 # prompt ending in a space leaves a lone-space token the model rarely saw
@@ -26,9 +26,9 @@ DEFAULT_PROMPT = "def"
 def load_parameters(path) -> tuple:
     """(config, P (N,) float32, header) of a checkpoint file, P bound by name
     through the binding layer (the moments are not read)."""
-    from reference.binding import bind_vectors, flatten
-    from reference.params import registry
-    from reference.sources import CheckpointFileSource
+    from coppelius.reference.binding import bind_vectors, flatten
+    from coppelius.reference.params import registry
+    from coppelius.reference.sources import CheckpointFileSource
 
     with CheckpointFileSource(path) as source:  # validates layout and SHA-256
         header = source.header
@@ -42,7 +42,7 @@ def load_parameters(path) -> tuple:
 def check_finite(config: Config, P: np.ndarray, what: str) -> None:
     """Refuse parameters P (N,) with a NaN or an infinity, naming the first
     tensor and element: sampling from them would draw from NaN probabilities."""
-    from reference.params import registry
+    from coppelius.reference.params import registry
 
     if np.isfinite(P).all():
         return
@@ -134,7 +134,7 @@ def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float
     (at most) ids: by default with the reference forward in fp32;
     `logits_of(window (1,n)) -> (1,n,V)` is another forward of the same
     parameters (a backend's program, which the run loop uses on a GPU)."""
-    from reference import forward
+    from coppelius.reference import forward
 
     if logits_of is None:
         logits_of = lambda window: forward(config, P, window, "fp32")  # noqa: E731

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference
-from reference.adamw import AdamWConstants, adamw_update, bias_corrections
-from reference.config import Hyper
+from coppelius import reference
+from coppelius.reference.adamw import AdamWConstants, adamw_update, bias_corrections
+from coppelius.reference.config import Hyper
 
 CONFIG = reference.preset("test")
 

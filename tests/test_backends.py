@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import accelerated
+from coppelius import accelerated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +17,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {blocked!r}:
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-import accelerated
+from coppelius import accelerated
 print(",".join(accelerated.available_backends()), accelerated.best_backend())
 """
 

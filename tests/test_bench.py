@@ -6,18 +6,18 @@ import math
 
 import pytest
 
-import reference
-from conformance import cases
-from conformance.tolerances import relative_error, tolerance
+from coppelius import reference
+from coppelius.conformance import cases
+from coppelius.conformance.tolerances import relative_error, tolerance
 from coppelius import bench
-from reference.params import registry
+from coppelius.reference.params import registry
 
 TEST = reference.preset("test")
 
 
 def peer_module():
     pytest.importorskip("torch")
-    from bench import torch_peer
+    from coppelius.bench import torch_peer
 
     return torch_peer
 
@@ -95,7 +95,7 @@ def test_bench_command_prints_a_table(capsys):
     assert out[1].split()[:3] == ["implementation", "device", "precision"]
     names = [line.split()[0] for line in out[2:]]
     assert names[0] == "reference"
-    import accelerated
+    from coppelius import accelerated
 
     for name in accelerated.available_backends():
         assert name in names

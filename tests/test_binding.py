@@ -15,17 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from reference import State, forward, initialize, preset, registry
-from reference.binding import (Alias, Bind, BindingError, ByteLengthMismatch, Cast, Concat,
+from coppelius.reference import State, forward, initialize, preset, registry
+from coppelius.reference.binding import (Alias, Bind, BindingError, ByteLengthMismatch, Cast, Concat,
                                DtypeMismatch, DuplicateBinding, InvalidName, MissingValue,
                                NumpyBackend, RecipeBind, RecipeError, ShapeMismatch, Slice,
                                SourceError, Tensor, Transpose, UnexpectedValue, bind,
                                default_bindings, flatten, load_state, materialize,
                                state_from_source)
-from reference.checkpoint import identities, read_checkpoint, validate, write_checkpoint
-from reference.config import Hyper
-from reference.errors import CheckpointError, CoppeliusError, IdentityMismatch
-from reference.sources import CheckpointFileSource, SafetensorsSource
+from coppelius.reference.checkpoint import identities, read_checkpoint, validate, write_checkpoint
+from coppelius.reference.config import Hyper
+from coppelius.reference.errors import CheckpointError, CoppeliusError, IdentityMismatch
+from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource
 
 CONFIG = preset("test")
 REG = registry(CONFIG)

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from reference import checkpoint, fsutil
-from reference.checkpoint import (identities, is_fresh, read_checkpoint, validate,
+from coppelius.reference import checkpoint, fsutil
+from coppelius.reference.checkpoint import (identities, is_fresh, read_checkpoint, validate,
                                   write_checkpoint)
-from reference.config import Hyper, preset
-from reference.errors import CheckpointError, IdentityMismatch
-from reference.params import initialize, registry
-from reference.state import State
+from coppelius.reference.config import Hyper, preset
+from coppelius.reference.errors import CheckpointError, IdentityMismatch
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.state import State
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = preset("test")
@@ -404,11 +404,11 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     sys.path.insert(0, {root!r})
-    from reference import fsutil
-    from reference.checkpoint import identities, write_checkpoint
-    from reference.config import Hyper, preset
-    from reference.params import registry
-    from reference.state import State
+    from coppelius.reference import fsutil
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.config import Hyper, preset
+    from coppelius.reference.params import registry
+    from coppelius.reference.state import State
 
     path, phase, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = preset("test")

@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import accelerated
-import reference
-from conformance import cases, run_hypothesis, run_suite, suite
-from conformance.tolerances import TOLERANCES, relative_error, tolerance
-from reference.checkpoint import identities, write_checkpoint
-from reference.config import Hyper
-from reference.errors import CheckpointError
-from reference.params import registry
-from reference.state import State
-from reference.stream import open_stream, write_stream
+from coppelius import accelerated
+from coppelius import reference
+from coppelius.conformance import cases, run_hypothesis, run_suite, suite
+from coppelius.conformance.tolerances import TOLERANCES, relative_error, tolerance
+from coppelius.reference.checkpoint import identities, write_checkpoint
+from coppelius.reference.config import Hyper
+from coppelius.reference.errors import CheckpointError
+from coppelius.reference.params import registry
+from coppelius.reference.state import State
+from coppelius.reference.stream import open_stream, write_stream
 
 TEST = reference.preset("test")
 
@@ -196,7 +196,7 @@ def test_a_nan_logit_fails_logits_and_points_at_it():
 
 
 def test_update_diagnosis_tells_an_amplified_gradient_from_a_wrong_update():
-    from reference.adamw import adamw_update
+    from coppelius.reference.adamw import adamw_update
 
     state = cases.fresh_state(TEST)
     G = reference.step(TEST, state.copy(), cases.random_windows(TEST, 1, 1)[0], grads=True).grads
@@ -321,7 +321,7 @@ def test_cli_fails_with_non_zero_status_and_names_the_tensor(capsys, broken_regi
 
 
 def test_python_m_conformance_has_the_same_options(capsys, broken_registered):
-    from conformance.command import main
+    from coppelius.conformance.command import main
 
     assert main(["--backend", "broken", "--precision", "bf16", "--steps", "2"]) == 1
     assert main(["--backend", "reference", "--precision", "bf16", "--steps", "2",
@@ -412,7 +412,7 @@ def test_checkpoint_debugging_hashes_the_file_once(tmp_path, monkeypatch):
     SHA-256 pass over the checkpoint (692 MB for the coppelius preset), not two."""
     import hashlib
 
-    from conformance.command import load_checkpoint
+    from coppelius.conformance.command import load_checkpoint
 
     ck, _ = write_run(tmp_path)
     real, fed = hashlib.sha256, []
@@ -439,7 +439,7 @@ def test_checkpoint_debugging_hashes_the_file_once(tmp_path, monkeypatch):
 
 
 def test_learner_identity_is_parsed_back_exactly():
-    from conformance.command import hyper_from_learner
+    from coppelius.conformance.command import hyper_from_learner
 
     hyper = Hyper(lr="1/1000", weight_decay="0")
     assert hyper_from_learner(hyper.identity("bf16"), "ck") == (hyper, "bf16")

@@ -16,25 +16,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
-from conformance.cases import random_state
-from conformance.suite import step_rows
-from conformance.tolerances import relative_error, tolerance
-from reference.adamw import AdamWConstants, adamw_update, bias_corrections
-from reference.config import Config, Hyper, preset
-from reference.layers.attention import attention_backward, attention_forward
-from reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
-from reference.layers.embedding import embedding_backward
-from reference.layers.layernorm import layernorm_backward, layernorm_forward
-from reference.layers.rope import rope_backward, rope_forward, rope_tables
-from reference.layers.swiglu import swiglu_backward, swiglu_forward
-from reference.params import initialize, registry
-from reference.precision import round_bf16
-from reference.program import STAGES, ReplayError
-from reference.state import State
+from coppelius import reference
+from coppelius.conformance.cases import random_state
+from coppelius.conformance.suite import step_rows
+from coppelius.conformance.tolerances import relative_error, tolerance
+from coppelius.reference.adamw import AdamWConstants, adamw_update, bias_corrections
+from coppelius.reference.config import Config, Hyper, preset
+from coppelius.reference.layers.attention import attention_backward, attention_forward
+from coppelius.reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
+from coppelius.reference.layers.embedding import embedding_backward
+from coppelius.reference.layers.layernorm import layernorm_backward, layernorm_forward
+from coppelius.reference.layers.rope import rope_backward, rope_forward, rope_tables
+from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.precision import round_bf16
+from coppelius.reference.program import STAGES, ReplayError
+from coppelius.reference.state import State
 
 cupy = pytest.importorskip("cupy")
-from accelerated import cublas, cuda_kernels, cupy_backend  # noqa: E402
+from coppelius.accelerated import cublas, cuda_kernels, cupy_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -714,7 +714,7 @@ def test_compilation_report(precision):
 
 
 def test_available_and_backend_module():
-    import accelerated
+    from coppelius import accelerated
 
     assert cupy_backend.available()
     assert accelerated.backend_module("cupy") is cupy_backend
@@ -737,9 +737,9 @@ def test_binding_through_the_cupy_backend(tmp_path):
     """The binding layer realizes a checkpoint on the GPU: the file's values,
     the tied head as the very same array, a fused qkv recipe as the
     concatenation, and a bfloat16 cast rounded to nearest even."""
-    from reference.binding import Cast, Concat, RecipeBind, Tensor, bind, default_bindings
-    from reference.checkpoint import identities, write_checkpoint
-    from reference.sources import CheckpointFileSource
+    from coppelius.reference.binding import Cast, Concat, RecipeBind, Tensor, bind, default_bindings
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.sources import CheckpointFileSource
 
     config = preset("test")
     reg = registry(config)

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from coppelius import data
 from coppelius.cli import main
-from reference import fsutil
-from reference.errors import ConfigError, StreamError
-from reference.stream import open_stream, read_stream_header
+from coppelius.reference import fsutil
+from coppelius.reference.errors import ConfigError, StreamError
+from coppelius.reference.stream import open_stream, read_stream_header
 
 V = 320  # 256 byte symbols and 64 merges: trains in milliseconds
 

@@ -11,12 +11,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-import reference.fsutil as fsutil
+from coppelius.reference import fsutil as fsutil
 from coppelius.cli import main
-from reference import State, forward, initialize, preset, registry
-from reference.binding import load_state
-from reference.checkpoint import IDENTITY_KEYS, identities, read_checkpoint, write_checkpoint
-from reference.config import Hyper, data_identity, initialization_identity
+from coppelius.reference import State, forward, initialize, preset, registry
+from coppelius.reference.binding import load_state
+from coppelius.reference.checkpoint import IDENTITY_KEYS, identities, read_checkpoint, write_checkpoint
+from coppelius.reference.config import Hyper, data_identity, initialization_identity
 
 CONFIG = preset("test")
 REG = registry(CONFIG)

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference
-from conformance.tolerances import relative_error, tolerance
-from reference.config import Config, Hyper, preset
-from reference.params import initialize, registry
-from reference.program import STAGE_STATES, STAGES, ReplayError
-from reference.state import State
+from coppelius import reference
+from coppelius.conformance.tolerances import relative_error, tolerance
+from coppelius.reference.config import Config, Hyper, preset
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.program import STAGE_STATES, STAGES, ReplayError
+from coppelius.reference.state import State
 
 mx = pytest.importorskip("mlx.core")
-from accelerated import mlx_backend  # noqa: E402
+from coppelius.accelerated import mlx_backend  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -464,7 +464,7 @@ def test_compilation_report(precision):
 
 
 def test_available_and_backend_module():
-    import accelerated
+    from coppelius import accelerated
 
     assert mlx_backend.available()
     assert accelerated.backend_module("mlx") is mlx_backend
@@ -480,12 +480,12 @@ def test_binding_through_the_mlx_backend(tmp_path):
     concatenation of the three weights."""
     import mlx.core as mx
 
-    from accelerated.mlx_backend import MLXBindingBackend
-    from reference import Hyper, State, initialize, registry
-    from reference.binding import Bind, Concat, RecipeBind, Tensor, bind, default_bindings
-    from reference.checkpoint import identities, write_checkpoint
-    from reference.config import PRESETS
-    from reference.sources import CheckpointFileSource
+    from coppelius.accelerated.mlx_backend import MLXBindingBackend
+    from coppelius.reference import Hyper, State, initialize, registry
+    from coppelius.reference.binding import Bind, Concat, RecipeBind, Tensor, bind, default_bindings
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.config import PRESETS
+    from coppelius.reference.sources import CheckpointFileSource
 
     config = PRESETS["test"]
     reg = registry(config)

@@ -17,9 +17,9 @@ import struct
 import numpy as np
 import pytest
 
-import reference
-from reference.config import SEED, Config, parameter_count, schema_identity
-from reference.errors import ConfigError, CoppeliusError
+from coppelius import reference
+from coppelius.reference.config import SEED, Config, parameter_count, schema_identity
+from coppelius.reference.errors import ConfigError, CoppeliusError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "fixtures", "init_golden.json")

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference
-from reference import round_bf16
+from coppelius import reference
+from coppelius.reference import round_bf16
 from test_reference_model import naive_forward  # the SPEC forward written out again
 
 CONFIG = reference.preset("test")

@@ -19,14 +19,14 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.config import LAYERNORM_EPS, ROPE_BASE
-from reference.layers.attention import attention_backward, attention_forward
-from reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
-from reference.layers.embedding import embedding_backward, embedding_forward
-from reference.layers.layernorm import layernorm_backward, layernorm_forward
-from reference.layers.linear import linear_backward, linear_forward
-from reference.layers.rope import rope_backward, rope_forward, rope_tables
-from reference.layers.swiglu import swiglu_backward, swiglu_forward
+from coppelius.reference.config import LAYERNORM_EPS, ROPE_BASE
+from coppelius.reference.layers.attention import attention_backward, attention_forward
+from coppelius.reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
+from coppelius.reference.layers.embedding import embedding_backward, embedding_forward
+from coppelius.reference.layers.layernorm import layernorm_backward, layernorm_forward
+from coppelius.reference.layers.linear import linear_backward, linear_forward
+from coppelius.reference.layers.rope import rope_backward, rope_forward, rope_tables
+from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
 
 EPS = float(LAYERNORM_EPS)
 

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-import reference
-from reference.config import LAYERNORM_EPS, ROPE_BASE
+from coppelius import reference
+from coppelius.reference.config import LAYERNORM_EPS, ROPE_BASE
 
 CONFIG = reference.preset("test")
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from coppelius import cli
-from reference.checkpoint import identities, write_checkpoint
-from reference.config import Hyper, preset
-from reference.params import initialize, registry
-from reference.results import ResultWriter, result_header
-from reference.state import State
+from coppelius.reference.checkpoint import identities, write_checkpoint
+from coppelius.reference.config import Hyper, preset
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.results import ResultWriter, result_header
+from coppelius.reference.state import State
 
 CONFIG = preset("test")
 B, T, V = 3, CONFIG.context, CONFIG.vocab

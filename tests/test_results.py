@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from reference import results
-from reference.checkpoint import identities
-from reference.config import Hyper, preset
-from reference.errors import ResultFileError
-from reference.results import (ResultWriter, default_results_path, prediction_rows, read_results,
+from coppelius.reference import results
+from coppelius.reference.checkpoint import identities
+from coppelius.reference.config import Hyper, preset
+from coppelius.reference.errors import ResultFileError
+from coppelius.reference.results import (ResultWriter, default_results_path, prediction_rows, read_results,
                                result_header)
 
 CONFIG = preset("test")

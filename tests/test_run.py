@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from coppelius.cli import main
-from reference import checkpoint, results
-from reference.config import PRESETS
-from reference.stream import write_stream
+from coppelius.reference import checkpoint, results
+from coppelius.reference.config import PRESETS
+from coppelius.reference.stream import write_stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = PRESETS["test"]
@@ -212,7 +212,7 @@ def test_bad_options_get_one_line_and_exit_2(tmp_path, stream, capsys, option, v
 
 
 def test_a_failing_result_file_still_publishes_the_training(tmp_path, stream, monkeypatch, capsys):
-    from reference.errors import ResultFileError
+    from coppelius.reference.errors import ResultFileError
 
     original = results.ResultWriter.step
 

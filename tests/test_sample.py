@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from coppelius import data, sample
 from coppelius.cli import main
-from reference import Hyper, forward, initialize, preset
-from reference.checkpoint import identities, write_checkpoint
-from reference.config import MODEL_FIELDS, PRESETS, Config, config_from_identity
-from reference.errors import ConfigError, NonFiniteError
-from reference.params import registry
-from reference.state import State
+from coppelius.reference import Hyper, forward, initialize, preset
+from coppelius.reference.checkpoint import identities, write_checkpoint
+from coppelius.reference.config import MODEL_FIELDS, PRESETS, Config, config_from_identity
+from coppelius.reference.errors import ConfigError, NonFiniteError
+from coppelius.reference.params import registry
+from coppelius.reference.state import State
 
 CONFIG = preset("test")  # V=64, T=16
 TIE = 1e-5  # logits closer than this may order differently between two forwards

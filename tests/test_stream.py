@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.errors import StreamError
-from reference.stream import (HEADER_BYTES, open_stream, read_stream_header,
+from coppelius.reference.errors import StreamError
+from coppelius.reference.stream import (HEADER_BYTES, open_stream, read_stream_header,
                               write_stream)
 
 
@@ -88,7 +88,7 @@ def test_id_out_of_range_is_refused_at_its_offset(tmp_path_factory, n, data):
 
 
 def test_id_out_of_range_is_found_past_the_first_chunk(tmp_path, monkeypatch):
-    import reference.stream as stream_module
+    from coppelius.reference import stream as stream_module
 
     monkeypatch.setattr(stream_module, "CHUNK_IDS", 1000)
     ids = np.zeros(5500, dtype=np.uint32)
@@ -143,7 +143,7 @@ def test_contexts_and_batches_match_a_list_computation(tmp_path_factory, N, T, d
 def test_file_system_failures_are_stream_errors_naming_the_path(tmp_path, monkeypatch):
     import errno
 
-    from reference import fsutil
+    from coppelius.reference import fsutil
 
     folder = tmp_path / "folder.tokens"
     folder.mkdir()

@@ -7,7 +7,10 @@ not bit for bit: the matrix products go through the machine's BLAS, whose
 float32 summation order depends on the CPU (kernel choice, blocking,
 threads), so another machine legitimately differs in the last bits, and
 20 steps of AdamW amplify that a little. 1e-6 is ~16 float32 ulps of the
-loss; a real change of the semantics moves the losses by far more.
+loss; a real change of the semantics moves the losses by far more. Under
+bf16 a last-bit difference of a float32 sum can also flip the rounding of
+an operand to bfloat16 (a step of 2^-8 relative in that element), so the
+spread between machines is larger: 2.8e-6 was seen, and bf16 gets 5e-6.
 Regenerate (only when the semantics change on purpose) with
     COPPELIUS_REGEN_FIXTURES=1 python -m pytest tests/test_trajectory.py
 """
@@ -18,14 +21,14 @@ import os
 import numpy as np
 import pytest
 
-import reference
-from reference.config import Hyper
-from reference.errors import CoppeliusError
-from reference.program import ReplayError, capture
+from coppelius import reference
+from coppelius.reference.config import Hyper
+from coppelius.reference.errors import CoppeliusError
+from coppelius.reference.program import ReplayError, capture
 
 CONFIG = reference.preset("test")
 STEPS, BATCH, SEED = 20, 2, 20260925
-REL_TOL = 1e-6
+REL_TOL = {"fp32": 1e-6, "bf16": 5e-6}
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "fixtures", "trajectory_test.json")
 
@@ -76,14 +79,14 @@ def test_losses_fall_and_match_the_fixture(policy, fixture):
     assert fixture["steps"] == STEPS and fixture["batch"] == BATCH
     err = np.abs(losses.astype(np.float64) - want) / want
     i = int(np.argmax(err))
-    assert err[i] <= REL_TOL, f"{policy}: step {i + 1} loss {losses[i]!r}, fixture {want[i]!r}"
+    assert err[i] <= REL_TOL[policy], f"{policy}: step {i + 1} loss {losses[i]!r}, fixture {want[i]!r}"
 
 
 def test_policies_give_different_trajectories(fixture):
     fp32 = np.array([float(x) for x in fixture["losses"]["fp32"]])
     bf16 = np.array([float(x) for x in fixture["losses"]["bf16"]])
     rel = np.abs(fp32 - bf16) / fp32
-    assert rel.max() > 10 * REL_TOL  # the policy acts, far beyond the fixture's tolerance
+    assert rel.max() > 4 * REL_TOL["bf16"]  # the policy acts, beyond the fixture's tolerance
     assert rel.max() < 1e-3  # and bf16 still trains the same model
 
 

@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from accelerated import cupy_backend  # noqa: E402
+from coppelius.accelerated import cupy_backend  # noqa: E402
 from coppelius.bench import flops_per_step  # noqa: E402
-from reference.config import Hyper, preset  # noqa: E402
-from reference.params import initialize  # noqa: E402
-from reference.state import State  # noqa: E402
+from coppelius.reference.config import Hyper, preset  # noqa: E402
+from coppelius.reference.params import initialize  # noqa: E402
+from coppelius.reference.state import State  # noqa: E402
 
 PEER = {"torch.compile + CUDA graph": 4.77, "eager": 51.8}  # ms, B=1, bf16, measured on an H200
 

@@ -15,7 +15,7 @@ grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest.log" | cut -c1-300 | head -40
 
 for preset in test tiny; do
     limit=$([ $preset = test ] && echo 60 || echo 110)
-    timeout $limit python -m conformance --backend cupy --preset $preset --precision fp32 \
+    timeout $limit python -m coppelius.conformance --backend cupy --preset $preset --precision fp32 \
         --precision bf16 --failures-only > "$OUT/conformance-$preset.log" 2>&1
     echo "conformance $preset exit $?"
     grep -v "^conformance" "$OUT/conformance-$preset.log" | head -30

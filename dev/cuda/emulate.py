@@ -228,7 +228,7 @@ def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials
     _a(dx)[...] = v
     if not _null(dx_op):
         _store(dx_op, v, bf16)
-    from accelerated.cuda_kernels import LAYERNORM_CHUNK as chunk
+    from coppelius.accelerated.cuda_kernels import LAYERNORM_CHUNK as chunk
 
     for c in range(partials.shape[0]):
         s = slice(c * chunk, (c + 1) * chunk)
@@ -566,7 +566,7 @@ class FakeCublas:
 
 def install():
     """Point the backend's modules at the stand-ins; returns the backend module."""
-    from accelerated import cublas, cuda_kernels, cupy_backend
+    from coppelius.accelerated import cublas, cuda_kernels, cupy_backend
 
     cupy_backend.cupy = fake_cupy
     cuda_kernels.cupy = fake_cupy
@@ -576,7 +576,7 @@ def install():
 
 
 def main():
-    from conformance.suite import run_suite
+    from coppelius.conformance.suite import run_suite
 
     if sys.argv[1:2] == ["--pytest"]:  # the GPU test file, against the stand-ins
         import pytest

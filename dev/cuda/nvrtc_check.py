@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from accelerated import cuda_kernels  # noqa: E402
+from coppelius.accelerated import cuda_kernels  # noqa: E402
 
 
 def load(path=None):

@@ -12,7 +12,7 @@ timeout 240 python -m pytest -q -p no:cacheprovider -x tests > "$OUT/pytest.log"
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 
 for preset in test tiny; do
-    timeout 120 python -m conformance --backend cupy --preset $preset > "$OUT/conformance-$preset.log" 2>&1
+    timeout 120 python -m coppelius.conformance --backend cupy --preset $preset > "$OUT/conformance-$preset.log" 2>&1
     echo "conformance $preset exit $?"
 done
 

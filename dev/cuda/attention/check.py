@@ -43,13 +43,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from accelerated import cuda_kernels, cupy_backend  # noqa: E402
-from conformance.tolerances import relative_error  # noqa: E402
-from reference.config import Config, preset  # noqa: E402
-from reference.layers.attention import attention_backward, attention_forward  # noqa: E402
-from reference.layers.rope import rope_tables  # noqa: E402
-from reference.params import registry  # noqa: E402
-from reference.precision import round_bf16  # noqa: E402
+from coppelius.accelerated import cuda_kernels, cupy_backend  # noqa: E402
+from coppelius.conformance.tolerances import relative_error  # noqa: E402
+from coppelius.reference.config import Config, preset  # noqa: E402
+from coppelius.reference.layers.attention import attention_backward, attention_forward  # noqa: E402
+from coppelius.reference.layers.rope import rope_tables  # noqa: E402
+from coppelius.reference.params import registry  # noqa: E402
+from coppelius.reference.precision import round_bf16  # noqa: E402
 from tests.test_cupy_backend import fused_from_batch, step_attention  # noqa: E402
 
 
