@@ -215,9 +215,11 @@ def open_checkpoint(path):
         raise _error(path, f"cannot read: {e.strerror or e}") from None
 
 
-def _scan(path, load: bool, refuse_digest: bool = True, file=None):
-    """Check a checkpoint file; with `load`, stream the payload into three
-    float32 arrays while hashing. Returns (info, [P, M, V] or None).
+def _scan(path, refuse_digest: bool = True, file=None) -> CheckpointInfo:
+    """Check a checkpoint file with bounded memory: structure, then the
+    SHA-256 of everything before the trailer, in `chunk_bytes` pieces.
+    Reading the payload is the binding layer's (sources.CheckpointFileSource
+    maps the file this checked; binding.load_state makes P, M and V of it).
     `refuse_digest=False` (inspect only) reports a SHA-256 mismatch in the
     info instead of refusing. `file`: the file at `path` already open (left
     open), read instead of reopening the path."""
@@ -261,30 +263,19 @@ def _scan(path, load: bool, refuse_digest: bool = True, file=None):
         for piece in (prefix, raw, padding):
             sha.update(piece)
         f.seek(payload_offset)
-        arrays = None
+        buffer = memoryview(bytearray(min(CHUNK_BYTES, payload_bytes)))
         try:
-            if load:
-                arrays = [np.empty(count, dtype="<f4") for _ in range(3)]  # P, M, V
-                views = [memoryview(a).cast("B") for a in arrays]
-            else:
-                buffer = memoryview(bytearray(min(CHUNK_BYTES, payload_bytes)))
-                views = [buffer[:min(CHUNK_BYTES, payload_bytes - start)]
-                         for start in range(0, payload_bytes, CHUNK_BYTES)]
-            for view in views:
-                for start in range(0, len(view), CHUNK_BYTES):
-                    piece = view[start:start + CHUNK_BYTES]
-                    _read_exact_into(f, piece)
-                    sha.update(piece)
+            for start in range(0, payload_bytes, CHUNK_BYTES):
+                piece = buffer[:min(CHUNK_BYTES, payload_bytes - start)]
+                _read_exact_into(f, piece)
+                sha.update(piece)
         except EOFError:
             raise _error(path, "file ended inside the payload (changed while reading?)") from None
         if sha.digest() != digest and refuse_digest:
             raise _error(path, f"SHA-256 mismatch: trailer has {digest.hex()}, "
                                f"content hashes to {sha.hexdigest()}")
-    info = CheckpointInfo(path, header, payload_offset, payload_bytes, size, sha.hexdigest(),
+    return CheckpointInfo(path, header, payload_offset, payload_bytes, size, sha.hexdigest(),
                           digest.hex(), sha.digest() == digest)
-    if arrays is not None:
-        arrays = [a.astype(np.float32, copy=False) for a in arrays]
-    return info, arrays
 
 
 def validate(path, file=None) -> CheckpointInfo:
@@ -293,16 +284,14 @@ def validate(path, file=None) -> CheckpointInfo:
     `file`: the file at `path` already open (open_checkpoint); it is checked
     instead of reopening the path, so a caller that maps it next maps the
     bytes checked, whatever is published at the path meanwhile."""
-    info, _ = _scan(path, load=False, file=file)
-    return info
+    return _scan(path, file=file)
 
 
 def inspect(path) -> CheckpointInfo:
     """Like validate(), but a file whose structure is sound and whose SHA-256
     does not match is described (digest_ok False) rather than refused, so
     `coppelius inspect` can show its envelope. Never use it to trust a file."""
-    info, _ = _scan(path, load=False, refuse_digest=False)
-    return info
+    return _scan(path, refuse_digest=False)
 
 
 def _without_stream(data: str) -> list:
@@ -323,23 +312,3 @@ def check_identities(header: dict, path, expect: dict, new_data: bool = False) -
         elif have != want:
             raise IdentityMismatch(f"checkpoint {path}: {key} identity differs: "
                                    f"checkpoint has {have!r}, run has {want!r}")
-
-
-def read_checkpoint(path, config: Config, expect: dict | None = None,
-                    new_data: bool = False) -> Checkpoint:
-    """Validate and load a checkpoint; compare its identities with `expect`
-    (the run's). `new_data` lifts only the stream part of the data identity."""
-    info, (P, M, V) = _scan(path, load=True)
-    header = info.header
-    if expect is not None:
-        check_identities(header, info.path, expect, new_data)
-    described = registry(config).describe()
-    if header["parameters"] != described:
-        for i, (have, want) in enumerate(zip(header["parameters"], described)):
-            if have != want:
-                raise _error(info.path, f"parameters[{i}] is {have}, this model has {want}")
-        raise _error(info.path, f"holds {len(header['parameters'])} parameters, "
-                                f"this model has {len(described)}")
-    state = State(P=P, M=M, V=V, t=header["step"])
-    return Checkpoint(info=info, header=header, state=state, step=header["step"],
-                      contexts=header["contexts"])

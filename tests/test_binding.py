@@ -22,7 +22,7 @@ from coppelius.reference.binding import (Alias, Bind, BindingError, ByteLengthMi
                                SourceError, Tensor, Transpose, UnexpectedValue, bind,
                                default_bindings, flatten, load_state, materialize,
                                state_from_source)
-from coppelius.reference.checkpoint import identities, read_checkpoint, validate, write_checkpoint
+from coppelius.reference.checkpoint import identities, validate, write_checkpoint
 from coppelius.reference.config import Hyper
 from coppelius.reference.errors import CheckpointError, CoppeliusError, IdentityMismatch
 from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource
@@ -523,7 +523,7 @@ def _state(seed=4):
 IDS = identities(CONFIG, Hyper(), "fp32", 1, None, "a" * 64)
 
 
-def test_load_state_equals_read_checkpoint(tmp_path):
+def test_load_state_equals_load_state(tmp_path):
     path = tmp_path / "c.ckpt"
     state = _state()
     write_checkpoint(path, CONFIG, IDS, state, contexts=9)
@@ -532,8 +532,7 @@ def test_load_state_equals_read_checkpoint(tmp_path):
     for name in "PMV":
         assert getattr(got.state, name).tobytes() == getattr(state, name).tobytes(), name
         assert getattr(got.state, name).flags.writeable
-    ref = read_checkpoint(path, CONFIG, expect=IDS)
-    assert ref.header == got.header
+    assert got.header["step"] == 6 and got.header["contexts"] == 9
 
 
 def test_load_state_checks_identities(tmp_path):
@@ -590,7 +589,7 @@ def test_checkpoint_source_maps_the_file_it_validated(tmp_path, monkeypatch):
         monkeypatch.setattr(np, "memmap", real_memmap)
         _assert_leases_give(source, original)
         assert source.header["contexts"] == 9
-    assert read_checkpoint(path, CONFIG).state.P.tobytes() == replacement.P.tobytes()
+    assert load_state(path, CONFIG).state.P.tobytes() == replacement.P.tobytes()
 
 
 def test_checkpoint_source_keeps_its_file_when_the_path_is_republished(tmp_path):

@@ -20,7 +20,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from coppelius.reference import checkpoint, fsutil
-from coppelius.reference.checkpoint import (identities, is_fresh, read_checkpoint, validate,
+from coppelius.reference.binding import load_state
+from coppelius.reference.sources import BindingError
+from coppelius.reference.checkpoint import (identities, is_fresh, validate,
                                   write_checkpoint)
 from coppelius.reference.config import Hyper, preset
 from coppelius.reference.errors import CheckpointError, IdentityMismatch
@@ -92,7 +94,7 @@ def saved(tmp_path_factory):
 
 def test_round_trip_bytes(saved):
     path, state, _ = saved
-    ck = read_checkpoint(path, CONFIG, expect=run_identities())
+    ck = load_state(path, CONFIG, expect=run_identities())
     for name in ("P", "M", "V"):
         got = getattr(ck.state, name)
         assert got.dtype == np.float32 and got.shape == (N,)
@@ -136,7 +138,7 @@ def test_chunking_does_not_change_the_bytes(tmp_path, saved, monkeypatch):
     path = tmp_path / "chunked.ckpt"
     write_checkpoint(path, CONFIG, ids, saved[1], contexts=28)
     assert path.read_bytes() == saved[2]
-    ck = read_checkpoint(path, CONFIG, expect=ids)
+    ck = load_state(path, CONFIG, expect=ids)
     assert ck.state.M.tobytes() == saved[1].M.tobytes()
     assert validate(path).sha256 == hashlib.sha256(saved[2][:-48]).hexdigest()
 
@@ -156,7 +158,7 @@ def test_reads_a_file_written_independently(tmp_path):
     payload = np.concatenate([state.P, state.M, state.V]).astype("<f4").tobytes()
     path = tmp_path / "other.ckpt"
     path.write_bytes(build(header, payload))
-    ck = read_checkpoint(path, CONFIG, expect=run_identities())
+    ck = load_state(path, CONFIG, expect=run_identities())
     assert ck.state.V.tobytes() == state.V.tobytes() and ck.step == 3 and ck.contexts == 12
 
 
@@ -196,32 +198,33 @@ def test_identity_mismatch_names_key_and_both_values(saved, key):
     path = saved[0]
     want = changed(key)
     with pytest.raises(IdentityMismatch) as e:
-        read_checkpoint(path, CONFIG, expect=want)
+        load_state(path, CONFIG, expect=want)
     message = str(e.value)
     assert key in message and "\n" not in message
     assert repr(run_identities()[key]) in message and repr(want[key]) in message
     # --new-data does not lift anything but the stream part.
     with pytest.raises(IdentityMismatch):
-        read_checkpoint(path, CONFIG, expect=want, new_data=True)
+        load_state(path, CONFIG, expect=want, new_data=True)
 
 
 def test_new_data_lifts_only_the_stream(saved):
     path = saved[0]
     other = hashlib.sha256(b"another corpus").hexdigest()
     with pytest.raises(IdentityMismatch, match="data"):
-        read_checkpoint(path, CONFIG, expect=run_identities(stream_sha=other))
-    ck = read_checkpoint(path, CONFIG, expect=run_identities(stream_sha=other), new_data=True)
+        load_state(path, CONFIG, expect=run_identities(stream_sha=other))
+    ck = load_state(path, CONFIG, expect=run_identities(stream_sha=other), new_data=True)
     assert ck.step == 7
     for overrides in (dict(tokenizer_sha=other), dict(batch=2), dict(tokenizer_sha=None)):
         want = run_identities(stream_sha=other, **overrides)
         with pytest.raises(IdentityMismatch) as e:
-            read_checkpoint(path, CONFIG, expect=want, new_data=True)
+            load_state(path, CONFIG, expect=want, new_data=True)
         assert want["data"] in str(e.value)
 
 
 def test_other_model_shape_refused(saved):
-    with pytest.raises(CheckpointError, match="parameters"):
-        read_checkpoint(saved[0], preset("tiny"))
+    # without an expected model identity, binding refuses by the first tensor's size
+    with pytest.raises(BindingError, match="tok_embedding.weight: value is 8192 bytes"):
+        load_state(saved[0], preset("tiny"))
 
 
 # -------------------------------------------------------- corrupt files refused
@@ -245,7 +248,7 @@ def test_flipped_byte_refused_and_file_untouched(tmp_path_factory, saved, data):
         validate(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(CheckpointError):
-        read_checkpoint(path, CONFIG, expect=run_identities())
+        load_state(path, CONFIG, expect=run_identities())
     assert path.read_bytes() == bytes(bad)
 
 
@@ -258,7 +261,7 @@ def test_truncation_refused_and_file_untouched(tmp_path_factory, saved, data):
     with pytest.raises(CheckpointError):
         validate(path)
     with pytest.raises(CheckpointError):
-        read_checkpoint(path, CONFIG)
+        load_state(path, CONFIG)
     assert path.read_bytes() == good[:length]
 
 
@@ -378,8 +381,8 @@ def test_consistent_but_foreign_parameter_list_refused_on_read(tmp_path):
     path = tmp_path / "renamed.ckpt"
     path.write_bytes(build(h, good_payload()))
     validate(path)  # well-formed ...
-    with pytest.raises(CheckpointError, match="layers.0.attn_norm.gamma"):
-        read_checkpoint(path, CONFIG, expect=run_identities())  # ... but not this model's
+    with pytest.raises(BindingError, match="layers.0.attn_norm.gamma"):
+        load_state(path, CONFIG, expect=run_identities())  # ... but not this model's
 
 
 def test_nonzero_padding_refused(tmp_path):
@@ -459,7 +462,7 @@ def publish_in_child(path, phase="", limit=-1):
 
 
 def assert_holds(path, which, old):
-    ck = read_checkpoint(path, CONFIG, expect=run_identities())
+    ck = load_state(path, CONFIG, expect=run_identities())
     if which == "old":
         assert ck.step == 7 and ck.contexts == 28
         assert ck.state.P.tobytes() == old.P.tobytes()

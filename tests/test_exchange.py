@@ -15,7 +15,7 @@ from coppelius.reference import fsutil as fsutil
 from coppelius.cli import main
 from coppelius.reference import State, forward, initialize, preset, registry
 from coppelius.reference.binding import load_state
-from coppelius.reference.checkpoint import IDENTITY_KEYS, identities, read_checkpoint, write_checkpoint
+from coppelius.reference.checkpoint import IDENTITY_KEYS, identities, write_checkpoint
 from coppelius.reference.config import Hyper, data_identity, initialization_identity
 
 CONFIG = preset("test")
@@ -135,7 +135,7 @@ def test_round_trip_keeps_parameter_bytes_and_identities(ckpt, tmp_path, capsys)
     assert run_cli(capsys, "export", path, out, "--moments")[0] == 0
     status, stdout, _ = run_cli(capsys, "import", out, back)
     assert status == 0 and "moment tensors not imported" in stdout
-    got = read_checkpoint(back, CONFIG, expect=IDS)  # every identity carried over
+    got = load_state(back, CONFIG, expect=IDS)  # every identity carried over
     assert got.state.P.tobytes() == state.P.tobytes()
     assert not got.state.M.any() and not got.state.V.any()  # fresh moments
     assert (got.step, got.contexts) == (0, 0)
@@ -149,7 +149,7 @@ def test_import_precision_replaces_only_the_precision(ckpt, tmp_path, capsys):
     out, back = tmp_path / "model.safetensors", tmp_path / "back.ckpt"
     run_cli(capsys, "export", path, out)
     assert run_cli(capsys, "import", out, back, "--precision", "bf16")[0] == 0
-    header = read_checkpoint(back, CONFIG).header
+    header = load_state(back, CONFIG).header
     assert header["learner"] == Hyper(lr="1/1000").identity("bf16")
     assert header["data"] == IDS["data"]
 
@@ -168,7 +168,7 @@ def test_import_without_metadata_uses_the_documented_defaults(tmp_path, capsys):
     assert_one_line_error(status, err, "import", "--preset")
     assert not dst.exists()
     assert run_cli(capsys, "import", src, dst, "--preset", "test")[0] == 0
-    got = read_checkpoint(dst, CONFIG)
+    got = load_state(dst, CONFIG)
     assert got.state.P.tobytes() == state.P.tobytes()
     assert got.header["learner"] == Hyper().identity("fp32")
     assert got.header["data"] == data_identity(CONFIG, 1, None, "none")
@@ -176,7 +176,7 @@ def test_import_without_metadata_uses_the_documented_defaults(tmp_path, capsys):
     assert got.header["initialization"] == initialization_identity()
     assert run_cli(capsys, "import", src, dst, "--preset", "test", "--force", "--batch", "4",
                    "--tokenizer-sha", "e" * 64)[0] == 0
-    assert read_checkpoint(dst, CONFIG).header["data"] == data_identity(CONFIG, 4, "e" * 64, "none")
+    assert load_state(dst, CONFIG).header["data"] == data_identity(CONFIG, 4, "e" * 64, "none")
 
 
 def test_import_refuses_an_existing_checkpoint_unless_force(ckpt, tmp_path, capsys):
@@ -188,7 +188,7 @@ def test_import_refuses_an_existing_checkpoint_unless_force(ckpt, tmp_path, caps
     assert_one_line_error(status, err, "import", str(path), "--force")
     assert path.read_bytes() == before
     assert run_cli(capsys, "import", src, path, "--preset", "test", "--force")[0] == 0
-    assert read_checkpoint(path, CONFIG).state.P.tobytes() == random_state(2).P.tobytes()
+    assert load_state(path, CONFIG).state.P.tobytes() == random_state(2).P.tobytes()
 
 
 def test_import_tied_head_equal_is_accepted_and_different_refused(tmp_path, capsys):
@@ -197,7 +197,7 @@ def test_import_tied_head_equal_is_accepted_and_different_refused(tmp_path, caps
     tensors["lm_head.weight"] = tensors["tok_embedding.weight"].copy()
     save_file(tensors, str(src))
     assert run_cli(capsys, "import", src, dst, "--preset", "test")[0] == 0
-    assert read_checkpoint(dst, CONFIG).state.P.tobytes() == random_state(3).P.tobytes()
+    assert load_state(dst, CONFIG).state.P.tobytes() == random_state(3).P.tobytes()
 
     tensors["lm_head.weight"][5, 7] = np.nextafter(tensors["lm_head.weight"][5, 7], np.float32(1))
     save_file(tensors, str(src))
@@ -212,7 +212,7 @@ def test_import_widens_bfloat16_exactly(tmp_path, capsys):
     src, dst = tmp_path / "bf16.safetensors", tmp_path / "c.ckpt"
     save_file(bf16, str(src))
     assert run_cli(capsys, "import", src, dst, "--preset", "test")[0] == 0
-    P = read_checkpoint(dst, CONFIG).state.P
+    P = load_state(dst, CONFIG).state.P
     for spec in REG.specs:
         assert np.array_equal(P[spec.slice], bf16[spec.name].astype(np.float64).reshape(-1))
 
@@ -308,7 +308,7 @@ def test_import_accepts_every_uint64_seed(tmp_path, capsys, seed):
     save_file(named(random_state(9)), str(src),
               metadata={"initialization": initialization_identity(seed)})
     assert run_cli(capsys, "import", src, dst, "--preset", "test")[0] == 0
-    assert read_checkpoint(dst, CONFIG).header["initialization"] == initialization_identity(seed)
+    assert load_state(dst, CONFIG).header["initialization"] == initialization_identity(seed)
 
 
 def test_import_refuses_a_lying_file(tmp_path, capsys):

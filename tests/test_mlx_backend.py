@@ -482,7 +482,7 @@ def test_binding_through_the_mlx_backend(tmp_path):
 
     from coppelius.accelerated.mlx_backend import MLXBindingBackend
     from coppelius.reference import Hyper, State, initialize, registry
-    from coppelius.reference.binding import Bind, Concat, RecipeBind, Tensor, bind, default_bindings
+    from coppelius.reference.binding import Concat, RecipeBind, Tensor, bind, default_bindings
     from coppelius.reference.checkpoint import identities, write_checkpoint
     from coppelius.reference.config import PRESETS
     from coppelius.reference.sources import CheckpointFileSource

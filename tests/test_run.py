@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from coppelius.cli import main
-from coppelius.reference import checkpoint, results
+from coppelius.reference import results
+from coppelius.reference.binding import load_state
 from coppelius.reference.config import PRESETS
 from coppelius.reference.stream import write_stream
 
@@ -73,7 +74,7 @@ def test_resume_is_exact_across_processes(tmp_path, stream, backend):
     assert [s for s, _ in two] == [s for s, _ in one] == [0, 1, 2, 3, 4]
     for (_, x), (_, y) in zip(two, one):
         assert x.tobytes() == y.tobytes()
-    ck = checkpoint.read_checkpoint(str(a / "ck.bin"), CFG)
+    ck = load_state(str(a / "ck.bin"), CFG)
     assert (ck.step, ck.contexts) == (5, 5)
     # the loss of the learnable stream falls
     means = [float(r.mean()) for _, r in one]
@@ -88,7 +89,7 @@ def test_result_file_records(tmp_path, stream):
     assert r.header["batch"] == 2 and r.header["repeat_data"] is False
     assert r.forward.shape == (3, CFG.vocab)
     assert all(rows.shape == (2, CFG.context) for _, rows in r.steps)
-    ck = checkpoint.read_checkpoint(str(tmp_path / "ck.bin"), CFG)
+    ck = load_state(str(tmp_path / "ck.bin"), CFG)
     emb = slice(0, CFG.context)
     assert np.array_equal(r.final["loss_block"][0], r.steps[-1][1][0])
     assert np.array_equal(r.final["loss_block"][2], ck.state.P[emb])
@@ -114,7 +115,7 @@ def test_sigterm_publishes_the_last_completed_step(tmp_path, stream):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err
     r = results.read_results(str(res))
-    ckp = checkpoint.read_checkpoint(str(ck), CFG)
+    ckp = load_state(str(ck), CFG)
     assert ckp.step == len(r.steps) >= 3
     assert ckp.contexts == ckp.step
     assert not r.complete
@@ -172,7 +173,7 @@ def test_decimal_hyperparameters_are_exact(tmp_path, stream):
     ck = tmp_path / "ck.bin"
     assert main(train_args(stream, tmp_path, ck, "--steps", "1", "--lr", "0.0003",
                            "--beta2", "0.95")) == 0
-    header = checkpoint.read_checkpoint(str(ck), CFG).header
+    header = load_state(str(ck), CFG).header
     assert "lr=3/10000" in header["learner"] and "beta2=95/100" in header["learner"]
 
 
@@ -225,5 +226,5 @@ def test_a_failing_result_file_still_publishes_the_training(tmp_path, stream, mo
     ck = tmp_path / "ck.bin"
     assert main(train_args(stream, tmp_path, ck, "--steps", "10", "--interval", "100")) == 2
     assert "No space left" in capsys.readouterr().err
-    ckp = checkpoint.read_checkpoint(str(ck), CFG)
+    ckp = load_state(str(ck), CFG)
     assert ckp.step == 4 and ckp.contexts == 4  # steps 0..3 trained and kept

@@ -147,9 +147,9 @@ def test_file_system_failures_are_stream_errors_naming_the_path(tmp_path, monkey
 
     folder = tmp_path / "folder.tokens"
     folder.mkdir()
-    with pytest.raises(StreamError, match=rf"folder\.tokens: is a directory, not a token stream"):
+    with pytest.raises(StreamError, match=r"folder\.tokens: is a directory, not a token stream"):
         open_stream(folder, 64)
-    with pytest.raises(StreamError, match=rf"folder\.tokens: cannot write token stream"):
+    with pytest.raises(StreamError, match=r"folder\.tokens: cannot write token stream"):
         write_stream(folder, [1, 2, 3], 0, 0)
     assert list(folder.iterdir()) == []
 
