@@ -72,8 +72,9 @@ from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
-from coppelius.reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
-                               check_tokens, compilation_report)
+from coppelius.reference.program import (ReplayError, capture_enabled, check_capture,
+                                         check_logits_tokens, check_replay_state, check_tokens,
+                                         compilation_report)
 from coppelius.reference.state import State
 
 from . import cuda_kernels
@@ -610,15 +611,7 @@ class CupyProgram:
     def logits(self, tokens) -> np.ndarray:
         """tokens (B', T') with T' <= T -> logits (B', T', V) with the current
         parameters: an eager forward on buffers of its own."""
-        tokens = np.asarray(tokens)
-        T, V = self.config.context, self.config.vocab
-        if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
-                or not 0 < tokens.shape[1] <= T or tokens.shape[0] < 1):
-            raise ReplayError(f"logits tokens {tokens.dtype} {tokens.shape}: expected integer ids "
-                              f"of shape (B, T) with T <= {T}")
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ReplayError(f"logits token id {int(tokens[(tokens < 0) | (tokens >= V)][0])}: "
-                              f"out of range [0, {V})")
+        tokens = check_logits_tokens(self.config, tokens)
         B2, T2 = tokens.shape
         if self._eager is None or self._eager[:2] != (B2, T2):
             self._eager = None  # free the previous shape's buffers first
@@ -631,7 +624,7 @@ class CupyProgram:
         with self.stream:
             self.model.forward(acts, ids, T2)  # after any pending replay, on the same stream
         self.stream.synchronize()
-        return acts.logits.get(stream=self.stream).reshape(B2, T2, V)
+        return acts.logits.get(stream=self.stream).reshape(B2, T2, self.config.vocab)
 
     def compilation_report(self) -> dict:
         return _report(self)

@@ -52,8 +52,9 @@ from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_preci
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
-from coppelius.reference.program import (ReplayError, capture_enabled, check_capture, check_replay_state,
-                               check_tokens, compilation_report)
+from coppelius.reference.program import (ReplayError, capture_enabled, check_capture,
+                                         check_logits_tokens, check_replay_state, check_tokens,
+                                         compilation_report)
 from coppelius.reference.state import State
 
 BACKEND = "mlx"
@@ -373,15 +374,7 @@ class MLXProgram:
 
     def logits(self, tokens) -> np.ndarray:
         """tokens (B,T') with T' <= T -> logits (B,T',V) with the current parameters."""
-        tokens = np.asarray(tokens)
-        T, V = self.config.context, self.config.vocab
-        if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
-                or not 0 < tokens.shape[1] <= T):
-            raise ReplayError(f"logits tokens {tokens.dtype} {tokens.shape}: expected integer ids "
-                              f"of shape (B, T) with T <= {T}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= V):
-            raise ReplayError(f"logits token id {int(tokens[(tokens < 0) | (tokens >= V)][0])}: "
-                           f"out of range [0, {V})")
+        tokens = check_logits_tokens(self.config, tokens)
         out = self.model.logits(self.device_state.params, mx.array(tokens.astype(np.int32)))
         return np.array(out, dtype=np.float32)
 

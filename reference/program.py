@@ -1,25 +1,21 @@
 """The training program (SPEC section 13): one fixed-shape step captured once
-and replayed. This module holds the interface every backend implements and
-the reference's own program, whose "capture" is a recorded plan: the bound
-configuration, policy and buffers, replayed by calling `reference.step`.
+and replayed. This module holds the interface every backend implements
+(`TrainingProgram`, a typing.Protocol), the checks every backend's capture
+and replay share, and the reference's own program, whose "capture" is a
+recorded plan: the bound configuration, policy and buffers, replayed by
+calling `reference.step`.
 
-Interface (duck-typed; every backend's `capture(...)` returns one):
-    .backend, .config, .hyper, .precision, .batch
-    .upload_input(tokens)         # (B, T+1) ids into the input slot
-    .replay() -> event            # submit one step; event.wait() blocks
-    .replay_and_wait() -> float   # mean loss
-    .replay_timed_and_wait() -> (loss, device_seconds or nan)
-    .row_losses() -> (B,T) float32 of the last replay
-    .gradients() -> (N,) float32 G of the last replay
-    .state() -> State             # host copy of P, M, V, t
-    .logits(tokens (B,T)) -> (B,T,V) with the current parameters
-    .compilation_report(), .diagnostics() -> dict
+A backend is a module with `available() -> bool` and
+`capture(config, hyper, precision, batch, state) -> TrainingProgram`
+(coppelius.accelerated.BACKENDS lists them). tests/test_program_contract.py
+checks every available backend against this contract.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,6 +62,21 @@ def check_tokens(config: Config, batch: int, tokens, what="input") -> np.ndarray
     return tokens.astype(np.int64)
 
 
+def check_logits_tokens(config: Config, tokens) -> np.ndarray:
+    """(B', T') integer ids with B' >= 1, 1 <= T' <= T, each in [0, V), for
+    logits(); else ReplayError naming the shape or the first bad id."""
+    tokens = np.asarray(tokens)
+    T, V = config.context, config.vocab
+    if (tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer)
+            or not 0 < tokens.shape[1] <= T or tokens.shape[0] < 1):
+        raise ReplayError(f"logits tokens {tokens.dtype} {tokens.shape}: expected integer ids "
+                          f"of shape (B, T) with T <= {T}")
+    if tokens.min() < 0 or tokens.max() >= V:
+        raise ReplayError(f"logits token id {int(tokens[(tokens < 0) | (tokens >= V)][0])}: "
+                          f"out of range [0, {V})")
+    return tokens
+
+
 def check_state(config: Config, state: State) -> None:
     n = registry(config).total
     for name in ("P", "M", "V"):
@@ -102,6 +113,62 @@ def check_replay_state(state, owned, backend: str) -> None:
     if state is not owned:
         raise ReplayError("replay after the optimizer state was replaced: capture a new "
                           "program from the new state")
+
+
+@runtime_checkable
+class ReplayEvent(Protocol):
+    """What replay() returns: the submitted step, complete once wait() returns."""
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class TrainingProgram(Protocol):
+    """One captured training step of one backend (SPEC section 13).
+
+    The program owns its state (P, M, V and the update count t, on its
+    device); capture performs no update. Every refusal is a ReplayError
+    naming what does not match the capture."""
+
+    backend: str  # the backend's name, as in coppelius.accelerated.BACKENDS
+    config: Config
+    hyper: Hyper
+    precision: str  # "fp32" or "bf16" (SPEC 6)
+    batch: int  # B, contexts per step
+
+    def upload_input(self, tokens) -> None:
+        """(B, T+1) integer ids in [0, V) into the captured input slot,
+        after any pending replay has finished with the previous input."""
+
+    def replay(self) -> ReplayEvent:
+        """Submit one step (forward, backward, AdamW; t advances on the
+        device) without waiting for it."""
+
+    def replay_and_wait(self) -> float:
+        """One step, waited for; its mean loss."""
+
+    def replay_timed_and_wait(self) -> tuple:
+        """One step, waited for: (mean loss, device seconds, or NaN where the
+        backend has no device clock)."""
+
+    def row_losses(self) -> np.ndarray:
+        """(B, T) float32: the last replay's row losses (SPEC 4)."""
+
+    def gradients(self) -> np.ndarray:
+        """(N,) float32: the last replay's gradient vector G (SPEC 5)."""
+
+    def state(self) -> State:
+        """A host copy of P, M, V and t as they are now."""
+
+    def logits(self, tokens) -> np.ndarray:
+        """(B', T') ids, any B' and T' <= T -> (B', T', V) float32 logits with
+        the current parameters, under the program's policy; no update."""
+
+    def compilation_report(self) -> dict:
+        """The JSON document of schema coppelius.training_compilation.v1."""
+
+    def diagnostics(self) -> dict:
+        """compilation_report() plus the program's runtime counters."""
 
 
 class Event:
@@ -156,6 +223,7 @@ class ReferenceProgram:
         return self._state.copy()
 
     def logits(self, tokens) -> np.ndarray:
+        tokens = check_logits_tokens(self.config, tokens)
         return forward(self.config, self._state.P, tokens, self.precision)
 
     def compilation_report(self) -> dict:
@@ -173,14 +241,15 @@ class ReferenceProgram:
                                   precision=self.precision)
 
     def diagnostics(self) -> dict:
-        return {"backend": self.backend, "precision": self.precision, "batch": self.batch,
-                "update_count": self._state.t, "replays": self._replays}
+        report = self.compilation_report()
+        report["runtime"] = {"update_count": self._state.t, "batch": self.batch}
+        return report
 
 
 def available() -> bool:
     return True
 
 
-def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> ReferenceProgram:
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> TrainingProgram:
     """Record the reference's plan; performs no training update."""
     return ReferenceProgram(config, hyper, precision, batch, state)

@@ -8,7 +8,7 @@ replayed later, pointers and scalars frozen at capture) and the program's
 interface -- against reference.step through the conformance suite.
 
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
-    python dev/cuda/emulate.py --pytest   # tests/test_cupy_backend.py on the stand-ins
+    python dev/cuda/emulate.py --pytest   # the CuPy tests and contract rows on the stand-ins
 
 The NumPy kernels follow the CUDA kernels' contracts (cuda_kernels.py), not
 their code; the CUDA source itself is checked on the device
@@ -583,8 +583,11 @@ def main():
 
         sys.modules["cupy"] = fake_cupy
         install()
-        sys.exit(pytest.main([os.path.join(ROOT, "tests", "test_cupy_backend.py"), "-q",
-                              "-p", "no:cacheprovider", *sys.argv[2:]]))
+        # the backend's own tests, and the program contract's rows for "cupy"
+        tests = [os.path.join(ROOT, "tests", name) for name in ("test_cupy_backend.py",
+                                                                 "test_program_contract.py")]
+        sys.exit(pytest.main([*tests, "-q", "-k", "cupy", "-p", "no:cacheprovider",
+                              *sys.argv[2:]]))
 
     backend = install()
     backend.NAME = "cupy (emulated on the CPU)"
