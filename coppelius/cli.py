@@ -24,7 +24,9 @@ MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coppelius",
-        description="Train a small GPT-style language model with exact, checkable semantics.")
+        description="Train a small GPT-style language model with exact, checkable semantics.",
+        epilog="The exact semantics (cited as SPEC §N in messages and help): docs/SPEC.md "
+               "in the project's source.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in MODULES:
         try:
