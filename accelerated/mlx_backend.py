@@ -47,7 +47,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     mx = None
 
-from coppelius.reference.adamw import AdamWConstants
+from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
 from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
@@ -206,7 +206,11 @@ class AdamW:
         k = AdamWConstants.of(hyper)  # each exact rational rounded once to float32
         f32 = lambda x: mx.array(np.float32(x))  # noqa: E731
         self.b1, self.omb1, self.b2, self.omb2 = f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2)
-        self.lr, self.lrwd, self.eps = f32(k.lr), f32(k.lrwd), f32(k.eps)
+        self.eps = f32(k.eps)
+        # (R, 2) a_t, b_t (lr and lr * weight_decay under the schedule), from
+        # the host once; update t reads row min(t, R - 1) on the device (SPEC 7)
+        self.rates = mx.array(schedule_table(hyper))
+        self.clip = None if hyper.clip is None else f32(float32_of(hyper.clip))
         # float64 beta1, beta2, as the bias corrections are computed in float64
         self.beta64 = (float(hyper.beta1), float(hyper.beta2))
         self.decay = {s.name: s.decay for s in registry(config)}
@@ -218,17 +222,33 @@ class AdamW:
              .astype(mx.float32, stream=mx.cpu) for beta in self.beta64]
         return c[0], c[1]
 
+    @staticmethod
+    def gradient_norm(grads):
+        # sqrt(sum g^2) over every element, summed in float32 (SPEC 7 allows
+        # any order); the tied embedding has one gradient, counted once
+        return mx.sqrt(sum(mx.sum(g * g) for g in grads.values()))
+
+    def clip_grads(self, grads, norm):
+        """g * float32(c / n) where n > c (a non-finite n never clips)."""
+        if self.clip is None:
+            return grads
+        scale = mx.where(mx.isfinite(norm) & (norm > self.clip), self.clip / norm,
+                         mx.array(np.float32(1)))  # times 1 is exact: unclipped bits unchanged
+        return {name: g * scale for name, g in grads.items()}
+
     def update(self, params, m, v, grads, t):
         """Update number t (already advanced, 1-based) -> fresh params, m, v."""
         c1, c2 = self.bias_corrections(t)
+        row = mx.minimum(t, self.rates.shape[0] - 1)
+        lr, lrwd = self.rates[row, 0], self.rates[row, 1]
         new_p, new_m, new_v = {}, {}, {}
         for name, p in params.items():
             g = grads[name]
             mn = self.b1 * m[name] + self.omb1 * g
             vn = self.b2 * v[name] + self.omb2 * g * g
             if self.decay[name]:  # two-dimensional parameters only
-                p = p - self.lrwd * p
-            new_p[name] = p - self.lr * (mn / c1) / (mx.sqrt(vn / c2) + self.eps)
+                p = p - lrwd * p
+            new_p[name] = p - lr * (mn / c1) / (mx.sqrt(vn / c2) + self.eps)
             new_m[name], new_v[name] = mn, vn
         return new_p, new_m, new_v
 
@@ -293,6 +313,7 @@ class MLXProgram:
         self._owned = self.device_state  # the state this program last produced
         self._tokens = None  # the input slot, (B,T+1) int32
         self._loss = self._rows = self._grads = None  # outputs of the last replay
+        self._eval = None  # the forward-only program, compiled on first evaluate()
         self._graph = self._record()
 
     # -- the step ------------------------------------------------------------
@@ -301,9 +322,10 @@ class MLXProgram:
         # tokens (B,T+1): inputs the first T ids, targets the same window one on
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         (loss, rows), grads = self.value_and_grad(params, inputs, targets)
+        norm = self.adamw.gradient_norm(grads)  # before clipping: recorded every step
         t = t + 1  # this update's number, 1-based
-        params, m, v = self.adamw.update(params, m, v, grads, t)
-        return params, m, v, t, loss, rows, grads
+        params, m, v = self.adamw.update(params, m, v, self.adamw.clip_grads(grads, norm), t)
+        return params, m, v, t, loss, rows, grads, norm
 
     def _traced_step(self, params, m, v, t, tokens):
         self.traces += 1  # Python runs only while tracing: counts compilations
@@ -337,10 +359,11 @@ class MLXProgram:
             raise ReplayError("replay before upload_input: the input slot is empty")
         s = self.device_state
         check_replay_state(s, self._owned, BACKEND)
-        params, m, v, t, loss, rows, grads = self._step(s.params, s.m, s.v, s.t, self._tokens)
+        params, m, v, t, loss, rows, grads, norm = self._step(s.params, s.m, s.v, s.t,
+                                                              self._tokens)
         self.device_state = self._owned = DeviceState(params, m, v, t)
-        self._loss, self._rows, self._grads = loss, rows, grads
-        outputs = [*self.device_state.arrays(), loss, rows, *grads.values()]
+        self._loss, self._rows, self._grads, self._norm = loss, rows, grads, norm
+        outputs = [*self.device_state.arrays(), loss, rows, norm, *grads.values()]
         mx.async_eval(outputs)  # starts the graph; the host returns at once
         self.replays += 1
         return Event(outputs)
@@ -366,6 +389,10 @@ class MLXProgram:
         self._last("gradients")
         return _to_host(self.config, self._grads)  # (N,)
 
+    def grad_norm(self) -> float:
+        self._last("grad_norm")
+        return float(self._norm.item())
+
     def state(self) -> State:
         s = self.device_state
         mx.eval(s.arrays())
@@ -377,6 +404,17 @@ class MLXProgram:
         tokens = check_logits_tokens(self.config, tokens)
         out = self.model.logits(self.device_state.params, mx.array(tokens.astype(np.int32)))
         return np.array(out, dtype=np.float32)
+
+    def evaluate(self, tokens) -> np.ndarray:
+        """Held-out row losses (B,T) with the current parameters: the forward
+        and loss alone, compiled once on first use (SPEC 18); no update."""
+        tokens = check_tokens(self.config, self.batch, tokens, "evaluate input")
+        if self._eval is None:
+            self._eval = mx.compile(self.model.row_losses) if self.captured else \
+                self.model.row_losses
+        tokens = mx.array(tokens.astype(np.int32))
+        rows = self._eval(self.device_state.params, tokens[:, :-1], tokens[:, 1:])
+        return np.array(rows, dtype=np.float32)  # waits: the caller reads the losses
 
     def compilation_report(self) -> dict:
         return _report(self)
@@ -433,7 +471,7 @@ def _report(program: MLXProgram) -> dict:
     graph, compiled = program._graph["graph"], program._graph["compiled"]
     n_params = len(program.device_state.params)
     n_in = 3 * n_params + 2  # P, M, V tensors, t, tokens
-    n_out = 4 * n_params + 3  # P, M, V, G tensors, t, loss, row losses
+    n_out = 4 * n_params + 4  # P, M, V, G tensors, t, loss, row losses, gradient norm
     fused = sum(1 for label in compiled if label.startswith("Compiled"))
     products = sum(1 for label in graph if label == "Matmul")
     on = program.captured

@@ -9,16 +9,23 @@ Checks, in order, each producing one row per tensor:
   gradient     G of that step, one row per parameter (registry name)
   P, M, V      the state after that update, one row per parameter
   t            the update count after that update (exact)
+  norm         the gradient norm before clipping of that step (SPEC 7)
+  eval         held-out row losses of the forward-only program (SPEC 18),
+               before and after that update
   trajectory   mean losses of `steps` consecutive steps (step 0 is the one above)
   resume       S1 steps, state(), a new capture from that state, S2 steps:
                row losses of every step and the final P, M, V and t must be
                bitwise equal to the S1 + S2 steps of one program (SPEC 9)
+  learner      the same one step and trajectory under a cosine schedule
+               (warm-up, decay and floor all inside the trajectory) with
+               gradient clipping that clips (SPEC 7)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -176,12 +183,18 @@ def step_rows(program, config: Config, hyper: Hyper, precision: str, state: Stat
     rows.append(compare("logits", "logits", program.logits(inputs),
                         reference.forward(config, state.P.copy(), inputs, precision), tol("logits")))
 
+    held_out = tokens[::-1]  # another batch of the same shape
+    rows.append(compare("eval", "held-out row losses", program.evaluate(held_out),
+                        reference.row_losses(config, state.P.copy(), held_out, precision),
+                        tol("eval")))
     want = reference.step(config, state.copy(), tokens, precision, hyper, grads=True)
     program.upload_input(tokens)
     loss = program.replay_and_wait()
     rows.append(compare("loss", "mean loss", np.float32(loss), np.float32(want.loss), tol("loss")))
     rows.append(compare("row_losses", "row losses", program.row_losses(), want.row_losses,
                         tol("row_losses")))
+    rows.append(compare("norm", "gradient norm", np.float32(program.grad_norm()),
+                        np.float32(want.grad_norm), tol("norm")))
     G = program.gradients()  # (N,)
     for spec in reg:
         rows.append(compare("gradient", spec.name, G[spec.slice].reshape(spec.shape),
@@ -189,6 +202,9 @@ def step_rows(program, config: Config, hyper: Hyper, precision: str, state: Stat
     got = program.state()
     update = state_rows(config, got, want.state, precision)
     rows += update
+    rows.append(compare("eval", "held-out row losses after the update", program.evaluate(held_out),
+                        reference.row_losses(config, want.state.P, held_out, precision),
+                        tol("eval")))
     if notes is not None:
         notes += update_diagnosis(config, hyper, precision, state, G, got,
                                   [r for r in update if not r.passed and r.check in ("P", "M", "V")])
@@ -322,7 +338,40 @@ def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: i
     report.rows.append(compare_bitwise("resume", f"row losses, {split}",
                                        np.concatenate([rows1, rows2]), row_losses))
     report.rows += resume_rows(config, resumed, final)
+    report.rows += learner_rows(module, config, precision, batch, state0, one, windows, report)
     return report
+
+
+def production_learner(config: Config, precision: str, state: State, tokens, steps: int) -> Hyper:
+    """A cosine schedule whose warm-up, decay and floor all fall inside
+    `steps` updates from `state`, and a clip at half of the gradient norm at
+    `state`, so that the first step clips (SPEC 7)."""
+    norm = reference.step(config, state.copy(), tokens, precision).grad_norm
+    W = max(1, steps // 4)
+    return Hyper(schedule="cosine", warmup=state.t + W, total=state.t + steps - 2,
+                 floor=Fraction(1, 10), clip=Fraction(float(norm)) / 2)
+
+
+def learner_rows(module, config: Config, precision: str, batch: int, state0: State, one: State,
+                 windows: np.ndarray, report) -> list:
+    """One step and a trajectory under a cosine schedule with clipping."""
+    rows = []
+    steps = len(windows)
+    hyper = production_learner(config, precision, one, windows[0], steps)
+    program = module.capture(config, hyper, precision, batch, one.copy())
+    for r in step_rows(program, config, hyper, precision, one, windows[0], report.notes):
+        rows.append(Row("learner", f"{r.check} {r.tensor}", r.error, r.tolerance, r.passed,
+                        r.worst, r.got, r.want))
+    del program
+    hyper = production_learner(config, precision, state0, windows[0], steps)
+    program = module.capture(config, hyper, precision, batch, state0.copy())
+    losses, _ = trajectory(program, windows)
+    del program
+    want = reference_trajectory(config, hyper, precision, state0, windows)
+    rows.append(compare("learner", f"mean loss, {steps} steps, cosine W={hyper.warmup} "
+                                   f"N={hyper.total}, clip", losses, want,
+                        tolerance("trajectory", precision)))
+    return rows
 
 
 # ------------------------------------------------------------------ hypothesis

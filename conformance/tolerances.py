@@ -30,6 +30,9 @@ How the numbers were chosen:
   by up to lr. On `tiny` (1M parameters) a correct fp32 backend can meet
   such an element; the suite then says whether the backend's update matches
   the reference AdamW of its own gradient (suite.update_diagnosis).
+- The gradient norm (SPEC 7) is a sum over every gradient element: its
+  error is at most the gradient vector's, so it shares the gradient row.
+  Held-out row losses (SPEC 18) are a forward: the row-losses row.
 - Exact resume is bitwise (tolerance 0): the same backend and policy must
   give the same bits whether or not the run was split (SPEC section 9).
 """
@@ -52,7 +55,8 @@ TOLERANCES = {
 }
 
 # the checks P, M and V share the "update" row of the table
-_TABLE_ROW = {"P": "update", "M": "update", "V": "update", "t": "resume"}
+_TABLE_ROW = {"P": "update", "M": "update", "V": "update", "t": "resume", "norm": "gradient",
+              "eval": "row_losses"}
 
 
 def tolerance(check: str, precision: str) -> float:

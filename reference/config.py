@@ -136,21 +136,39 @@ def _show(q: Fraction) -> str:
     return text if len(text) <= 64 else f"{float(q):.6g}" if abs(q) < 2**1000 else "(huge)"
 
 
+SCHEDULES = ("constant", "cosine")
+MAX_SCHEDULE_TOTAL = 10_000_000  # the host table of a_t, b_t has total + 2 rows (SPEC 7)
+RATIONAL_FIELDS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor")
+
+
 @dataclass(frozen=True)
 class Hyper:
-    """AdamW hyperparameters, exact rationals (SPEC section 7)."""
+    """The learner: AdamW hyperparameters (exact rationals), the learning-rate
+    schedule and gradient clipping (SPEC section 7).
+
+    schedule "constant" uses lr for every update; "cosine" warms up linearly
+    over `warmup` updates, decays to `floor * lr` at update `total`, and stays
+    there. `clip` (None: off) bounds the gradient's L2 norm."""
 
     lr: Fraction = Fraction(3, 10000)
     beta1: Fraction = Fraction(9, 10)
     beta2: Fraction = Fraction(95, 100)
     weight_decay: Fraction = Fraction(1, 10)
     epsilon: Fraction = Fraction(1, 100000000)
+    schedule: str = "constant"
+    warmup: int = 0  # W, cosine only
+    total: int | None = None  # N, cosine only (the run loop's default: the run's final step)
+    floor: Fraction = Fraction(0)  # f in [0, 1], cosine only
+    clip: Fraction | None = None  # c > 0, or None
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in RATIONAL_FIELDS:
+            value = getattr(self, name)
             if not isinstance(value, Fraction):
-                object.__setattr__(self, field.name, parse_rational(value, field.name))
+                object.__setattr__(self, name, parse_rational(value, name))
+        if self.clip is not None and not isinstance(self.clip, Fraction):
+            object.__setattr__(self, "clip", parse_rational(self.clip, "clip"))
+        self._check_schedule()
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr}: must be positive")
         for name in ("beta1", "beta2"):
@@ -180,13 +198,46 @@ class Hyper:
                 raise ConfigError(f"{name}={_show(getattr(self, name))}: rounds to 1 in float64, "
                                   f"so the bias correction 1 - {name}^t would be 0")
 
+        if self.clip is not None:
+            if self.clip <= 0:
+                raise ConfigError(f"clip={_show(self.clip)}: must be positive")
+            x = _as_float32(self.clip)
+            if not np.isfinite(x) or x == 0:
+                raise ConfigError(f"clip={_show(self.clip)}: is not a nonzero finite float32")
+
+    def _check_schedule(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r}: must be one of {', '.join(SCHEDULES)}")
+        if self.schedule == "constant":
+            if self.warmup != 0 or self.total is not None or self.floor != 0:
+                raise ConfigError("warmup, total and floor belong to the cosine schedule "
+                                  "(add --schedule cosine)")
+            return
+        for name in ("warmup", "total"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 0")
+        if not self.warmup < self.total:
+            raise ConfigError(f"total={self.total}: must exceed warmup={self.warmup}")
+        if self.total > MAX_SCHEDULE_TOTAL:
+            raise ConfigError(f"total={self.total}: at most {MAX_SCHEDULE_TOTAL} updates")
+        if not 0 <= self.floor <= 1:
+            raise ConfigError(f"floor={_show(self.floor)}: must be in [0, 1]")
+
     def identity(self, precision: str) -> str:
-        """The learner identity of SPEC section 10."""
+        """The learner identity of SPEC section 10 (with SPEC 7's schedule and
+        clipping parts, which the defaults leave out)."""
         check_precision(precision)
-        return (f"objective=next-token-cross-entropy|precision={precision}|optimizer=adamw"
+        text = (f"objective=next-token-cross-entropy|precision={precision}|optimizer=adamw"
                 f"|lr={rational_text(self.lr)}|beta1={rational_text(self.beta1)}"
                 f"|beta2={rational_text(self.beta2)}|weight_decay={rational_text(self.weight_decay)}"
                 f"|epsilon={rational_text(self.epsilon)}|decay=matrices")
+        if self.schedule == "cosine":
+            text += (f"|schedule=cosine(warmup={self.warmup},total={self.total},"
+                     f"floor={rational_text(self.floor)})")
+        if self.clip is not None:
+            text += f"|clip={rational_text(self.clip)}"
+        return text
 
 
 def check_precision(precision: str) -> str:

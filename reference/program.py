@@ -23,7 +23,7 @@ from .config import Config, Hyper, check_precision
 from .errors import CoppeliusError, RunError
 from .params import registry
 from .state import State
-from .step import forward, step
+from .step import forward, row_losses, step
 
 SCHEMA = "coppelius.training_compilation.v1"
 STAGES = ("semantic_validation", "replay_safety", "decomposition", "fusion", "placement",
@@ -155,7 +155,11 @@ class TrainingProgram(Protocol):
         """(B, T) float32: the last replay's row losses (SPEC 4)."""
 
     def gradients(self) -> np.ndarray:
-        """(N,) float32: the last replay's gradient vector G (SPEC 5)."""
+        """(N,) float32: the last replay's gradient vector G (SPEC 5), before
+        any clipping."""
+
+    def grad_norm(self) -> float:
+        """The last replay's gradient norm ||G|| before clipping (SPEC 7)."""
 
     def state(self) -> State:
         """A host copy of P, M, V and t as they are now."""
@@ -163,6 +167,11 @@ class TrainingProgram(Protocol):
     def logits(self, tokens) -> np.ndarray:
         """(B', T') ids, any B' and T' <= T -> (B', T', V) float32 logits with
         the current parameters, under the program's policy; no update."""
+
+    def evaluate(self, tokens) -> np.ndarray:
+        """(B, T+1) ids, the capture's shape -> (B, T) float32 row losses with
+        the current parameters under the program's policy: a forward-only
+        program (SPEC 18), captured on first use; no update, no state change."""
 
     def compilation_report(self) -> dict:
         """The JSON document of schema coppelius.training_compilation.v1."""
@@ -219,12 +228,19 @@ class ReferenceProgram:
     def gradients(self) -> np.ndarray:
         return self._need_replay().grads.copy()
 
+    def grad_norm(self) -> float:
+        return float(self._need_replay().grad_norm)
+
     def state(self) -> State:
         return self._state.copy()
 
     def logits(self, tokens) -> np.ndarray:
         tokens = check_logits_tokens(self.config, tokens)
         return forward(self.config, self._state.P, tokens, self.precision)
+
+    def evaluate(self, tokens) -> np.ndarray:
+        tokens = check_tokens(self.config, self.batch, tokens, "evaluate input")
+        return row_losses(self.config, self._state.P, tokens, self.precision)
 
     def compilation_report(self) -> dict:
         n = registry(self.config).total

@@ -35,3 +35,4 @@ class StepResult:
     row_losses: np.ndarray  # (B, T) float32, SPEC section 4
     grads: np.ndarray | None  # (N,) float32 gradient of the mean loss, or None
     state: State  # the state after the update
+    grad_norm: np.float32 = np.float32("nan")  # ||G|| before clipping (SPEC 7)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .adamw import adamw_update
+from .adamw import adamw_update, clip_scale, gradient_norm
 from .config import Config, Hyper, check_precision
 from .model import loss_backward, loss_forward, model_backward, model_forward
 from .params import registry
@@ -16,6 +16,17 @@ def forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp
     check_precision(policy)
     logits, _ = model_forward(config, P, np.asarray(tokens), policy)
     return logits
+
+
+def row_losses(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32") -> np.ndarray:
+    """tokens (B,T+1) -> row losses (B,T) with parameters P: the forward and
+    the loss alone (held-out evaluation, SPEC 18); no backward, no update."""
+    check_precision(policy)
+    tokens = np.asarray(tokens)
+    logits, _ = model_forward(config, P, tokens[:, :-1], policy)
+    with np.errstate(all="ignore"):
+        ce, _ = loss_forward(logits, tokens[:, 1:])
+    return ce
 
 
 def loss_and_grads(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32"):
@@ -31,14 +42,19 @@ def loss_and_grads(config: Config, P: np.ndarray, tokens: np.ndarray, policy: st
 
 def step(config: Config, state: State, tokens: np.ndarray, policy: str = "fp32",
          hyper: Hyper = Hyper(), grads: bool = False) -> StepResult:
-    """One training step on tokens (B,T+1): the update number state.t + 1."""
+    """One training step on tokens (B,T+1): the update number state.t + 1.
+    `grads` keeps G, the gradient of the mean loss before any clipping."""
     check_precision(policy)
     # Overflow and NaN are values here, not warnings: the run loop checks the
     # row losses and parameters itself and stops with one line (SPEC 9).
     with np.errstate(all="ignore"):
         ce, G = loss_and_grads(config, state.P, tokens, policy)
         loss = ce.mean(dtype=np.float32)
+        norm = gradient_norm(G)  # before clipping: recorded whether or not it clips
+        scale = clip_scale(hyper, norm)
+        update = G if scale is None else G * scale
         t = state.t + 1
-        P, M, V = adamw_update(state.P, state.M, state.V, G, registry(config).decay_mask(), hyper, t)
+        P, M, V = adamw_update(state.P, state.M, state.V, update, registry(config).decay_mask(),
+                               hyper, t)
     return StepResult(loss=np.float32(loss), row_losses=ce, grads=G if grads else None,
-                      state=State(P, M, V, t))
+                      state=State(P, M, V, t), grad_norm=norm)

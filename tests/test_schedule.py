@@ -1,0 +1,147 @@
+"""The learner's schedule and clipping (SPEC section 7), against values
+written out by hand and against an elementwise float32 update computed here,
+independently of coppelius.reference.adamw."""
+
+import math
+import struct
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coppelius import reference
+from coppelius.reference.adamw import (clip_scale, gradient_norm, learning_rates, schedule_factor,
+                                       schedule_table)
+from coppelius.reference.config import Hyper
+from coppelius.reference.errors import ConfigError
+
+CONFIG = reference.preset("test")
+COSINE = dict(schedule="cosine", warmup=4, total=20, floor=Fraction(1, 10))
+
+
+def f32(x):
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+# ------------------------------------------------------------------ s(t)
+
+def test_schedule_factor_at_the_landmarks():
+    W, N, f = 4, 20, Fraction(1, 10)
+    assert schedule_factor(0, W, N, f) == 0.0
+    assert schedule_factor(1, W, N, f) == 0.25  # warm-up: t / W, exact in binary
+    assert schedule_factor(W, W, N, f) == 1.0  # the peak
+    assert schedule_factor(12, W, N, f) == 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi / 2))
+    assert abs(schedule_factor(12, W, N, f) - 0.55) < 1e-15  # halfway down: (1 + f) / 2
+    assert abs(schedule_factor(N, W, N, f) - 0.1) < 1e-16  # cos(pi) = -1: the floor at N
+    assert schedule_factor(N + 1, W, N, f) == 0.1 and schedule_factor(10**6, W, N, f) == 0.1
+    # no warm-up: the first update is already on the cosine, just below the peak
+    assert schedule_factor(1, 0, 10, 0) == 0.5 * (1.0 + math.cos(math.pi / 10)) < 1.0
+
+
+@given(st.integers(0, 50), st.integers(1, 200), st.integers(1, 300), st.fractions(0, 1))
+def test_schedule_factor_is_monotone_and_bounded(W, span, t, f):
+    N = W + span
+    s = schedule_factor(t, W, N, f)
+    assert 0.0 <= s <= 1.0
+    if t > W:  # after the peak it never rises, and never goes below the floor
+        assert float(f) - 1e-15 <= s <= schedule_factor(t - 1, W, N, f) + 1e-15
+
+
+def test_learning_rates_and_the_table():
+    constant = Hyper()
+    a, b = learning_rates(constant, 7)
+    assert (a, b) == (np.float32(3e-4), np.float32(3e-5))  # the rationals rounded once
+    assert schedule_table(constant).shape == (1, 2)
+    h = Hyper(**COSINE)
+    table = schedule_table(h)
+    assert table.shape == (h.total + 2, 2) and table.dtype == np.float32
+    for t in (1, 4, 5, 12, 20, 21, 5000):  # update t reads row min(t, R - 1)
+        s = schedule_factor(t, 4, 20, Fraction(1, 10))
+        row = table[min(t, len(table) - 1)]
+        assert row[0] == f32(0.0003 * s) and row[1] == f32(0.0003 * 0.1 * s), t
+
+
+# ------------------------------------------------------------------ the learner identity
+
+def test_identity_adds_schedule_and_clip_only_when_on():
+    base = Hyper().identity("fp32")
+    assert "schedule" not in base and "clip" not in base
+    ident = Hyper(**COSINE, clip=Fraction(1)).identity("bf16")
+    assert ident == base.replace("precision=fp32", "precision=bf16") + \
+        "|schedule=cosine(warmup=4,total=20,floor=1/10)|clip=1/1"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(schedule="linear"), "schedule='linear'"),
+    (dict(warmup=3), "add --schedule cosine"),
+    (dict(schedule="cosine", warmup=5, total=5), "total=5: must exceed warmup=5"),
+    (dict(schedule="cosine", warmup=-1, total=5), "warmup=-1"),
+    (dict(schedule="cosine", warmup=0, total=None), "total=None"),
+    (dict(schedule="cosine", warmup=0, total=10**9), "at most"),
+    (dict(schedule="cosine", warmup=0, total=9, floor=Fraction(3, 2)), "floor=15/10"),
+    (dict(clip=Fraction(0)), "clip=0/1: must be positive"),
+    (dict(clip=Fraction(10) ** 50), "clip="),
+])
+def test_bad_learner_values_are_refused_by_name(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Hyper(**kwargs)
+
+
+# ------------------------------------------------------------------ clipping
+
+def test_gradient_norm_is_the_float64_sum_rounded():
+    G = np.random.default_rng(0).standard_normal(10001).astype(np.float32)
+    want = f32(math.sqrt(math.fsum(float(g) * float(g) for g in G)))  # exactly summed
+    assert gradient_norm(G) == np.float32(want)
+
+
+def test_clip_scale():
+    h = Hyper(clip=Fraction(1, 2))
+    assert clip_scale(Hyper(), np.float32(100)) is None  # off
+    assert clip_scale(h, np.float32(0.5)) is None  # n == c: no clip
+    assert clip_scale(h, np.float32(2)) == np.float32(0.25)
+    assert clip_scale(h, np.float32(3)) == np.float32(f32(0.5 / 3.0))
+    assert clip_scale(h, np.float32("nan")) is None and clip_scale(h, np.float32("inf")) is None
+
+
+def update_by_hand(P, M, V, G, mask, h, t):
+    """SPEC 7 elementwise, with the schedule's a_t, b_t computed here."""
+    s = schedule_factor(t, h.warmup, h.total, h.floor) if h.schedule == "cosine" else None
+    a = f32(float(h.lr) * s) if s is not None else f32(3e-4)
+    b = f32(float(h.lr) * float(h.weight_decay) * s) if s is not None else f32(3e-5)
+    b1, omb1, b2, omb2, eps = f32(0.9), f32(0.1), f32(0.95), f32(0.05), f32(1e-8)
+    c1, c2 = f32(1.0 - 0.9 ** t), f32(1.0 - 0.95 ** t)
+    out = []
+    for p, m, v, g, d in zip(P.tolist(), M.tolist(), V.tolist(), G.tolist(), mask.tolist()):
+        m = f32(f32(b1 * m) + f32(omb1 * g))
+        v = f32(f32(b2 * v) + f32(f32(omb2 * g) * g))
+        if d:
+            p = f32(p - f32(b * p))
+        p = f32(p - f32(f32(a * f32(m / c1)) / f32(f32(math.sqrt(f32(v / c2))) + eps)))
+        out.append((p, m, v))
+    return [np.array(col, dtype=np.float32) for col in zip(*out)]
+
+
+@pytest.mark.parametrize("t0", [0, 2, 9, 25])  # warm-up, peak, decay, floor
+@pytest.mark.parametrize("clip", [None, "small", "large"])
+def test_step_with_schedule_and_clipping_by_hand(t0, clip):
+    rng = np.random.default_rng(t0)
+    P = reference.initialize(CONFIG)
+    state = reference.State(P, rng.standard_normal(P.size).astype(np.float32) * 1e-3,
+                            rng.random(P.size).astype(np.float32) * 1e-6, t0)
+    tokens = rng.integers(0, CONFIG.vocab, (2, CONFIG.context + 1))
+    _, G = reference.loss_and_grads(CONFIG, P, tokens)
+    n = f32(math.sqrt(math.fsum(float(g) ** 2 for g in G)))
+    c = {None: None, "small": Fraction(n) / 3, "large": Fraction(n) * 2}[clip]
+    h = Hyper(**COSINE, clip=c)
+    result = reference.step(CONFIG, state, tokens, "fp32", h, grads=True)
+    assert result.grad_norm == np.float32(n)
+    assert np.array_equal(result.grads, G)  # G is reported before clipping
+    used = G * np.float32(f32(float(c) / n)) if clip == "small" else G
+    want = update_by_hand(P, state.M, state.V, used, reference.registry(CONFIG).decay_mask(), h,
+                          t0 + 1)
+    for name, got, w in zip("PMV", (result.state.P, result.state.M, result.state.V), want):
+        bad = np.flatnonzero(got.view(np.uint32) != w.view(np.uint32))
+        assert bad.size == 0, f"{name}[{bad[0]}]: {got[bad[0]]!r} != {w[bad[0]]!r}"
