@@ -457,12 +457,34 @@ def bind(model, bindings, source, backend, offered=None) -> dict:
     for name in declared:
         if name not in seen:
             raise MissingValue(f"{name}: no binding gives it a value")
+    _check_keys(source, bindings, offered)
     owners, aliases = _plan(source, bindings, declared)
-    read = {key for _, recipe in owners for key in recipe.keys()}
-    for key in (source.tensors() if offered is None else offered):
-        if key not in read:
-            raise UnexpectedValue(f"source tensor {key!r} of {source.path}: no parameter takes it")
     return _realize(source, backend, owners, aliases)
+
+
+def _listed(keys: list, most: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def _check_keys(source, bindings: list, offered) -> None:
+    """Every key the bindings read exists in the source, and every offered
+    key is read: otherwise one error that lists every missing and every
+    unexpected key (a renamed tensor shows as both), not the first alone."""
+    read = {key for b in bindings if not isinstance(b, Alias) for key in b.recipe.keys()}
+    tensors = source.tensors()
+    missing = sorted(key for key in read if key not in tensors)
+    unexpected = [key for key in (tensors if offered is None else offered) if key not in read]
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing tensor{'s' * (len(missing) > 1)} {_listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected tensor{'s' * (len(unexpected) > 1)} {_listed(unexpected)} "
+                     "(no parameter takes them)")
+    error = MissingValue if missing else UnexpectedValue
+    raise error(f"source {source.path}: " + "; ".join(parts))
 
 
 # ------------------------------------------------------------ checkpoint state
@@ -482,28 +504,32 @@ def bind_vectors(source: CheckpointFileSource, config: Config, moments: bool = T
     arrays are read-only views of the source's mapping: copy before closing it."""
     reg = registry(config)
     backend = NumpyBackend(copy=False)  # views of the mapped file; the caller copies once
+    # every tensor of the file that is not a moment is offered to the model,
+    # so a foreign or renamed parameter is named, not silently skipped
     values = bind(reg, default_bindings(config), source, backend,
-                  offered=[spec.name for spec in reg.specs])
+                  offered=[key for key in source.tensors() if not key.startswith(("m/", "v/"))])
     if moments:
         owners = {spec.name: ("float32", spec.shape) for spec in reg.specs}  # moments: no alias
         for which in ("m", "v"):
             part = bind(owners, [Bind(name, moment_key(which, name)) for name in owners],
-                        source, backend, offered=[moment_key(which, name) for name in owners])
+                        source, backend,
+                        offered=[key for key in source.tensors() if key.startswith(which + "/")])
             values.update({moment_key(which, name): a for name, a in part.items()})
     return values
 
 
-def load_state(path, config: Config, expect: dict | None = None, new_data: bool = False):
+def load_state(path, config: Config, expect: dict | None = None, new_data: bool = False,
+               new_learner: bool = False):
     """The one way a checkpoint's P, M and V become arrays: the file is
     validated, its identities compared with `expect` (the run's, as by
     read_checkpoint), and every parameter bound by name through the binding
     layer. Returns a reference.checkpoint.Checkpoint."""
     with CheckpointFileSource(path) as source:
-        return state_from_source(source, config, expect, new_data)
+        return state_from_source(source, config, expect, new_data, new_learner)
 
 
 def state_from_source(source: CheckpointFileSource, config: Config, expect: dict | None = None,
-                      new_data: bool = False):
+                      new_data: bool = False, new_learner: bool = False):
     """load_state on a source already open (and so already validated): a
     caller that reads the header first to learn the model validates the
     file once, not twice."""
@@ -511,7 +537,7 @@ def state_from_source(source: CheckpointFileSource, config: Config, expect: dict
 
     header = source.header
     if expect is not None:
-        check_identities(header, source.path, expect, new_data)
+        check_identities(header, source.path, expect, new_data, new_learner)
     values = bind_vectors(source, config, moments=True)
     reg = registry(config)
     P = flatten(reg, values)

@@ -71,13 +71,13 @@ class Checkpoint:
 
 
 def identities(config: Config, hyper, precision: str, batch: int, tokenizer_sha: str | None,
-               stream_sha: str, seed: int = SEED) -> dict:
+               stream_sha: str, seed: int = SEED, heldout: int = 0) -> dict:
     """The identity keys of the envelope, as a run computes them."""
     return {
         "schema": schema_identity(config),
         "model": config.identity(),
         "learner": hyper.identity(precision),
-        "data": data_identity(config, batch, tokenizer_sha, stream_sha),
+        "data": data_identity(config, batch, tokenizer_sha, stream_sha, heldout),
         "initialization": initialization_identity(seed),
         "chunk_bytes": CHUNK_BYTES,
     }
@@ -294,21 +294,34 @@ def inspect(path) -> CheckpointInfo:
     return _scan(path, refuse_digest=False)
 
 
-def _without_stream(data: str) -> list:
-    return [part for part in data.split("|") if not part.startswith("stream=")]
+def _without(identity: str, prefixes: tuple) -> list:
+    return [part for part in identity.split("|") if not part.startswith(prefixes)]
 
 
-def check_identities(header: dict, path, expect: dict, new_data: bool = False) -> None:
+# What each lifting option may change (SPEC 9): --new-data the stream (and
+# so how many of its contexts are held out); --new-learner the learning
+# rate, the schedule, clipping and the other AdamW hyperparameters, never
+# the precision policy (SPEC 6: a run resumes only under its policy).
+LIFTED = {"data": ("stream=", "heldout="),
+          "learner": ("lr=", "beta1=", "beta2=", "weight_decay=", "epsilon=", "schedule=",
+                      "clip=")}
+
+
+def check_identities(header: dict, path, expect: dict, new_data: bool = False,
+                     new_learner: bool = False) -> None:
     """Compare a checkpoint's identities with the run's (SPEC 10): a mismatch
-    names the key and both values. `new_data` lifts only the data identity's
-    `stream=` part."""
+    names the key and both values. `new_data` lifts the data identity's
+    `stream=` (and `heldout=`) parts, `new_learner` the learner's
+    hyperparameters (not its precision)."""
+    lift = {"data": new_data, "learner": new_learner}
     for key in IDENTITY_KEYS:
         have, want = header[key], expect[key]
-        if key == "data" and new_data:
-            if _without_stream(have) != _without_stream(want):
+        if lift.get(key):
+            if _without(have, LIFTED[key]) != _without(want, LIFTED[key]):
+                option = "--new-data" if key == "data" else "--new-learner"
                 raise IdentityMismatch(
-                    f"checkpoint {path}: data identity differs beyond its stream part "
-                    f"(--new-data lifts only stream=): checkpoint has {have!r}, run has {want!r}")
+                    f"checkpoint {path}: {key} identity differs beyond what {option} lifts "
+                    f"({', '.join(LIFTED[key])}): checkpoint has {have!r}, run has {want!r}")
         elif have != want:
             raise IdentityMismatch(f"checkpoint {path}: {key} identity differs: "
                                    f"checkpoint has {have!r}, run has {want!r}")

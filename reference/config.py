@@ -251,10 +251,13 @@ def schema_identity(config: Config) -> str:
             f"|payload={12 * parameter_count(config)}")
 
 
-def data_identity(config: Config, batch: int, tokenizer_sha: str | None, stream_sha: str) -> str:
+def data_identity(config: Config, batch: int, tokenizer_sha: str | None, stream_sha: str,
+                  heldout: int = 0) -> str:
+    """SPEC 10; `|heldout=K` when the stream's last K contexts are held out
+    for evaluation (SPEC 18), nothing when K = 0."""
     return (f"coppelius-token-stream|vocabulary={config.vocab}|context={config.context}"
             f"|header=16|token=4|batch={batch}|tokenizer={tokenizer_sha or 'none'}"
-            f"|stream={stream_sha}")
+            f"|stream={stream_sha}" + (f"|heldout={heldout}" if heldout else ""))
 
 
 def initialization_identity(seed: int = SEED) -> str:

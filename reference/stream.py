@@ -106,10 +106,13 @@ class Stream:
         """K = floor((N - 1) / T): contexts of T inputs plus one target."""
         return max(len(self) - 1, 0) // T
 
-    def batch(self, c0: int, B: int, T: int, repeat: bool = False) -> np.ndarray:
+    def batch(self, c0: int, B: int, T: int, repeat: bool = False,
+              contexts: int | None = None) -> np.ndarray:
         """Contexts c0 .. c0+B-1 as a (B, T+1) int64 array; with `repeat`,
-        context c is read as c mod K (SPEC section 9)."""
-        K = self.n_contexts(T)
+        context c is read as c mod K (SPEC section 9). `contexts`: how many
+        of the stream's contexts training may read (K; the rest are held
+        out, SPEC 18), by default all."""
+        K = self.n_contexts(T) if contexts is None else contexts
         c = np.arange(c0, c0 + B, dtype=np.int64)  # (B,)
         if repeat:
             if K == 0:
@@ -118,6 +121,11 @@ class Stream:
         elif c0 < 0 or c0 + B > K:
             raise StreamError(f"{self.path}: contexts {c0}..{c0 + B - 1} asked for, "
                               f"the stream holds {K} of context {T}")
+        return self.contexts(c, T)
+
+    def contexts(self, indices, T: int) -> np.ndarray:
+        """Contexts `indices` (each in [0, K)) as a (len, T+1) int64 array."""
+        c = np.asarray(indices, dtype=np.int64)  # (B,)
         index = c[:, None] * T + np.arange(T + 1, dtype=np.int64)[None, :]  # (B,T+1)
         return self.ids[index].astype(np.int64)
 

@@ -93,7 +93,18 @@ def test_missing_value_key_absent_from_source(tmp_path, params):
     params.pop("layers.0.attn.k.weight")
     source = safetensors_source(tmp_path, params)
     message = fail(MissingValue, source, default_bindings(CONFIG))
-    assert message.startswith("layers.0.attn.k.weight:")
+    assert message.endswith("missing tensor 'layers.0.attn.k.weight'")
+
+
+def test_every_missing_and_unexpected_key_is_listed_in_one_error(tmp_path, params):
+    """A checkpoint of another shape or naming: the one error lists them all."""
+    for name in ("layers.0.attn.k.weight", "layers.1.attn.k.weight"):
+        params[name.replace(".k.", ".key.")] = params.pop(name)
+    source = safetensors_source(tmp_path, params)
+    message = fail(MissingValue, source, default_bindings(CONFIG))
+    assert message.endswith("missing tensors 'layers.0.attn.k.weight', 'layers.1.attn.k.weight'; "
+                            "unexpected tensors 'layers.0.attn.key.weight', "
+                            "'layers.1.attn.key.weight' (no parameter takes them)")
 
 
 def test_missing_value_alias_of_nothing(tmp_path, params):

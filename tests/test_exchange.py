@@ -218,15 +218,15 @@ def test_import_widens_bfloat16_exactly(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, words", [
-    (lambda t: t.pop("layers.1.mlp.gate.weight"), ["layers.1.mlp.gate.weight", "no tensor"]),
+    (lambda t: t.pop("layers.1.mlp.gate.weight"), ["layers.1.mlp.gate.weight", "missing tensor"]),
     (lambda t: t.update({"layers.1.mlp.gate.weight": np.zeros((96, 33), np.float32)}),
      ["layers.1.mlp.gate.weight", "bytes"]),
     (lambda t: t.update({"layers.0.attn.o.weight": np.zeros((16, 64), np.float32)}),
      ["layers.0.attn.o.weight", "shape"]),
     (lambda t: t.update({"layers.2.attn.q.weight": np.zeros((32, 32), np.float32)}),
-     ["layers.2.attn.q.weight", "no parameter takes it"]),
+     ["layers.2.attn.q.weight", "no parameter takes them"]),
     (lambda t: t.update({"m/layers.2.attn.q.weight": np.zeros((32, 32), np.float32)}),
-     ["m/layers.2.attn.q.weight", "no parameter takes it"]),
+     ["m/layers.2.attn.q.weight", "no parameter takes them"]),
     (lambda t: t.update({"lm_head.weight": t["tok_embedding.weight"][:, :16].copy()}),
      ["lm_head.weight", "tied"]),
 ])
