@@ -9,11 +9,13 @@ row losses for the result file.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
-import tempfile
+import stat
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -23,18 +25,36 @@ from coppelius import accelerated
 from coppelius import report, sample
 from coppelius.reference import checkpoint, fsutil, results
 from coppelius.reference.binding import load_state
-from coppelius.reference.config import (PRESETS, SEED, Hyper, check_precision, parse_rational, preset,
-                              rational_text)
-from coppelius.reference.errors import NonFiniteError, ResultFileError, RunError
+from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
+                                        parse_rational, preset, rational_text)
+from coppelius.reference.errors import IdentityMismatch, NonFiniteError, ResultFileError, RunError
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
 from coppelius.reference.stream import open_stream
 
 
+# What run.json remembers (SPEC 9): every option that shapes the run. A
+# later `coppelius train --run-dir D` takes these from D/run.json unless the
+# command line gives them. Not remembered: how far to go this time (--steps,
+# --until: the remembered final step is), where to write this invocation's
+# results, the lifting switches, and the sample.
+REMEMBERED = ("source", "stream", "preset", "backend", "precision", "batch", "interval",
+              "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
+              "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
+              "final_step")
+RUN_FILE = "run.json"
+RUN_FORMAT = "coppelius-run-v1"
+LEARNER_OPTIONS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
+MAX_STEP = 2**62  # step numbers are uint64 in the result file; keep far from the edge
+EVAL_CONTEXTS = 64  # SPEC 18's default held-out count (fewer on a short stream)
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train (or resume) a model and publish checkpoints",
                        description="Train a model on a token stream; resume from --checkpoint "
-                                   "when it holds a checkpoint.")
+                                   "when it holds a checkpoint. The run directory's run.json "
+                                   "remembers the options: `coppelius train --run-dir D` alone "
+                                   "continues run D (SPEC §9).")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model preset (default: coppelius with a GPU, else tiny)")
     p.add_argument("--backend", choices=sorted(accelerated.BACKENDS),
@@ -49,21 +69,43 @@ def register(sub) -> None:
     p.add_argument("--results", metavar="PATH",
                    help="result file to write; must not exist (default: RUN_DIR/results-<step>.bin)")
     p.add_argument("--run-dir", metavar="DIR", help="output directory (default: runs/<preset>)")
-    p.add_argument("--steps", type=int, metavar="N", help="steps to take (default: the preset's)")
+    how_far = p.add_mutually_exclusive_group()
+    how_far.add_argument("--steps", type=int, metavar="S", help="take S more steps")
+    how_far.add_argument("--until", type=int, metavar="N",
+                         help="train until the checkpoint's step is N (default: the run's final "
+                              "step, at first the preset's step count)")
     p.add_argument("--interval", type=int, metavar="N",
                    help="publish a checkpoint every N steps (default: the preset's)")
-    p.add_argument("--batch", type=int, default=1, metavar="B", help="contexts per step (default 1)")
+    p.add_argument("--batch", type=int, metavar="B", help="contexts per step (default 1)")
     hyper = Hyper()
-    for name in ("lr", "beta1", "beta2", "weight_decay", "epsilon"):
+    for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
-                       default=rational_text(getattr(hyper, name)),
                        help=f"AdamW {name}, an exact rational or decimal "
                             f"(default {rational_text(getattr(hyper, name))})")
-    p.add_argument("--seed", type=int, default=SEED, help=f"initialization seed (default {SEED})")
+    p.add_argument("--schedule", choices=SCHEDULES,
+                   help="learning-rate schedule (default constant; SPEC §7)")
+    p.add_argument("--warmup", type=int, metavar="W", help="cosine: warm-up updates (default 0)")
+    p.add_argument("--total", type=int, metavar="N",
+                   help="cosine: the update at which the rate reaches the floor "
+                        "(default: the run's final step)")
+    p.add_argument("--floor", metavar="F", help="cosine: the final rate as a fraction of --lr "
+                                                "(default 0)")
+    p.add_argument("--clip", metavar="C", help="clip the gradient norm to C (default: off)")
+    p.add_argument("--eval-contexts", type=int, metavar="K",
+                   help=f"hold out the stream's last K contexts for evaluation (default "
+                        f"{EVAL_CONTEXTS}, or a tenth of the stream if fewer; none below 10; "
+                        f"SPEC §18)")
+    p.add_argument("--eval-every", type=int, metavar="E",
+                   help="evaluate the held-out contexts every E steps and after the last "
+                        "(default: the checkpoint interval; 0: never)")
+    p.add_argument("--seed", type=int, help=f"initialization seed (default {SEED})")
     p.add_argument("--repeat-data", action="store_true",
                    help="read context c as c mod K when the stream is too short")
     p.add_argument("--new-data", action="store_true",
                    help="resume on another stream (lifts only the data identity's stream digest)")
+    p.add_argument("--new-learner", action="store_true",
+                   help="resume with another learning rate, schedule or clip (lifts the learner "
+                        "identity's hyperparameters, never its precision)")
     p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     p.set_defaults(func=main)
 
@@ -89,67 +131,187 @@ class Plan:
     state: State
     contexts: int  # consumed before this invocation (c0)
     default_data: bool
+    heldout: int = 0  # K: the stream's last K contexts, held out (SPEC 18)
+    eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
+    remembered: dict | None = None  # what run.json will hold
 
 
 def _positive(value, name):
-    if value is not None and value <= 0:
-        raise RunError(f"--{name}={value}: must be a positive integer")
+    if value is not None and (value <= 0 or value >= MAX_STEP):
+        raise RunError(f"--{name}={value}: must be a positive integer below 2^62")
     return value
+
+
+def _nonnegative(value, name):
+    if value is not None and not 0 <= value < MAX_STEP:
+        raise RunError(f"--{name}={value}: must be an integer >= 0")
+    return value
+
+
+def read_run_file(run_dir) -> dict:
+    """The options run.json in `run_dir` remembers ({} when there is none)."""
+    path = os.path.join(run_dir, RUN_FILE)
+    if not os.path.lexists(path):
+        return {}
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise RunError(f"{path}: not a regular file")
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(1 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunError(f"{path}: not a run file this version reads ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT or not isinstance(
+            doc.get("options"), dict):
+        raise RunError(f"{path}: not a run file this version reads (format {RUN_FORMAT})")
+    unknown = sorted(set(doc["options"]) - set(REMEMBERED))
+    if unknown:
+        raise RunError(f"{path}: unknown option {unknown[0]!r}")
+    return doc["options"]
+
+
+def write_run_file(run_dir, options: dict) -> None:
+    """Publish run.json atomically and durably, as a checkpoint is."""
+    body = json.dumps({"format": RUN_FORMAT, "options": options}, sort_keys=True, indent=1)
+    fsutil.publish(os.path.join(run_dir, RUN_FILE), lambda f: f.write(body.encode() + b"\n"))
+
+
+def resolve_options(args) -> tuple:
+    """(run_dir, options): the command line over run.json over nothing.
+    Paths are remembered absolute, so a run continues from any directory."""
+    from coppelius import data  # tokenizers is imported only when a run needs it
+
+    run_dir = args.run_dir or os.path.join("runs", args.preset or data.default_preset())
+    remembered = read_run_file(run_dir)
+    options = {}
+    for key in REMEMBERED:
+        given = getattr(args, key, None)
+        if key == "repeat_data":
+            given = True if args.repeat_data else None
+        if key in ("source", "stream", "checkpoint") and given is not None:
+            given = os.path.abspath(given)
+        if given is not None:
+            options[key] = given
+        elif key in remembered:
+            options[key] = remembered[key]
+    # a new source replaces a remembered stream, and the other way round
+    if args.source is not None:
+        options.pop("stream", None)
+    if args.stream is not None:
+        options.pop("source", None)
+    return run_dir, options
+
+
+def make_learner(options: dict, final_step: int) -> Hyper:
+    kwargs = {k: parse_rational(options[k], k.replace("_", "-"))
+              for k in LEARNER_OPTIONS if k in options}
+    schedule = options.get("schedule", "constant")
+    if schedule == "cosine":
+        kwargs.update(schedule="cosine", warmup=_nonnegative(options.get("warmup", 0), "warmup"),
+                      total=_positive(options.get("total", final_step), "total"),
+                      floor=parse_rational(options.get("floor", "0"), "floor"))
+    elif any(k in options for k in ("warmup", "total", "floor")):
+        raise RunError("--warmup, --total and --floor belong to the cosine schedule "
+                       "(add --schedule cosine)")
+    if options.get("clip") is not None:
+        kwargs["clip"] = parse_rational(options["clip"], "clip")
+    return Hyper(**kwargs)
+
+
+def heldout_count(options: dict, K_stream: int, path) -> int:
+    """SPEC 18: --eval-contexts, else 64 or a tenth of the stream, none below 10."""
+    K = options.get("eval_contexts")
+    if K is None:
+        return 0 if K_stream < 10 else min(EVAL_CONTEXTS, K_stream // 10)
+    if not 0 <= K < K_stream:
+        raise RunError(f"--eval-contexts={K}: the stream {path} holds {K_stream} contexts; "
+                       f"hold out from 0 to {K_stream - 1}")
+    return K
 
 
 def make_plan(args) -> Plan:
     from coppelius import data  # tokenizers is imported only when a run needs it
 
-    backend = args.backend or accelerated.best_backend()
+    run_dir, options = resolve_options(args)
+    backend = options.get("backend") or accelerated.best_backend()
     accelerated.backend_module(backend)  # a clear error when it is not available here
-    name = args.preset or data.default_preset()
+    name = options.get("preset") or data.default_preset()
+    if name not in PRESETS:
+        raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
     config = preset(name)
-    precision = check_precision(args.precision or ("bf16" if backend == "cupy" else "fp32"))
-    hyper = Hyper(**{k: parse_rational(getattr(args, k), k.replace("_", "-"))
-                     for k in ("lr", "beta1", "beta2", "weight_decay", "epsilon")})
-    batch = _positive(args.batch, "batch")
-    steps = _positive(args.steps, "steps") or config.steps
-    interval = _positive(args.interval, "interval") or config.interval
-    if not 0 <= args.seed < 2**64:
-        raise RunError(f"--seed={args.seed}: must be in [0, 2^64)")
-    run_dir = args.run_dir or os.path.join("runs", name)
-    ckpt = args.checkpoint or os.path.join(run_dir, "checkpoint.bin")
+    precision = check_precision(options.get("precision")
+                                or ("bf16" if backend == "cupy" else "fp32"))
+    batch = _positive(options.get("batch", 1), "batch")
+    interval = _positive(options.get("interval"), "interval") or config.interval
+    eval_every = _nonnegative(options.get("eval_every"), "eval-every")
+    eval_every = interval if eval_every is None else eval_every
+    seed = options.get("seed", SEED)
+    if not 0 <= seed < 2**64:
+        raise RunError(f"--seed={seed}: must be in [0, 2^64)")
+    _positive(args.steps, "steps")
+    _nonnegative(args.until, "until")
+    ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
     if args.results and os.path.abspath(args.results) == os.path.abspath(ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
-    if args.results and os.path.exists(args.results):
+    if args.results and os.path.lexists(args.results):
         raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
 
     stream_path, tokenizer = data.prepare_stream(
-        source=args.source, stream=args.stream, vocab=config.vocab)  # cached under runs/data
+        source=options.get("source"), stream=options.get("stream"),
+        vocab=config.vocab)  # cached under runs/data
     stream = open_stream(stream_path, config.vocab)
-    ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
-                                stream.sha256, args.seed)
-    if checkpoint.is_fresh(ckpt):
-        state, c0 = State.fresh(initialize(config, args.seed)), 0
-    else:
-        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data)
-
-    default_data = args.source is None and args.stream is None
-    repeat = args.repeat_data
-    K = stream.n_contexts(config.context)
-    need = c0 + steps * batch
-    if K == 0:
+    K_stream = stream.n_contexts(config.context)
+    if K_stream == 0:
         raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
+    heldout = heldout_count(options, K_stream, stream_path)
+    t0, c0, state = 0, 0, None
+    if not checkpoint.is_fresh(ckpt):
+        header = checkpoint.validate(ckpt).header  # the update count decides the steps
+        t0 = header["step"]
+
+    # How far (SPEC 9): --steps S more, --until N, else the remembered final step,
+    # else the preset's step count; the run's final step is remembered.
+    if args.steps is not None:
+        final_step = t0 + args.steps
+    elif args.until is not None:
+        final_step = args.until
+    else:
+        final_step = options.get("final_step", config.steps)
+    options["final_step"] = final_step
+    if options.get("schedule") == "cosine":
+        # the schedule's end is part of the learner: fixed when the run starts,
+        # remembered, and not moved by a later --until (that needs --new-learner)
+        options.setdefault("total", final_step)
+    hyper = make_learner(options, final_step)
+    ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
+                                stream.sha256, seed, heldout)
+    if t0 or not checkpoint.is_fresh(ckpt):
+        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner)
+    else:
+        state = State.fresh(initialize(config, seed))
+    steps = max(final_step - state.t, 0)
+
+    default_data = options.get("source") is None and options.get("stream") is None
+    repeat = bool(options.get("repeat_data"))
+    K = K_stream - heldout  # contexts training may read
+    need = c0 + steps * batch
     if need > K and not repeat:
         if not default_data:
             raise RunError(f"stream {stream_path}: the run needs {need} contexts but the stream "
-                           f"holds {K} (use --repeat-data to cycle it)")
+                           f"holds {K} for training ({heldout} held out; use --repeat-data to "
+                           f"cycle it)")
         repeat = True
-        print(f"note: the embedded corpus holds {K} contexts and this run needs {need}: "
-              f"repeating data (context c is read as c mod {K})", file=sys.stderr)
-    # outputs: found unwritable now, not after the first interval of training
-    for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
-                      os.path.dirname(os.path.abspath(args.results or ckpt))}:
-        writable_directory(directory)
+        print_safely(f"note: the embedded corpus holds {K} contexts for training and this run "
+                     f"needs {need}: repeating data (context c is read as c mod {K})")
+    if steps:
+        # outputs: found unwritable now, not after the first interval of training
+        for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                          os.path.dirname(os.path.abspath(args.results or ckpt))}:
+            writable_directory(directory)
     return Plan(config=config, backend=backend, precision=precision, hyper=hyper, batch=batch,
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
-                identities=ids, state=state, contexts=c0, default_data=default_data)
+                identities=ids, state=state, contexts=c0, default_data=default_data,
+                heldout=heldout, eval_every=eval_every, remembered=options)
 
 
 def writable_directory(directory) -> None:
@@ -183,22 +345,96 @@ def publish_tokenizer(tokenizer, checkpoint_path) -> None:
         raise RunError(f"{target}: cannot publish the tokenizer ({e.strerror or e})") from None
 
 
-def load_checkpoint(path, config, identities, new_data):
+def load_checkpoint(path, config, identities, new_data=False, new_learner=False):
     """-> (State, contexts consumed): validated, identities compared, every
-    parameter bound by name through the binding layer (SPEC 12)."""
-    ck = load_state(path, config, expect=identities, new_data=new_data)
+    parameter bound by name through the binding layer (SPEC 12). A refused
+    identity says which option to repeat."""
+    try:
+        ck = load_state(path, config, expect=identities, new_data=new_data,
+                        new_learner=new_learner)
+    except IdentityMismatch as e:
+        hint = identity_hint(checkpoint.validate(path).header, identities)
+        raise IdentityMismatch(f"{e}{'; ' + hint if hint else ''}") from None
     return ck.state, ck.contexts
 
 
+# identity part -> the option that sets it (SPEC 10's identities, SPEC 7, 18)
+_OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "beta1": "--beta1",
+              "beta2": "--beta2", "weight_decay": "--weight-decay", "epsilon": "--epsilon",
+              "clip": "--clip", "heldout": "--eval-contexts", "seed": "--seed"}
+
+
+def identity_hint(header: dict, run: dict) -> str:
+    """'the checkpoint was trained with --batch 4', naming every option whose
+    value differs between the checkpoint's identities and the run's."""
+    said = []
+    for key in ("learner", "data", "initialization", "model"):
+        have = dict(part.partition("=")[::2] for part in str(header.get(key, "")).split("|"))
+        want = dict(part.partition("=")[::2] for part in str(run[key]).split("|"))
+        if key == "model" and have != want:
+            name = next((n for n, c in PRESETS.items() if c.identity() == header[key]), None)
+            said.append(f"--preset {name}" if name else "another model shape")
+            continue
+        for part in sorted(set(have) | set(want)):
+            if have.get(part) == want.get(part):
+                continue
+            if part == "schedule":
+                said.append(_schedule_options(have.get(part)))
+            elif part == "stream":
+                said.append("another stream (repeat its --source or --stream, or pass "
+                            "--new-data)")
+            elif part in _OPTION_OF:
+                value = have.get(part)
+                if value is None:  # the run adds a part the checkpoint lacks
+                    value = {"clip": "(off)", "heldout": "0"}.get(part, "(none)")
+                said.append(f"{_OPTION_OF[part]} {value}")
+    if not said:
+        return ""
+    text = "the checkpoint was trained with " + ", ".join(said)
+    learner_only = all(o.split()[0] in ("--lr", "--beta1", "--beta2", "--weight-decay",
+                                        "--epsilon", "--clip", "--schedule") for o in said)
+    return text + (" (or pass --new-learner to change the learner)" if learner_only else "")
+
+
+def _schedule_options(value) -> str:
+    if value is None:
+        return "--schedule constant"
+    inside = dict(p.partition("=")[::2] for p in value[len("cosine("):-1].split(","))
+    return (f"--schedule cosine --warmup {inside.get('warmup')} --total {inside.get('total')} "
+            f"--floor {inside.get('floor')}")
+
+
+def print_safely(text: str, file=None) -> None:
+    """Progress and messages: a closed pipe or terminal (EPIPE, EIO after a
+    hang-up) must never stop training or lose a step (SPEC 9), so a failed
+    write is dropped, and that stream is pointed at /dev/null so that Python's
+    exit flush does not fail either."""
+    stream = file or sys.stderr
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):
+        _silence(stream)
+
+
+def _silence(stream) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 class Stopper:
-    """SIGINT/SIGTERM set a flag; the loop publishes after the step in flight."""
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal) set a flag; the loop
+    publishes after the step in flight."""
 
     def __init__(self):
         self.signum = None
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -225,19 +461,29 @@ class Progress:
 
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, s, loss):
+    def update(self, s, loss, held_out=None):
         rate = (s + 1) * self.tps / max(time.perf_counter() - self.t0, 1e-9)
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tok/s", refresh=False)
-            self.bar.update(1)
-        elif (s + 1) % self.every == 0 or s + 1 == self.total:
-            eta = (self.total - s - 1) * self.tps / rate
-            print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}  "
-                  f"{rate:,.0f} tok/s  eta {eta:.0f}s", file=sys.stderr, flush=True)
+        ev = "" if held_out is None else f"  held-out {held_out:.4f}"
+        try:
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"loss {loss:.4f}{ev.replace('  ', ', ')}, "
+                                         f"{rate:,.0f} tok/s", refresh=False)
+                self.bar.update(1)
+            elif (s + 1) % self.every == 0 or s + 1 == self.total or ev:
+                eta = (self.total - s - 1) * self.tps / rate
+                print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}{ev}"
+                      f"  {rate:,.0f} tok/s  eta {eta:.0f}s", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # the terminal or pipe is gone: train on, silently
+            self.bar = None
+            self.every = self.total + 1
+            _silence(sys.stderr)
 
     def close(self):
         if self.bar is not None:
-            self.bar.close()
+            try:
+                self.bar.close()
+            except (OSError, ValueError):
+                _silence(sys.stderr)
 
 
 def publish(plan: Plan, state: State, contexts: int) -> None:
@@ -272,14 +518,16 @@ def train(plan: Plan, quiet=False) -> dict:
     module = accelerated.backend_module(plan.backend)
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state)
 
-    def batch_at(s):
-        return plan.stream.batch(c0 + s * B, B, T, repeat=plan.repeat)  # (B, T+1)
+    K_train = plan.stream.n_contexts(T) - plan.heldout
+
+    def batch_at(s):  # (B, T+1): training reads only the contexts not held out
+        return plan.stream.batch(c0 + s * B, B, T, repeat=plan.repeat, contexts=K_train)
 
     first = batch_at(0)
     rows = results.prediction_rows(T)
     writer.forward(program.logits(first[:1, :T])[0, rows])  # (3, V) before the first step
 
-    losses = []
+    losses, held_out = [], []
     done = 0
     t_start = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
@@ -291,11 +539,13 @@ def train(plan: Plan, quiet=False) -> dict:
                 program.upload_input(tokens)
                 loss, device_s = program.replay_timed_and_wait()
                 row_losses = program.row_losses()  # host copy: the result file needs it
+                norm = program.grad_norm()  # before clipping (SPEC 7)
                 host_s = time.perf_counter() - t0
                 step_no = first_step + s
                 try:
                     writer.step(step_no, row_losses)
                     writer.timing(step_no, host_s, device_s)
+                    writer.norm(step_no, norm)
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     if np.isfinite(row_losses).all():
@@ -306,10 +556,17 @@ def train(plan: Plan, quiet=False) -> dict:
                                          f"{plan.checkpoint} is left as it was")
                 losses.append(float(loss))
                 done = s + 1
-                if progress:
-                    progress.update(s, loss)
                 last = done == plan.steps
                 stop = stopper.signum is not None  # read once: a signal may land any time
+                evaluated = None
+                if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
+                        and not stop:
+                    per_context = evaluate(program, plan)  # (K,) float32
+                    writer.eval(first_step + done, per_context)
+                    evaluated = float(per_context.astype(np.float64).mean())
+                    held_out.append((first_step + done, evaluated))
+                if progress:
+                    progress.update(s, loss, evaluated)
                 if last or done % plan.interval == 0 or stop:
                     publish(plan, program.state(), c0 + done * B)
                 if stop and not last:
@@ -322,9 +579,27 @@ def train(plan: Plan, quiet=False) -> dict:
         writer.close()
     elapsed = time.perf_counter() - t_start
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,
-            "first_step": first_step, "losses": losses, "seconds": elapsed,
+            "first_step": first_step, "losses": losses, "held_out": held_out,
+            "seconds": elapsed,
             "tokens_per_second": done * B * T / elapsed if elapsed > 0 else math.nan,
             "signal": stopper.signum, "program": program}
+
+
+def evaluate(program, plan: Plan) -> np.ndarray:
+    """(K,) float32: the mean row loss of each held-out context (the stream's
+    last K), from the program's forward-only evaluation, B contexts at a time
+    (SPEC 18). The last group is filled up with its last context, whose extra
+    rows are dropped: the evaluation keeps the one captured shape. Each
+    context's mean is taken in float64 and rounded once."""
+    B, T = plan.batch, plan.config.context
+    first = plan.stream.n_contexts(T) - plan.heldout
+    out = []
+    for start in range(0, plan.heldout, B):
+        index = np.arange(first + start, first + min(start + B, plan.heldout))  # (b,) b <= B
+        padded = np.concatenate([index, np.full(B - len(index), index[-1])])  # (B,)
+        rows = program.evaluate(plan.stream.contexts(padded, T))  # (B, T)
+        out.append(rows[:len(index)].astype(np.float64).mean(axis=1))
+    return np.concatenate(out).astype(np.float32)
 
 
 def _final_record(writer, program, config, last_tokens):
@@ -350,33 +625,45 @@ def main(args) -> int:
     plan = make_plan(args)
     prepared = time.perf_counter() - t0
     K = plan.stream.n_contexts(plan.config.context)
-    print(f"coppelius train: preset {_preset_name(plan.config)}, backend {plan.backend}, "
-          f"precision {plan.precision}, batch {plan.batch}, steps {plan.state.t}.."
-          f"{plan.state.t + plan.steps}, stream {plan.stream.path} ({K} contexts"
-          f"{', repeated' if plan.repeat else ''}); data and state ready in {prepared:.1f} s",
-          file=sys.stderr)
+    if plan.steps == 0:
+        print(f"coppelius train: nothing to do: {plan.checkpoint} is at step {plan.state.t}, "
+              f"the run's final step (use --steps S or --until N to go further)")
+        return 0
+    write_run_file(plan.run_dir, plan.remembered)
+    schedule = ("" if plan.hyper.schedule == "constant" else
+                f", cosine schedule (warm-up {plan.hyper.warmup}, total {plan.hyper.total})")
+    print_safely(f"coppelius train: preset {_preset_name(plan.config)}, backend {plan.backend}, "
+                 f"precision {plan.precision}, batch {plan.batch}, steps {plan.state.t}.."
+                 f"{plan.state.t + plan.steps}{schedule}, stream {plan.stream.path} "
+                 f"({K - plan.heldout} contexts for training{', repeated' if plan.repeat else ''}"
+                 f", {plan.heldout} held out); data and state ready in {prepared:.1f} s")
     summary = train(plan)
     losses = summary["losses"]
     if summary["signal"] is not None:
-        print(f"stopped by signal {summary['signal']} after {summary['steps']} steps; "
-              f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}",
-              file=sys.stderr)
+        print_safely(f"stopped by signal {summary['signal']} after {summary['steps']} steps; "
+                     f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}")
         return 128 + summary["signal"]
     k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
-    print(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
-          f"({summary['tokens_per_second']:,.0f} tokens/s); mean loss {np.mean(losses[:k]):.4f} "
-          f"over the first {k} steps, {np.mean(losses[-k:]):.4f} over the last {k}")
-    print(f"checkpoint: {plan.checkpoint}")
-    print(f"results:    {summary['results']}")
+    out = sys.stdout
+    print_safely(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
+                 f"({summary['tokens_per_second']:,.0f} tokens/s); mean loss "
+                 f"{np.mean(losses[:k]):.4f} over the first {k} steps, "
+                 f"{np.mean(losses[-k:]):.4f} over the last {k}", out)
+    if summary["held_out"]:
+        step, loss = summary["held_out"][-1]
+        print_safely(f"held-out loss at step {step}: {loss:.4f} (perplexity "
+                     f"{math.exp(min(loss, 700)):,.1f}) over {plan.heldout} contexts", out)
+    print_safely(f"checkpoint: {plan.checkpoint}", out)
+    print_safely(f"results:    {summary['results']}", out)
     png = os.path.splitext(summary["results"])[0] + ".png"
     report.plot(results.read_results(summary["results"]), png)
-    print(f"loss plot:  {png}")
+    print_safely(f"loss plot:  {png}", out)
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()
         text = sample.generate_text(plan.checkpoint, prompt=sample.DEFAULT_PROMPT, tokens=80,
                                     temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer,
                                     logits_of=summary["program"].logits)
-        print(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text)
+        print_safely(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text, out)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The run loop end to end on the reference backend (SPEC section 9):
 exact resume across processes, SIGTERM, non-finite stop, refusals."""
 
+import json
 import os
 import signal
 import subprocess
@@ -203,6 +204,14 @@ def test_unwritable_checkpoint_directory_is_refused_before_training(tmp_path, st
     ("--beta2", "0.99999999999999999999", "bias correction"),
     ("--epsilon", "0", "epsilon"),
     ("--steps", "0", "--steps=0"),
+    ("--until", "-1", "--until=-1"),
+    ("--warmup", "2", "add --schedule cosine"),
+    ("--clip", "0", "clip=0/1: must be positive"),
+    ("--clip", "x", "clip='x': not a number"),
+    ("--floor", "0.5", "add --schedule cosine"),
+    ("--eval-contexts", "40", "--eval-contexts=40: the stream"),
+    ("--eval-contexts", "-1", "--eval-contexts=-1"),
+    ("--eval-every", "-1", "--eval-every=-1"),
 ])
 def test_bad_options_get_one_line_and_exit_2(tmp_path, stream, capsys, option, value, words):
     ck = tmp_path / "ck.bin"
@@ -228,3 +237,142 @@ def test_a_failing_result_file_still_publishes_the_training(tmp_path, stream, mo
     assert "No space left" in capsys.readouterr().err
     ckp = load_state(str(ck), CFG)
     assert ckp.step == 4 and ckp.contexts == 4  # steps 0..3 trained and kept
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--schedule", "cosine", "--warmup", "8", "--total", "8"], "total=8: must exceed warmup=8"),
+    (["--schedule", "cosine", "--floor", "3/2"], "floor=15/10: must be in [0, 1]"),
+    (["--schedule", "cosine", "--total", str(10**8)], "at most 10000000"),
+])
+def test_bad_schedules_get_one_line_and_exit_2(tmp_path, stream, capsys, extra, words):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not ck.exists() and not (tmp_path / "run.json").exists()
+
+
+# ------------------------------------------------------------------ runs that remember (SPEC 9)
+
+LEARNER = ["--schedule", "cosine", "--warmup", "20", "--floor", "1/10", "--clip", "1/2"]
+
+
+def test_run_dir_alone_continues_an_interrupted_run_exactly(tmp_path, stream):
+    """A cosine, clipped, evaluated run of 600 steps stopped by SIGTERM, then
+    `coppelius train --run-dir D` alone: the same checkpoint bytes as the run
+    done in one go (SPEC 9); run.json remembered every option."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = ["train", "--preset", "test", "--backend", "reference", "--stream", stream,
+             "--no-sample", "--until", "600", "--interval", "50", "--eval-every", "100",
+             "--repeat-data", *LEARNER]
+    proc = subprocess.Popen([sys.executable, "-m", "coppelius", *first, "--run-dir", str(a)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        res = a / "results-0.bin"
+        if res.exists() and len(results.read_results(str(res)).steps) >= 5:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = load_state(str(a / "checkpoint.bin"), CFG).step
+    assert 5 <= stopped < 600, "the run finished before the signal: nothing was tested"
+    rc, out, err = run_cli("train", "--run-dir", str(a), "--no-sample")
+    assert rc == 0, err
+    assert f"steps {stopped}..600, cosine schedule (warm-up 20, total 600)" in err
+    rc, out, err = run_cli(*first, "--run-dir", str(b))
+    assert rc == 0, err
+    assert (a / "checkpoint.bin").read_bytes() == (b / "checkpoint.bin").read_bytes()
+    run = json.loads((a / "run.json").read_text())["options"]
+    assert run["schedule"] == "cosine" and run["total"] == 600 and run["clip"] == "1/2"
+    # once there, a plain continuation has nothing to do and writes nothing
+    rc, out, err = run_cli("train", "--run-dir", str(a), "--no-sample")
+    assert rc == 0 and "nothing to do" in out, (out, err)
+    assert sorted(p.name for p in a.glob("results-*.bin")) == ["results-0.bin",
+                                                                f"results-{stopped}.bin"]
+
+
+def test_identity_refusals_say_which_option_to_repeat(tmp_path, stream, capsys):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "2", "--batch", "2", *LEARNER)) == 0
+    capsys.readouterr()
+    cases = [(["--batch", "3", *LEARNER], "the checkpoint was trained with --batch 2"),
+             (["--batch", "2"], "--schedule cosine --warmup 20 --total 2 --floor 1/10, "
+                                "--clip 1/2 (or pass --new-learner"),
+             (["--batch", "2", *LEARNER, "--eval-contexts", "5"], "--eval-contexts 4"),
+             (["--batch", "2", *LEARNER, "--seed", "7"], "--seed 20260925")]
+    for extra, words in cases:
+        assert main(train_args(stream, tmp_path, ck, "--steps", "1", *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, (extra, err)
+
+
+def test_new_learner_lifts_the_rate_but_not_the_policy(tmp_path, stream, capsys):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "2")) == 0
+    assert main(train_args(stream, tmp_path, ck, "--steps", "2", "--lr", "1/1000",
+                           "--new-learner")) == 0
+    assert "lr=1/1000" in load_state(str(ck), CFG).header["learner"]
+    capsys.readouterr()
+    assert main(train_args(stream, tmp_path, ck, "--steps", "1", "--lr", "1/1000",
+                           "--precision", "bf16", "--new-learner")) == 2
+    assert "beyond what --new-learner lifts" in capsys.readouterr().err
+
+
+def test_held_out_contexts_are_evaluated_and_recorded(tmp_path, stream):
+    """40 contexts, 4 held out (a tenth): kind-5 records after steps 2, 4 and
+    5, each the mean row loss of the last 4 contexts under the parameters of
+    that step, computed here with the reference forward."""
+    from coppelius import reference
+    from coppelius.reference.stream import open_stream
+
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "5", "--eval-every", "2",
+                           "--batch", "3")) == 0
+    header = load_state(str(ck), CFG).header
+    assert header["data"].endswith("|heldout=4")
+    r = results.read_results(str(tmp_path / "results-0.bin"))
+    assert [e[0] for e in r.evals] == [2, 4, 5]
+    s = open_stream(stream, CFG.vocab)
+    held = s.contexts(np.arange(36, 40), CFG.context)  # (4, T+1)
+    want = reference.row_losses(CFG, load_state(str(ck), CFG).state.P, held).astype(
+        np.float64).mean(axis=1)
+    step, mean, per_context = r.evals[-1]
+    assert np.allclose(per_context, want, rtol=1e-6) and abs(mean - want.mean()) < 1e-5
+    # training never read a held-out context: 5 steps of 3 read contexts 0..14
+    assert load_state(str(ck), CFG).contexts == 15
+
+
+def test_a_closed_pipe_never_stops_training(tmp_path, stream):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ck = tmp_path / "ck.bin"
+    proc = subprocess.Popen([sys.executable, "-m", "coppelius",
+                             *train_args(stream, tmp_path, ck, "--steps", "300",
+                                         "--repeat-data")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader of both streams goes away at once
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 0
+    assert load_state(str(ck), CFG).step == 300
+
+
+def test_sighup_publishes_like_sigterm(tmp_path, stream):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ck = tmp_path / "ck.bin"
+    proc = subprocess.Popen([sys.executable, "-m", "coppelius",
+                             *train_args(stream, tmp_path, ck, "--steps", "100000",
+                                         "--interval", "100000", "--repeat-data")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    res = tmp_path / "results-0.bin"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            res.exists() and len(results.read_results(str(res)).steps) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, err
+    assert load_state(str(ck), CFG).step >= 3
