@@ -13,6 +13,7 @@ from coppelius.reference.errors import CoppeliusError
 MODULES = (
     "coppelius.data",  # tokenize
     "coppelius.run",  # train
+    "coppelius.evaluate",  # eval
     "coppelius.report",  # inspect, report
     "coppelius.sample",  # sample
     "coppelius.exchange",  # export, import

@@ -23,6 +23,7 @@ import numpy as np
 
 from coppelius import accelerated
 from coppelius import report, sample
+from coppelius.evaluate import held_out_losses
 from coppelius.reference import checkpoint, fsutil, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
@@ -561,7 +562,7 @@ def train(plan: Plan, quiet=False) -> dict:
                 evaluated = None
                 if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
                         and not stop:
-                    per_context = evaluate(program, plan)  # (K,) float32
+                    per_context = held_out_losses(program, plan.stream, T, plan.heldout)
                     writer.eval(first_step + done, per_context)
                     evaluated = float(per_context.astype(np.float64).mean())
                     held_out.append((first_step + done, evaluated))
@@ -583,23 +584,6 @@ def train(plan: Plan, quiet=False) -> dict:
             "seconds": elapsed,
             "tokens_per_second": done * B * T / elapsed if elapsed > 0 else math.nan,
             "signal": stopper.signum, "program": program}
-
-
-def evaluate(program, plan: Plan) -> np.ndarray:
-    """(K,) float32: the mean row loss of each held-out context (the stream's
-    last K), from the program's forward-only evaluation, B contexts at a time
-    (SPEC 18). The last group is filled up with its last context, whose extra
-    rows are dropped: the evaluation keeps the one captured shape. Each
-    context's mean is taken in float64 and rounded once."""
-    B, T = plan.batch, plan.config.context
-    first = plan.stream.n_contexts(T) - plan.heldout
-    out = []
-    for start in range(0, plan.heldout, B):
-        index = np.arange(first + start, first + min(start + B, plan.heldout))  # (b,) b <= B
-        padded = np.concatenate([index, np.full(B - len(index), index[-1])])  # (B,)
-        rows = program.evaluate(plan.stream.contexts(padded, T))  # (B, T)
-        out.append(rows[:len(index)].astype(np.float64).mean(axis=1))
-    return np.concatenate(out).astype(np.float32)
 
 
 def _final_record(writer, program, config, last_tokens):

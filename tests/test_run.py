@@ -376,3 +376,18 @@ def test_sighup_publishes_like_sigterm(tmp_path, stream):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGHUP, err
     assert load_state(str(ck), CFG).step >= 3
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_eval_command_gives_the_runs_last_held_out_loss(tmp_path, stream, capsys, backend):
+    ck = tmp_path / "ck.bin"
+    on = ["--backend", backend]
+    assert main(train_args(stream, tmp_path, ck, "--steps", "3", "--batch", "3", *on)) == 0
+    mean = results.read_results(str(tmp_path / "results-0.bin")).evals[-1][1]
+    capsys.readouterr()
+    assert main(["eval", str(ck), *on]) == 0  # stream and K from run.json and the identity
+    out = capsys.readouterr().out
+    assert f"held-out loss {mean:.4f}, perplexity {np.exp(mean):,.2f}" in out, out
+    assert "the last 4 of 40 contexts" in out
+    assert main(["eval", str(ck), "--stream", stream, "--contexts", "41"]) == 2
+    assert "--contexts=41" in capsys.readouterr().err

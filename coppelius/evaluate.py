@@ -1,0 +1,99 @@
+"""`coppelius eval`: the held-out loss of a checkpoint (SPEC section 18).
+
+The checkpoint's identities say everything the evaluation needs: the model,
+the policy (learner identity), the batch and how many contexts the run held
+out (data identity, `heldout=K`). The stream is the run's (run.json beside
+the checkpoint) unless --stream names another. The loss is computed by a
+backend's forward-only evaluation program, B contexts at a time, exactly as
+training evaluates: each context's mean row loss in float64, then their mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from coppelius import accelerated
+from coppelius.reference.config import Hyper, config_from_identity
+from coppelius.reference.errors import RunError
+from coppelius.reference.stream import open_stream
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="held-out loss and perplexity of a checkpoint",
+                       description="Evaluate CHECKPOINT on the last K contexts of a stream "
+                                   "(by default the run's own stream and held-out count) and "
+                                   "print the mean loss and its perplexity (SPEC §18).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--stream", metavar="STREAM",
+                   help="a token stream (default: the run's, from run.json beside the checkpoint)")
+    p.add_argument("--contexts", type=int, metavar="K",
+                   help="evaluate the stream's last K contexts (default: the run's held-out K)")
+    p.add_argument("--backend", choices=sorted(accelerated.BACKENDS),
+                   help="backend (default: the best available)")
+    p.set_defaults(func=main)
+
+
+def held_out_losses(program, stream, T: int, K: int) -> np.ndarray:
+    """(K,) float32: the mean row loss of each of the stream's last K
+    contexts, from the program's forward-only evaluation, B contexts at a time
+    (SPEC 18). The last group is filled up with its last context, whose extra
+    rows are dropped: the evaluation keeps its one captured shape. Each
+    context's mean is taken in float64 and rounded once."""
+    B = program.batch
+    first = stream.n_contexts(T) - K
+    out = []
+    for start in range(0, K, B):
+        index = np.arange(first + start, first + min(start + B, K))  # (b,) b <= B
+        padded = np.concatenate([index, np.full(B - len(index), index[-1])])  # (B,)
+        rows = program.evaluate(stream.contexts(padded, T))  # (B, T)
+        out.append(rows[:len(index)].astype(np.float64).mean(axis=1))
+    return np.concatenate(out).astype(np.float32)
+
+
+def _part(identity: str, key: str):
+    for part in identity.split("|"):
+        name, _, value = part.partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def main(args) -> int:
+    from coppelius import data
+    from coppelius.reference.binding import state_from_source
+    from coppelius.reference.sources import CheckpointFileSource
+    from coppelius.run import read_run_file
+
+    path = args.checkpoint
+    with CheckpointFileSource(path) as source:  # validated once, then bound by name
+        header = source.header
+        config = config_from_identity(header["model"], f"checkpoint {path}")
+        state = state_from_source(source, config).state
+    if args.stream:
+        stream_path = args.stream
+    else:
+        options = read_run_file(os.path.dirname(os.path.abspath(path)))
+        if not options.get("stream") and not options.get("source"):
+            raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
+                           "(pass --stream)")
+        stream_path, _ = data.prepare_stream(source=options.get("source"),
+                                             stream=options.get("stream"), vocab=config.vocab)
+    stream = open_stream(stream_path, config.vocab)
+    K_stream = stream.n_contexts(config.context)
+    K = args.contexts if args.contexts is not None else int(_part(header["data"], "heldout") or 0)
+    if not 0 < K <= K_stream:
+        raise RunError(f"--contexts={K}: the stream {stream_path} holds {K_stream} contexts; "
+                       f"evaluate from 1 to {K_stream}")
+    precision = _part(header["learner"], "precision")
+    batch = int(_part(header["data"], "batch") or 1)
+    backend = args.backend or accelerated.best_backend()
+    program = accelerated.backend_module(backend).capture(config, Hyper(), precision, batch, state)
+    losses = held_out_losses(program, stream, config.context, K)
+    mean = float(losses.astype(np.float64).mean())
+    print(f"{path}: step {header['step']}, the last {K} of {K_stream} contexts of "
+          f"{stream_path}, backend {backend}, {precision}")
+    print(f"held-out loss {mean:.4f}, perplexity {math.exp(min(mean, 700)):,.2f}")
+    return 0
