@@ -10,9 +10,11 @@ interface -- against reference.step through the conformance suite.
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
     python dev/cuda/emulate.py --pytest   # tests/test_cupy_backend.py on the stand-ins
 
-The NumPy kernels follow the CUDA kernels' contracts (cuda_kernels.py), not
-their code; the CUDA source itself is checked on the device
-(tests/test_cupy_backend.py).
+The NumPy kernels follow the CUDA kernels' contracts (accelerated/kernels/*.cu
+and their launchers in cuda_kernels.py), not their code; the CUDA source
+itself is checked on the device (tests/test_cupy_backend.py). The kernel
+files are still read and assembled here (the stand-in RawModule is handed
+cuda_kernels.module_source()), so a missing or misnamed file fails.
 """
 
 from __future__ import annotations
