@@ -568,10 +568,11 @@ class FakeCublas:
 
 def install():
     """Point the backend's modules at the stand-ins; returns the backend module."""
-    from coppelius.accelerated import cublas, cuda_kernels, cupy_backend
+    from coppelius.accelerated import cublas, cuda_kernels, cupy_backend, cupy_debug
 
     cupy_backend.cupy = fake_cupy
     cuda_kernels.cupy = fake_cupy
+    cupy_debug.cupy = fake_cupy
     cublas._LIB = FakeCublas()
     cupy_backend._KERNELS.clear()
     return cupy_backend

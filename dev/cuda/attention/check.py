@@ -54,7 +54,7 @@ from coppelius.reference.layers.attention import attention_backward, attention_f
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 from coppelius.reference.precision import round_bf16  # noqa: E402
-from tests.test_cupy_backend import fused_from_batch, step_attention  # noqa: E402
+from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,23 +69,13 @@ def variant_kernels(name):
 
 
 def check(kernels, Bn, H, T, E, seed):
-    saved = dict(cupy_backend._KERNELS)
-    cupy_backend._KERNELS["bf16"] = kernels
-    try:
-        with fused_from_batch(1):
-            return _check(Bn, H, T, E, seed)
-    finally:
-        cupy_backend._KERNELS.clear()
-        cupy_backend._KERNELS.update(saved)
-
-
-def _check(Bn, H, T, E, seed):
     rng = np.random.default_rng(seed)
     q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
     v, dy = rng.standard_normal((2, Bn, H, T, E))
     q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
-    got = step_attention("bf16", q, k, v, dy)
-    again = step_attention("bf16", q, k, v, dy)
+    with fused_from_batch(1):
+        got = step_attention("bf16", q, k, v, dy, kernels)
+        again = step_attention("bf16", q, k, v, dy, kernels)
     y, cache = attention_forward(q, k, v, "bf16")
     want = (round_bf16(y), *attention_backward(dy, cache, "bf16"))
     want = want[:3] + (round_bf16(want[3]),)
