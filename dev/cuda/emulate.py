@@ -9,6 +9,8 @@ interface -- against reference.step through the conformance suite.
 
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
     python dev/cuda/emulate.py --pytest   # tests/test_cupy_backend.py on the stand-ins
+    python dev/cuda/emulate.py --script dev/cuda/attention/check.py --preset test
+                                          # a dev/cuda script on the stand-ins
 
 The NumPy kernels follow the CUDA kernels' contracts (accelerated/kernels/*.cu
 and their launchers in cuda_kernels.py), not their code; the CUDA source
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import sys
 import types
 
@@ -588,6 +591,13 @@ def main():
         install()
         sys.exit(pytest.main([os.path.join(ROOT, "tests", "test_cupy_backend.py"), "-q",
                               "-p", "no:cacheprovider", *sys.argv[2:]]))
+
+    if sys.argv[1:2] == ["--script"]:  # its plumbing (loading, launches), not its kernels
+        sys.modules["cupy"] = fake_cupy
+        install()
+        sys.argv = sys.argv[2:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
 
     backend = install()
     backend.NAME = "cupy (emulated on the CPU)"
