@@ -28,6 +28,7 @@ Each vN.cu is a whole replacement of the package's attention_fused.cu: the
 module is compiled with that one file swapped (cuda_kernels.Kernels'
 replace), every other kernel file as in the package, so a compiler error
 names the variant's file and line.
+
 Checks, on fresh random inputs: each variant against
 reference.layers.attention (NumPy float32 with the reference's own bf16
 rounding) at the coppelius shape and two smaller ones (T across tile edges,
