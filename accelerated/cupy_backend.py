@@ -1,8 +1,8 @@
 """The CuPy backend (SPEC sections 13 and 14), the production path: the
 whole training step -- forward, loss, backward, AdamW -- written as CUDA
-kernels (accelerated/cuda_kernels.py) and cuBLAS products
-(accelerated/cublas.py) on one stream, captured once as a CUDA graph and
-replayed.
+kernels (accelerated/kernels/*.cu, launched by accelerated/cuda_kernels.py)
+and cuBLAS products (accelerated/cublas.py) on one stream, captured once as
+a CUDA graph and replayed.
 
 Memory plan. Everything the step touches is allocated at capture and kept
 for the program's life: P, M, V, G as flat float32 vectors with the
@@ -18,8 +18,8 @@ the registry puts q, k, v next to each other (one (3D, D) product) and gate,
 up too (one (2F, D) product).
 
 Attention. Under bf16 with a head dim of 16, 32 or 64, from a batch of
-cuda_kernels.ATTENTION_FUSED_MIN_BATCH on, it is fused
-(flash-attention style, cuda_kernels.attention_forward_e*): tensor-core
+cuda_kernels.ATTENTION_FUSED_MIN_BATCH on, it is fused (flash-attention
+style, kernels/attention_fused.cu's attention_forward_e*): tensor-core
 tiles over the keys, causal tiles skipped, nothing of size T^2 in memory;
 per row only the maximum and the sum of the softmax are kept for the
 backward, which recomputes p. Otherwise (fp32, other head dims, small

@@ -7,7 +7,6 @@ the compilation report.
 
 Every test needs a GPU (marker gpu): skipped elsewhere."""
 
-import contextlib
 import math
 
 import ml_dtypes
@@ -34,6 +33,7 @@ from coppelius.reference.state import State
 
 cupy = pytest.importorskip("cupy")
 from coppelius.accelerated import cublas, cuda_kernels, cupy_backend  # noqa: E402
+from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -325,55 +325,6 @@ def check_attention_softmax(Bn, H, T, E, precision, seed):
     if bf16:
         check_close("p operand (backward)", as_float(p_op2, "bf16"),
                     round_bf16(np.where(causal, p, 0)), 0)
-
-
-@contextlib.contextmanager
-def fused_from_batch(n):
-    """The step's attention fused from batch n on (bf16, head dims with kernels)."""
-    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
-    cuda_kernels.ATTENTION_FUSED_MIN_BATCH = n
-    try:
-        yield
-    finally:
-        cuda_kernels.ATTENTION_FUSED_MIN_BATCH = saved
-
-
-def step_attention(precision, q, k, v, dy):
-    """The step's attention (Model.attention_forward, then attention_backward)
-    on q, k, v, dy (B,H,T,E), with the path the backend picks for them. ->
-    y, dq, dk, dv (B,H,T,E) as float32 (y and dv are operands, dq and dk
-    float32)."""
-    Bn, H, T, E = q.shape
-    D = H * E
-    config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    alloc = cupy_backend.Buffers(stream)
-    ws = alloc((cublas.WORKSPACE_BYTES,), np.uint8)
-    blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
-    P = alloc((registry(config).total,), np.float32)
-    cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
-    model = cupy_backend.Model(config, precision, kernels(precision), blas, P, P, P, cos, sin,
-                               None)
-    acts = cupy_backend.Activations(config, Bn, T, op_dtype(precision), alloc, train=True)
-
-    def rows(x):  # (B,H,T,E) -> (BT, D) in the operand type
-        x = x.transpose(0, 2, 1, 3).reshape(Bn * T, D)
-        return x.astype(ml_dtypes.bfloat16).view(np.uint16) if precision == "bf16" else x
-
-    def heads(x):  # (BT, D) -> (B,H,T,E)
-        return x.reshape(Bn, T, H, E).transpose(0, 2, 1, 3)
-
-    acts.qkv[0].set(np.concatenate([rows(q), rows(k), rows(v)], axis=1), stream=stream)
-    acts.dy.set(rows(dy), stream=stream)
-    with stream:
-        model.attention_forward(acts, 0)
-        model.attention_backward(acts, 0)
-    stream.synchronize()
-    blas.close()
-    dqk = acts.dqk.get(stream=stream)
-    dv = as_float(acts.dqkv, precision)[:, 2 * D:]
-    return (heads(as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
-            heads(dv))
 
 
 @small

@@ -30,3 +30,16 @@ def test_conformance_passes_on_the_emulated_backend():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summaries = [line for line in p.stdout.splitlines() if line.startswith("conformance cupy")]
     assert len(summaries) == 2 and all(line.endswith("PASS") for line in summaries), p.stdout[-2000:]
+
+
+def test_attention_harness_runs_on_the_emulated_backend():
+    """dev/cuda/attention/check.py end to end on the stand-ins: each variant
+    file is swapped in whole for attention_fused.cu and the module source
+    assembled, then checked and timed through cupy_debug. The stand-in
+    kernels are NumPy and the same for every variant: this checks the
+    harness, not the variants (those are checked on a GPU)."""
+    p = run("--script", os.path.join("dev", "cuda", "attention", "check.py"), "--preset", "test",
+            "--batch", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for name in ("1", "2", "3", "4", "in package"):
+        assert f"variant {name}: correct" in p.stdout, p.stdout[-2000:]

@@ -9,16 +9,21 @@ interface -- against reference.step through the conformance suite.
 
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
     python dev/cuda/emulate.py --pytest   # the CuPy tests and contract rows on the stand-ins
+    python dev/cuda/emulate.py --script dev/cuda/attention/check.py --preset test
+                                          # a dev/cuda script on the stand-ins
 
-The NumPy kernels follow the CUDA kernels' contracts (cuda_kernels.py), not
-their code; the CUDA source itself is checked on the device
-(tests/test_cupy_backend.py).
+The NumPy kernels follow the CUDA kernels' contracts (accelerated/kernels/*.cu
+and their launchers in cuda_kernels.py), not their code; the CUDA source
+itself is checked on the device (tests/test_cupy_backend.py). The kernel
+files are still read and assembled here (the stand-in RawModule is handed
+cuda_kernels.module_source()), so a missing or misnamed file fails.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import sys
 import types
 
@@ -566,10 +571,11 @@ class FakeCublas:
 
 def install():
     """Point the backend's modules at the stand-ins; returns the backend module."""
-    from coppelius.accelerated import cublas, cuda_kernels, cupy_backend
+    from coppelius.accelerated import cublas, cuda_kernels, cupy_backend, cupy_debug
 
     cupy_backend.cupy = fake_cupy
     cuda_kernels.cupy = fake_cupy
+    cupy_debug.cupy = fake_cupy
     cublas._LIB = FakeCublas()
     cupy_backend._KERNELS.clear()
     return cupy_backend
@@ -588,6 +594,13 @@ def main():
                                                                  "test_program_contract.py")]
         sys.exit(pytest.main([*tests, "-q", "-k", "cupy", "-p", "no:cacheprovider",
                               *sys.argv[2:]]))
+
+    if sys.argv[1:2] == ["--script"]:  # its plumbing (loading, launches), not its kernels
+        sys.modules["cupy"] = fake_cupy
+        install()
+        sys.argv = sys.argv[2:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
 
     backend = install()
     backend.NAME = "cupy (emulated on the CPU)"

@@ -1,6 +1,7 @@
-"""Compile the CUDA backend's kernel source with NVRTC, as CuPy does, for
-both precision policies, without a GPU: catches compile errors before any
-device time is spent.
+"""Compile the CUDA backend's kernel source (accelerated/kernels/*.cu,
+assembled by cuda_kernels.module_source) with NVRTC, as CuPy does, for both
+precision policies, without a GPU: catches compile errors before any device
+time is spent. Errors name the kernel file and its line.
 
     python dev/cuda/nvrtc_check.py [path/to/libnvrtc.so]
 
@@ -49,7 +50,7 @@ def main():
     failed = False
     for precision in ("fp32", "bf16"):
         options = ["-arch=compute_90", "-std=c++17", *cuda_kernels.compile_options(precision)]
-        status, log = compile_source(lib, cuda_kernels.SOURCE, options)
+        status, log = compile_source(lib, cuda_kernels.module_source(), options)
         print(f"{precision}: nvrtc status {status}")
         if log.strip():
             print(log)

@@ -1,8 +1,8 @@
-"""The fused causal attention (accelerated/cuda_kernels.py,
+"""The fused causal attention (accelerated/kernels/attention_fused.cu,
 attention_forward_e* and attention_backward_*_e*) against the reference
 layer, and timed against the materialized path it replaces.
 
-    PYTHONPATH=. python dev/cuda/attention/check.py [--batch 1 --batch 8] [--variant 5]
+    PYTHONPATH=. python dev/cuda/attention/check.py [--batch 1 --batch 8] [--variant 2]
     bash dev/cuda/attention/device_run.sh   # this, then dev/cuda/device_check.sh
 
 Variants (each the step's attention, forward then backward, one layer):
@@ -18,12 +18,17 @@ Variants (each the step's attention, forward then backward, one layer):
      is the unnormalized exp, rounded) and dot = dy . y (one pass for dq;
      ds of a row with a single key then comes out nonzero, not 0)
   4  (v4.cu) 2 with the one-pass forward of 3 (the backward of 2)
-  5  (v5.cu) 2 with every tile copied by cp.async into double buffers (tile
+  5  2 with every tile copied by cp.async into double buffers (tile
      t+1 lands while tile t is used) and no transposed tiles: the b
      fragments of p v, ds k, p^T dy, ds^T q come from row-major tiles through
-     ldmatrix.trans
+     ldmatrix.trans. The winner: it lives only in the package
+     (accelerated/kernels/attention_fused.cu), checked as "in package".
 
-The variant in accelerated/cuda_kernels.py is checked as "in package".
+Each vN.cu is a whole replacement of the package's attention_fused.cu: the
+module is compiled with that one file swapped (cuda_kernels.Kernels'
+replace), every other kernel file as in the package, so a compiler error
+names the variant's file and line.
+
 Checks, on fresh random inputs: each variant against
 reference.layers.attention (NumPy float32 with the reference's own bf16
 rounding) at the coppelius shape and two smaller ones (T across tile edges,
@@ -50,46 +55,28 @@ from coppelius.reference.layers.attention import attention_backward, attention_f
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 from coppelius.reference.precision import round_bf16  # noqa: E402
-from tests.test_cupy_backend import fused_from_batch, step_attention  # noqa: E402
+from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MARK_A = "// ---------------------------------------------------------------- fused attention (bf16)"
-MARK_B = "// ---------------------------------------------------------------- swiglu"
 
 
 def variant_kernels(name):
-    """The bf16 module with its attention section replaced by dev/cuda/attention/<name>."""
+    """The bf16 module with the package's attention_fused.cu replaced by
+    dev/cuda/attention/<name> (None: the package's own file)."""
     if name is None:
         return cuda_kernels.Kernels("bf16")
-    source = cuda_kernels.SOURCE
-    a, b = source.index(MARK_A), source.index(MARK_B)
-    with open(os.path.join(HERE, name)) as f:
-        cuda_kernels.SOURCE = source[:a] + f.read() + source[b:]
-    try:
-        return cuda_kernels.Kernels("bf16")
-    finally:
-        cuda_kernels.SOURCE = source
+    return cuda_kernels.Kernels("bf16", replace={"attention_fused.cu": os.path.join(HERE, name)})
 
 
 def check(kernels, Bn, H, T, E, seed):
-    saved = dict(cupy_backend._KERNELS)
-    cupy_backend._KERNELS["bf16"] = kernels
-    try:
-        with fused_from_batch(1):
-            return _check(Bn, H, T, E, seed)
-    finally:
-        cupy_backend._KERNELS.clear()
-        cupy_backend._KERNELS.update(saved)
-
-
-def _check(Bn, H, T, E, seed):
     rng = np.random.default_rng(seed)
     q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
     v, dy = rng.standard_normal((2, Bn, H, T, E))
     q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
-    got = step_attention("bf16", q, k, v, dy)
-    again = step_attention("bf16", q, k, v, dy)
+    with fused_from_batch(1):
+        got = step_attention("bf16", q, k, v, dy, kernels)
+        again = step_attention("bf16", q, k, v, dy, kernels)
     y, cache = attention_forward(q, k, v, "bf16")
     want = (round_bf16(y), *attention_backward(dy, cache, "bf16"))
     want = want[:3] + (round_bf16(want[3]),)
@@ -146,8 +133,7 @@ def timed(config, B, kernels):
         return float(np.median(ms[2:]))
 
 
-VARIANTS = {"1": "v1.cu", "2": "v2.cu", "3": "v3.cu", "4": "v4.cu", "5": "v5.cu",
-            "in package": None}
+VARIANTS = {"1": "v1.cu", "2": "v2.cu", "3": "v3.cu", "4": "v4.cu", "in package": None}
 
 
 def main():

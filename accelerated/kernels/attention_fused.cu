@@ -491,4 +491,3 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
 ATTENTION_KERNELS(16)
 ATTENTION_KERNELS(32)
 ATTENTION_KERNELS(64)
-

@@ -1,0 +1,94 @@
+"""Debugging entry points of the CuPy backend: one part of the training step
+run alone on host arrays, through the backend's own Model, buffers and
+kernels. The GPU tests (tests/test_cupy_backend.py) and the kernel
+experiments (dev/cuda/attention/check.py) both use them; training does not.
+
+    from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention
+
+    with fused_from_batch(1):  # the fused attention kernels even at B=1
+        y, dq, dk, dv = step_attention("bf16", q, k, v, dy)  # (B,H,T,E) each
+
+Shapes use the project's letters (B, T, D, H, E; BT = B*T rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+
+try:
+    import cupy
+except ImportError:  # the backend is simply unavailable
+    cupy = None
+
+from coppelius.reference.config import Config
+from coppelius.reference.layers.rope import rope_tables
+from coppelius.reference.params import registry
+
+from . import cublas, cuda_kernels, cupy_backend
+
+
+@contextlib.contextmanager
+def fused_from_batch(n: int):
+    """The step's attention fused from batch n on (bf16, head dims with
+    kernels), instead of cuda_kernels.ATTENTION_FUSED_MIN_BATCH, inside the
+    block. Programs and Activations made inside it keep the path they got."""
+    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    cuda_kernels.ATTENTION_FUSED_MIN_BATCH = n
+    try:
+        yield
+    finally:
+        cuda_kernels.ATTENTION_FUSED_MIN_BATCH = saved
+
+
+def _as_float(x, precision: str) -> np.ndarray:
+    """An operand buffer read back as float32 (bfloat16 bits widened)."""
+    x = cupy.asnumpy(x)
+    return (x.astype(np.uint32) << 16).view(np.float32) if precision == "bf16" else x
+
+
+def step_attention(precision: str, q, k, v, dy, kernels=None):
+    """The step's attention (Model.attention_forward, then
+    attention_backward) of one layer on q, k, v, dy (B,H,T,E) float32 (under
+    bf16 already bfloat16 values), with the path the backend picks for them
+    (fused_attention). -> y, dq, dk, dv (B,H,T,E) as float32 (y and dv are
+    operands, dq and dk float32).
+
+    kernels: a cuda_kernels.Kernels to run instead of the backend's own for
+    the precision (a kernel variant under test)."""
+    Bn, H, T, E = q.shape
+    D = H * E
+    config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8)
+    bf16 = precision == "bf16"
+    stream = cupy.cuda.Stream(non_blocking=True)
+    alloc = cupy_backend.Buffers(stream)
+    ws = alloc((cublas.WORKSPACE_BYTES,), np.uint8)
+    blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
+    P = alloc((registry(config).total,), np.float32)  # the layer's weights are not read
+    cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
+    if kernels is None:
+        kernels = cupy_backend.kernels_for(precision)
+    model = cupy_backend.Model(config, precision, kernels, blas, P, P, P, cos, sin, None)
+    acts = cupy_backend.Activations(config, Bn, T, np.uint16 if bf16 else np.float32, alloc,
+                                    train=True)
+
+    def rows(x):  # (B,H,T,E) -> (BT,D) in the operand type
+        x = x.transpose(0, 2, 1, 3).reshape(Bn * T, D)
+        return x.astype(ml_dtypes.bfloat16).view(np.uint16) if bf16 else x
+
+    def heads(x):  # (BT,D) -> (B,H,T,E)
+        return x.reshape(Bn, T, H, E).transpose(0, 2, 1, 3)
+
+    acts.qkv[0].set(np.concatenate([rows(q), rows(k), rows(v)], axis=1), stream=stream)
+    acts.dy.set(rows(dy), stream=stream)
+    with stream:
+        model.attention_forward(acts, 0)
+        model.attention_backward(acts, 0)
+    stream.synchronize()  # the results are read on the host next
+    blas.close()
+    dqk = acts.dqk.get(stream=stream)  # (BT,2D): dq then dk
+    dv = _as_float(acts.dqkv, precision)[:, 2 * D:]
+    return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
+            heads(dv))

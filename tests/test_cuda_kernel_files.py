@@ -1,0 +1,127 @@
+"""The CUDA backend's kernel files (accelerated/kernels/*.cu) and the module
+source assembled from them, without a GPU or a compiler: every file is
+assembled once, in order, behind a #line directive that gives each line its
+real file and number; every kernel the launchers call is defined once and
+every defined kernel is launched; the launchers' constants are the
+source's; a swapped file replaces exactly one file; dev/ holds no copy of a
+production kernel file. Compiling the source is checked on the device
+(tests/test_cupy_backend.py) and by dev/cuda/nvrtc_check.py."""
+
+import fnmatch
+import os
+import re
+
+import pytest
+
+from coppelius.accelerated import cuda_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIRECTIVE = re.compile(r'#line 1 "(.+)"$')
+
+
+def read(name):
+    with open(os.path.join(cuda_kernels.KERNEL_DIR, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_package_ships_exactly_the_assembled_files():
+    shipped = sorted(n for n in os.listdir(cuda_kernels.KERNEL_DIR)
+                     if n.endswith((".cu", ".cuh")))
+    assert shipped == sorted(cuda_kernels.FILES)
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["coppelius.accelerated"]
+    for name in cuda_kernels.FILES:
+        assert any(fnmatch.fnmatch(f"kernels/{name}", g) for g in globs), (name, globs)
+
+
+def test_each_line_of_the_module_is_its_file_line_after_the_directive():
+    """What NVRTC reports as file(line) is that line of that file."""
+    lines = cuda_kernels.module_source().split("\n")
+    files, where = [], None
+    for line in lines:
+        m = DIRECTIVE.match(line)
+        if m:
+            files.append(m.group(1))
+            where, text, n = m.group(1), read(os.path.basename(m.group(1))).split("\n"), 0
+            continue
+        n += 1
+        assert where is not None, "source before the first #line directive"
+        assert n <= len(text) and line == text[n - 1], (where, n, line)
+    assert files == [f"accelerated/kernels/{name}" for name in cuda_kernels.FILES]
+
+
+def kernel_definitions(source):
+    """Names of extern "C" kernels defined in source, the fused attention's
+    macro-made entry points included (one set per ATTENTION_KERNELS(E))."""
+    # the macro: its #define line, the lines continued by a backslash, the last one
+    macro = re.search(r"#define ATTENTION_KERNELS\(E\)(?:.*\\\n)*.*", source)
+    parts = re.findall(r"attention_(\w+)_e##E\(", macro.group(0)) if macro else []
+    if macro:
+        source = source.replace(macro.group(0), "")
+    names = re.findall(r'extern "C" __global__ void\s+(\w+)\(', source)
+    for E in re.findall(r"^ATTENTION_KERNELS\((\d+)\)$", source, re.M):
+        names += [f"attention_{part}_e{E}" for part in parts]
+    return names
+
+
+def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
+    names = kernel_definitions(cuda_kernels.module_source())
+    assert sorted(names) == sorted(cuda_kernels.KERNELS)
+    fused = {int(n.rsplit("_e", 1)[1]) for n in names if re.fullmatch(r"attention_.*_e\d+", n)}
+    assert fused == set(cuda_kernels.ATTENTION_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("constant,file,define", [
+    ("EMBEDDING_TILE", "embedding.cu", "EMBEDDING_TILE"),
+    ("LN_LANE", "layernorm.cu", "LN_LANE"),
+    ("LAYERNORM_CHUNK", "layernorm.cu", "LN_WARPS"),
+    ("ATTENTION_TILE", "attention_fused.cu", "ATT_TILE"),
+])
+def test_launcher_constants_are_the_sources(constant, file, define):
+    m = re.search(rf"^#define {define} (\d+)\b", read(file), re.M)
+    assert m, f"{file}: no #define {define}"
+    assert getattr(cuda_kernels, constant) == int(m.group(1)), (constant, file, m.group(0))
+
+
+def test_replace_swaps_one_whole_file(tmp_path):
+    variant = tmp_path / "v9.cu"
+    variant.write_text("// a variant of the fused attention\n")
+    source = cuda_kernels.module_source({"attention_fused.cu": str(variant)})
+    label = str(variant).replace("\\", "/")
+    assert f'#line 1 "{label}"\n// a variant of the fused attention\n' in source
+    assert '"accelerated/kernels/attention_fused.cu"' not in source
+    assert read("attention_fused.cu") not in source
+    others = [n for n in cuda_kernels.FILES if n != "attention_fused.cu"]
+    assert all(f'#line 1 "accelerated/kernels/{n}"\n{read(n)}' in source for n in others)
+    with pytest.raises(ValueError, match="attention.cuh"):
+        cuda_kernels.module_source({"attention.cuh": str(variant)})
+
+
+def dev_kernel_files():
+    for folder, _, names in os.walk(os.path.join(ROOT, "dev")):
+        for name in sorted(names):
+            if name.endswith((".cu", ".cuh")):
+                yield os.path.join(folder, name)
+
+
+def test_dev_holds_no_copy_of_a_production_kernel_file():
+    production = {name: read(name) for name in cuda_kernels.FILES}
+    for path in dev_kernel_files():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        same = [n for n, t in production.items() if t.strip() == text.strip()]
+        assert not same, f"{os.path.relpath(path, ROOT)} is a copy of accelerated/kernels/{same[0]}"
+
+
+def test_attention_variants_replace_the_fused_file_whole():
+    """Each dev/cuda/attention/v*.cu defines the entry points of
+    attention_fused.cu, so the harness can swap the whole file."""
+    want = sorted(kernel_definitions(read("attention_fused.cu")))
+    variants = sorted(p for p in dev_kernel_files()
+                      if re.fullmatch(r"v\d+\.cu", os.path.basename(p))
+                      and os.path.basename(os.path.dirname(p)) == "attention")
+    assert variants
+    for path in variants:
+        with open(path, encoding="utf-8") as f:
+            assert sorted(kernel_definitions(f.read())) == want, path
