@@ -85,7 +85,8 @@ KERNELS = ("round_bf16", "embedding_forward", "embedding_backward", "layernorm_f
              for part in ("forward", "backward_dq", "backward_dkdv")),
            "swiglu_forward",
            "swiglu_backward", "crossentropy_forward_backward", "mean_loss",
-           "adamw_bias_corrections", "adamw_bias_corrections_table", "adamw_update")
+           "adamw_bias_corrections", "adamw_bias_corrections_table", "gradient_sum_squares",
+           "gradient_norm_clip", "adamw_update")
 
 ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (attention_fused.cu)
 # From this batch on the step's attention is fused. The fused kernels' grid
@@ -94,6 +95,7 @@ ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (at
 # vs materialized ms (dev/cuda/NOTES.md): B=1 0.111 vs 0.102, B=2 0.149 vs
 # 0.206, B=4 0.235 vs 0.397, B=8 0.394 vs 0.769.
 ATTENTION_FUSED_MIN_BATCH = 4
+NORM_BLOCKS = 264  # blocks of the norm's first pass: 2 per SM of an H200, a fixed order
 ATTENTION_TILE = 64  # ATT_TILE: query rows per block of the fused kernels, keys per tile
 EMBEDDING_TILE = 1024  # ids staged in shared memory per pass (as in embedding.cu)
 LN_LANE = 32  # features per lane of the layernorm kernels (as in layernorm.cu)
@@ -275,21 +277,29 @@ class Kernels:
         self._launch("mean_loss", 1, 1024, (ce, loss, i32(ce.size)))
 
     # -- AdamW
-    def adamw_bias_corrections(self, t, c, beta1: float, beta2: float):
-        # t (1) int32 += 1; c (2) float32 = c1, c2 of the new t
-        self._launch("adamw_bias_corrections", 1, 1, (t, c, f64(beta1), f64(beta2)))
+    def adamw_bias_corrections(self, t, c, beta1: float, beta2: float, rates):
+        # t (1) int32 += 1; c (4) float32 = c1, c2, a_t, b_t of the new t;
+        # rates (R, 2) float32: reference.adamw.schedule_table
+        self._launch("adamw_bias_corrections", 1, 1,
+                     (t, c, f64(beta1), f64(beta2), rates, i32(rates.shape[0])))
+
+    def gradient_norm(self, G, partial, norm, clip: float):
+        # G (N) -> partial (NORM_BLOCKS) -> norm (2) = (||G||, clip scale); clip 0: off
+        self._launch("gradient_sum_squares", partial.size, THREADS, (G, i64(G.size), partial))
+        self._launch("gradient_norm_clip", 1, 1024, (partial, i32(partial.size), norm, f32(clip)))
 
     def adamw_bias_corrections_table(self, ts, c1, c2, beta1: float, beta2: float):
         self._elementwise("adamw_bias_corrections_table", ts.size,
                           (ts, c1, c2, i32(ts.size), f64(beta1), f64(beta2)))
 
-    def adamw_update(self, P, M, V, G, decay, Pb, c, k):
+    def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k):
         # P, M, V, G (N) float32, decay (N) uint8, Pb (N) bfloat16 bits or None,
-        # c (2) the bias corrections, k: reference.adamw.AdamWConstants
+        # c (4) c1, c2, a_t, b_t; norm (2) with the clip scale norm[1];
+        # k: reference.adamw.AdamWConstants (the betas and epsilon)
         n = P.size
-        self._elementwise("adamw_update", n, (P, M, V, G, decay, _opt(Pb), c, i64(n),
+        self._elementwise("adamw_update", n, (P, M, V, G, decay, _opt(Pb), c, norm, i64(n),
                                               f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2),
-                                              f32(k.lr), f32(k.lrwd), f32(k.eps)))
+                                              f32(k.eps)))
 
 
 def attention_scale(E: int) -> np.float32:

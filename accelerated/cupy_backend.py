@@ -67,7 +67,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.adamw import AdamWConstants
+from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
 from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
@@ -473,7 +473,12 @@ class CupyProgram:
         self.P, self.M, self.V, self.G = (alloc((N,), np.float32) for _ in range(4))
         self.Pb = alloc((N,), np.uint16) if bf16 else None
         self.t = alloc((1,), np.int32)
-        self.c = alloc((2,), np.float32)  # c1, c2 of the current update
+        self.c = alloc((4,), np.float32)  # c1, c2, a_t, b_t of the current update
+        # the schedule's a_t, b_t (SPEC 7): one host table, read by the device's t
+        self.rates = alloc.upload(schedule_table(hyper))  # (R, 2)
+        self.partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)  # the norm's first pass
+        self.norm = alloc((2,), np.float32)  # ||G|| before clipping, and the clip scale
+        self.clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))  # 0: off
         self.decay = alloc.upload(reg.decay_mask().astype(np.uint8))  # (N,)
         cos, sin = rope_tables(T, E)  # (T, E/2) float32, from float64 angles
         self.cos, self.sin = alloc.upload(cos), alloc.upload(sin)
@@ -496,6 +501,7 @@ class CupyProgram:
         self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
         self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
         self.graph = None
+        self.eval_ids = self.eval_ce = self.eval_graph = None  # evaluate(), on first use
 
         self._load(state)
         self.recorded = self._counted(self._step)  # warm-up: compiles, lets cuBLAS choose
@@ -543,8 +549,22 @@ class CupyProgram:
         T = self.config.context
         self.model.forward(a, self.ids, T + 1)
         self.model.backward(a, self.ids, T + 1)
-        k.adamw_bias_corrections(self.t, self.c, *self.betas)  # t += 1 on the device
-        k.adamw_update(self.P, self.M, self.V, self.G, self.decay, self.Pb, self.c, self.adamw)
+        k.gradient_norm(self.G, self.partial, self.norm, self.clip)  # and the clip scale
+        k.adamw_bias_corrections(self.t, self.c, *self.betas, self.rates)  # t += 1 on the device
+        k.adamw_update(self.P, self.M, self.V, self.G, self.decay, self.Pb, self.c, self.norm,
+                       self.adamw)
+
+    def _evaluate(self) -> None:
+        """Forward and row losses of the evaluation slot: the captured
+        forward-only program (SPEC 18). It runs on the training step's own
+        activations (free between steps, on the same stream) and writes its
+        losses to a buffer of its own, so the last step's row losses, loss and
+        gradient stay readable."""
+        a, T = self.acts, self.config.context
+        self.model.forward(a, self.eval_ids, T + 1)
+        dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
+        self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
+                                                   self.eval_ce, a.dlogits, dce)
 
     # -- the TrainingProgram interface -------------------------------------------------
 
@@ -602,6 +622,36 @@ class CupyProgram:
     def gradients(self) -> np.ndarray:
         self._last("gradients")
         return self.G.get(stream=self.stream)  # (N,)
+
+    def grad_norm(self) -> float:
+        self._last("grad_norm")
+        return float(self.norm.get(stream=self.stream)[0])
+
+    def evaluate(self, tokens) -> np.ndarray:
+        """tokens (B, T+1) -> held-out row losses (B, T) with the current
+        parameters; the forward-only graph is captured on first use."""
+        tokens = check_tokens(self.config, self.batch, tokens, "evaluate input").astype(np.int32)
+        self._done.synchronize()  # a pending replay still uses the activations
+        if self.eval_ids is None:
+            self.eval_ids = self.alloc((self.batch, self.config.context + 1), np.int32)
+            self.eval_ce = self.alloc((self.batch * self.config.context,), np.float32)
+            self.eval_ids.set(tokens, stream=self.stream)
+            with self.stream:
+                self._evaluate()  # warm-up: the products' first use outside a capture
+            if self.captured:
+                self.stream.begin_capture()
+                try:
+                    self._evaluate()
+                finally:
+                    self.eval_graph = self.stream.end_capture()
+        self.eval_ids.set(tokens, stream=self.stream)
+        if self.eval_graph is not None:
+            self.eval_graph.launch(stream=self.stream)
+        else:
+            with self.stream:
+                self._evaluate()
+        rows = self.eval_ce.get(stream=self.stream)  # waits for the evaluation
+        return rows.reshape(self.batch, self.config.context)
 
     def state(self) -> State:
         self._done.synchronize()

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from coppelius.conformance.cases import random_state
 from coppelius.conformance.suite import step_rows
 from coppelius.conformance.tolerances import relative_error
-from coppelius.reference.adamw import AdamWConstants, adamw_update, bias_corrections
+from coppelius.reference.adamw import (AdamWConstants, adamw_update, bias_corrections,
+                                       learning_rates, schedule_table)
 from coppelius.reference.config import Config, Hyper, preset
 from coppelius.reference.layers.attention import attention_backward, attention_forward
 from coppelius.reference.layers.crossentropy import crossentropy_backward, crossentropy_forward
@@ -440,12 +441,36 @@ def test_bias_corrections_bitwise_for_t_up_to_10000():
     want = np.array([bias_corrections(hyper, int(t)) for t in ts], dtype=np.float32)
     check_bitwise("c1", host(c1), want[:, 0])
     check_bitwise("c2", host(c2), want[:, 1])
-    # the in-graph kernel: advances t on the device, then its c1, c2
-    for t0 in (0, 1, 41, 9999):
-        t, c = dev(np.array([t0], np.int32)), empty((2,))
-        k.adamw_bias_corrections(t, c, float(hyper.beta1), float(hyper.beta2))
-        assert int(host(t)[0]) == t0 + 1
-        check_bitwise(f"c at t={t0 + 1}", host(c), np.float32(bias_corrections(hyper, t0 + 1)))
+    # the in-graph kernel: advances t on the device, then its c1, c2 and the
+    # schedule's a_t, b_t from the host table (row min(t, R - 1))
+    cosine = Hyper(schedule="cosine", warmup=3, total=50, floor="1/10")
+    for h in (hyper, cosine):
+        rates = dev(schedule_table(h))
+        for t0 in (0, 1, 2, 41, 49, 50, 9999):
+            t, c = dev(np.array([t0], np.int32)), empty((4,))
+            k.adamw_bias_corrections(t, c, float(h.beta1), float(h.beta2), rates)
+            assert int(host(t)[0]) == t0 + 1
+            want = [*bias_corrections(h, t0 + 1), *learning_rates(h, t0 + 1)]
+            check_bitwise(f"c at t={t0 + 1}", host(c), np.array(want, np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 100_003, 3_000_001])
+def test_gradient_norm_and_clip_scale(n):
+    """||G|| against the float64 norm (float32 partial sums: a relative error
+    of a few 1e-7), bit-reproducible, and the clip scale c / n."""
+    G = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    want = float(np.sqrt(np.sum(G.astype(np.float64) ** 2)))
+    k = kernels()
+    partial, norm = empty((cuda_kernels.NORM_BLOCKS,)), empty((2,))
+    runs = []
+    for clip in (0.0, want / 3, want * 2):
+        k.gradient_norm(dev(G), partial, norm, clip)
+        got = host(norm)
+        runs.append(got[0])
+        assert abs(got[0] - want) <= 1e-6 * want, (got[0], want)
+        scale = np.float32(np.float32(clip) / got[0]) if 0 < clip < got[0] else np.float32(1)
+        check_bitwise(f"scale at clip {clip}", got[1:], np.array([scale]))
+    check_bitwise("norm, three runs", np.array(runs[1:]), np.array(runs[:2]))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -462,9 +487,10 @@ def test_adamw_update_bitwise(precision):
     want = adamw_update(P, M, V, G, decay, hyper, t)
     dP, dM, dV = dev(P), dev(M), dev(V)
     Pb = empty((n,), np.uint16) if precision == "bf16" else None
-    c = dev(np.float32(bias_corrections(hyper, t)))
+    c = dev(np.array([*bias_corrections(hyper, t), *learning_rates(hyper, t)], np.float32))
+    unclipped = dev(np.array([0.0, 1.0], np.float32))  # (norm, scale): scale 1 leaves G's bits
     kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(decay.astype(np.uint8)), Pb, c,
-                                    AdamWConstants.of(hyper))
+                                    unclipped, AdamWConstants.of(hyper))
     for name, got, w in zip("PMV", (dP, dM, dV), want):
         check_bitwise(name, host(got), w)
     if Pb is not None:

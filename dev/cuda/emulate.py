@@ -440,11 +440,27 @@ def k_mean_loss(bf16, ce, loss, n):
     _a(loss)[0] = _a(ce)[:int(n)].mean(dtype=np.float32)
 
 
-def k_adamw_bias_corrections(bf16, t, c, beta1, beta2):
+def k_adamw_bias_corrections(bf16, t, c, beta1, beta2, rates, rows):
     _a(t)[0] += 1
     tn = int(_a(t)[0])
     _a(c)[0] = f32(1.0 - float(beta1) ** tn)
     _a(c)[1] = f32(1.0 - float(beta2) ** tn)
+    row = min(tn, int(rows) - 1)
+    _a(c)[2:4] = _a(rates).reshape(-1, 2)[row]
+
+
+def k_gradient_sum_squares(bf16, G, n, partial):
+    g = _a(G)[:int(n)]
+    blocks = _a(partial).size
+    for b in range(blocks):  # the kernel's strided sets, each summed in float32
+        _a(partial)[b] = np.sum(np.square(g[b::blocks]), dtype=np.float32)
+
+
+def k_gradient_norm_clip(bf16, partial, blocks, norm, clip):
+    n = f32(np.sqrt(np.sum(_a(partial)[:int(blocks)], dtype=np.float32)))
+    clip = f32(clip)
+    _a(norm)[0] = n
+    _a(norm)[1] = clip / n if clip > 0 and np.isfinite(n) and n > clip else f32(1)
 
 
 def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
@@ -453,9 +469,10 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, n, b1, omb1, b2, omb2, lr, lrwd, eps):
-    p, m, v, g = _a(P), _a(M), _a(V), _a(G)
-    c1, c2 = _a(c)[0], _a(c)[1]
+def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, norm, n, b1, omb1, b2, omb2, eps):
+    p, m, v = _a(P), _a(M), _a(V)
+    g = _a(G) * _a(norm)[1]
+    c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
     m[...] = b1 * m + omb1 * g
     v[...] = b2 * v + omb2 * g * g
     p[...] = np.where(_a(decay).astype(bool), p - lrwd * p, p)
