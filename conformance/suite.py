@@ -348,7 +348,7 @@ def production_learner(config: Config, precision: str, state: State, tokens, ste
     `state`, so that the first step clips (SPEC 7)."""
     norm = reference.step(config, state.copy(), tokens, precision).grad_norm
     W = max(1, steps // 4)
-    return Hyper(schedule="cosine", warmup=state.t + W, total=state.t + steps - 2,
+    return Hyper(schedule="cosine", warmup=state.t + W, total=state.t + max(W + 1, steps - 2),
                  floor=Fraction(1, 10), clip=Fraction(float(norm)) / 2)
 
 

@@ -81,7 +81,7 @@ def test_suite_passes_on_the_reference(precision):
     assert report.passed, report.table(report.failures)
     checks = {r.check for r in report.rows}
     assert checks == {"logits", "loss", "row_losses", "gradient", "P", "M", "V", "t",
-                      "trajectory", "resume"}
+                      "trajectory", "resume", "norm", "eval", "learner"}
     names = {s.name for s in registry(TEST)}
     for check in ("gradient", "P", "M", "V"):  # one row per parameter, by registry name
         assert {r.tensor for r in report.rows if r.check == check} == names
@@ -129,6 +129,15 @@ def broken_backend(fault: str, tensor: str = "layers.1.mlp.up.weight"):
             return ref.capture(config, Hyper(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                              weight_decay=0, epsilon=hyper.epsilon),
                                precision, batch, state)
+        if fault in ("ignores_clip", "ignores_schedule"):  # a learner half implemented
+            keep = dict(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                        weight_decay=hyper.weight_decay, epsilon=hyper.epsilon)
+            if fault == "ignores_schedule":
+                keep["clip"] = hyper.clip
+            elif hyper.schedule == "cosine":
+                keep.update(schedule="cosine", warmup=hyper.warmup, total=hyper.total,
+                            floor=hyper.floor)
+            return ref.capture(config, Hyper(**keep), precision, batch, state)
         if fault == "drops_moments_on_capture":  # a resume that restarts Adam's moments
             state = State(state.P, np.zeros_like(state.M), np.zeros_like(state.V), state.t)
         program = Wrapped(ref.capture(config, hyper, precision, batch, state))
@@ -157,7 +166,8 @@ def failing(report, check=None):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_perturbed_gradient_fails_that_tensor_only(precision):
     report = run_suite(broken_backend("perturbs_gradient"), "test", precision, steps=4)
-    assert failing(report) == {("gradient", "layers.1.mlp.up.weight")}
+    assert failing(report) == {("gradient", "layers.1.mlp.up.weight"),
+                               ("learner", "gradient layers.1.mlp.up.weight")}
     row = report.row("gradient", "layers.1.mlp.up.weight")
     assert row.error == pytest.approx(0.1, rel=1e-6)  # ||0.1 g|| / ||g||
     table = report.table()
@@ -182,15 +192,27 @@ def test_a_capture_that_loses_the_moments_fails_the_update_and_resume_checks():
     # the one-step checks start from a warm state (non-zero moments), so the
     # lost moments show in P, M and V after one update as well as in resume
     report = run_suite(broken_backend("drops_moments_on_capture"), "test", "fp32", steps=6)
-    assert {c for c, t in failing(report)} == {"resume", "P", "M", "V"}
+    # (and the evaluation after that update, which runs on the updated P)
+    assert {c for c, t in failing(report)} == {"resume", "P", "M", "V", "learner", "eval"}
     assert all(r.passed for r in report.rows if r.check in ("logits", "loss", "row_losses", "gradient", "trajectory"))
     assert {t.split(":")[0] for c, t in failing(report)} >= {"M", "V"}
     assert not report.row("resume", "update count t").error  # t itself was kept
 
 
+@pytest.mark.parametrize("fault", ["ignores_clip", "ignores_schedule"])
+def test_a_backend_without_clipping_or_schedule_fails_the_learner_rows_only(fault):
+    report = run_suite(broken_backend(fault), "test", "fp32", steps=8)
+    assert {c for c, t in failing(report)} == {"learner"}
+    failed = {t for c, t in failing(report)}
+    if fault == "ignores_clip":  # the moments see the unscaled gradient
+        assert any(t.startswith("M ") for t in failed), failed
+    else:  # the rates differ: P after one update, and the trajectory
+        assert any(t.startswith("P ") for t in failed) and any("cosine" in t for t in failed)
+
+
 def test_a_nan_logit_fails_logits_and_points_at_it():
     report = run_suite(broken_backend("nan_logit"), "test", "fp32", steps=2)
-    assert failing(report) == {("logits", "logits")}
+    assert failing(report) == {("logits", "logits"), ("learner", "logits logits")}
     row = report.row("logits", "logits")
     assert math.isnan(row.error) and row.worst == (0, 1, 2)
 
@@ -234,7 +256,7 @@ def test_random_small_cases_pass_on_the_reference_program(case):
                                                                state.copy())
     rows = suite.step_rows(program, config, Hyper(), precision, state, tokens)
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
-    assert len(rows) == 3 + 4 * len(registry(config).specs) + 1
+    assert len(rows) == 3 + 4 * len(registry(config).specs) + 1 + 3  # + norm and 2 eval rows
 
 
 @given(case_strategy())
@@ -372,7 +394,7 @@ def test_checkpoint_debugging_lists_every_tensor_worst_first(tmp_path, capsys, b
     status, out, _ = cli(base + ["--backend", "broken"], capsys)
     assert status == 1
     lines = out.splitlines()
-    n = 3 + 4 * len(registry(TEST).specs) + 1
+    n = 3 + 4 * len(registry(TEST).specs) + 1 + 3  # + norm and 2 eval rows
     rows = lines[1:1 + n]
     assert rows[0].split()[:2] == ["gradient", "layers.1.mlp.up.weight"]  # the worst first
     errors = [float(re.search(r" (\S+) +\S+  (PASS|FAIL) ", line).group(1)) for line in rows]
