@@ -194,6 +194,11 @@ def resolve_options(args) -> tuple:
             options[key] = given
         elif key in remembered:
             options[key] = remembered[key]
+    # the constant schedule has no warm-up, total or floor to remember
+    if args.schedule == "constant":
+        for key in ("warmup", "total", "floor"):
+            if getattr(args, key) is None:
+                options.pop(key, None)
     # a new source replaces a remembered stream, and the other way round
     if args.source is not None:
         options.pop("stream", None)

@@ -137,16 +137,18 @@ def test_nonfinite_stops_with_3_and_keeps_checkpoint(tmp_path, stream):
 
 
 def test_too_short_named_stream_is_refused(tmp_path, stream, capsys):
-    rc = main(train_args(stream, tmp_path, tmp_path / "ck.bin", "--steps", "41"))
+    rc = main(train_args(stream, tmp_path, tmp_path / "ck.bin", "--steps", "37"))
     assert rc == 2
     err = capsys.readouterr().err
-    assert "41" in err and "40" in err and len(err.strip().splitlines()) == 1
+    # 40 contexts, the last 4 held out (SPEC 18): 36 for training
+    assert "needs 37 contexts but the stream holds 36 for training (4 held out" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ck.bin").exists()
     assert main(train_args(stream, tmp_path, tmp_path / "ck.bin", "--steps", "41",
                            "--repeat-data", "--interval", "100")) == 0
     r = results.read_results(str(tmp_path / "results-0.bin"))
     assert r.header["repeat_data"] is True
-    # context 40 is context 0 again: step 40 saw the tokens of step 0
+    # context 36 is context 0 again: step 36 saw the tokens of step 0
     assert len(r.steps) == 41
 
 
@@ -258,13 +260,13 @@ LEARNER = ["--schedule", "cosine", "--warmup", "20", "--floor", "1/10", "--clip"
 
 
 def test_run_dir_alone_continues_an_interrupted_run_exactly(tmp_path, stream):
-    """A cosine, clipped, evaluated run of 600 steps stopped by SIGTERM, then
+    """A cosine, clipped, evaluated run of 200 steps stopped by SIGTERM, then
     `coppelius train --run-dir D` alone: the same checkpoint bytes as the run
     done in one go (SPEC 9); run.json remembered every option."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     a, b = tmp_path / "a", tmp_path / "b"
     first = ["train", "--preset", "test", "--backend", "reference", "--stream", stream,
-             "--no-sample", "--until", "600", "--interval", "50", "--eval-every", "100",
+             "--no-sample", "--until", "200", "--interval", "50", "--eval-every", "40",
              "--repeat-data", *LEARNER]
     proc = subprocess.Popen([sys.executable, "-m", "coppelius", *first, "--run-dir", str(a)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -274,20 +276,20 @@ def test_run_dir_alone_continues_an_interrupted_run_exactly(tmp_path, stream):
         res = a / "results-0.bin"
         if res.exists() and len(results.read_results(str(res)).steps) >= 5:
             break
-        time.sleep(0.02)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     stopped = load_state(str(a / "checkpoint.bin"), CFG).step
-    assert 5 <= stopped < 600, "the run finished before the signal: nothing was tested"
+    assert 5 <= stopped < 200, "the run finished before the signal: nothing was tested"
     rc, out, err = run_cli("train", "--run-dir", str(a), "--no-sample")
     assert rc == 0, err
-    assert f"steps {stopped}..600, cosine schedule (warm-up 20, total 600)" in err
+    assert f"steps {stopped}..200, cosine schedule (warm-up 20, total 200)" in err
     rc, out, err = run_cli(*first, "--run-dir", str(b))
     assert rc == 0, err
     assert (a / "checkpoint.bin").read_bytes() == (b / "checkpoint.bin").read_bytes()
     run = json.loads((a / "run.json").read_text())["options"]
-    assert run["schedule"] == "cosine" and run["total"] == 600 and run["clip"] == "1/2"
+    assert run["schedule"] == "cosine" and run["total"] == 200 and run["clip"] == "1/2"
     # once there, a plain continuation has nothing to do and writes nothing
     rc, out, err = run_cli("train", "--run-dir", str(a), "--no-sample")
     assert rc == 0 and "nothing to do" in out, (out, err)
@@ -297,13 +299,15 @@ def test_run_dir_alone_continues_an_interrupted_run_exactly(tmp_path, stream):
 
 def test_identity_refusals_say_which_option_to_repeat(tmp_path, stream, capsys):
     ck = tmp_path / "ck.bin"
-    assert main(train_args(stream, tmp_path, ck, "--steps", "2", "--batch", "2", *LEARNER)) == 0
+    learner = ["--schedule", "cosine", "--warmup", "1", "--floor", "1/10", "--clip", "1/2"]
+    assert main(train_args(stream, tmp_path, ck, "--steps", "2", "--batch", "2", *learner)) == 0
     capsys.readouterr()
-    cases = [(["--batch", "3", *LEARNER], "the checkpoint was trained with --batch 2"),
-             (["--batch", "2"], "--schedule cosine --warmup 20 --total 2 --floor 1/10, "
-                                "--clip 1/2 (or pass --new-learner"),
-             (["--batch", "2", *LEARNER, "--eval-contexts", "5"], "--eval-contexts 4"),
-             (["--batch", "2", *LEARNER, "--seed", "7"], "--seed 20260925")]
+    learner += ["--total", "2"]
+    cases = [(["--batch", "3", *learner], "the checkpoint was trained with --batch 2"),
+             (["--batch", "2", "--schedule", "constant"],
+              "--schedule cosine --warmup 1 --total 2 --floor 1/10 (or pass --new-learner"),
+             (["--batch", "2", *learner, "--eval-contexts", "5"], "--eval-contexts 4"),
+             (["--batch", "2", *learner, "--seed", "7"], "--seed 20260925")]
     for extra, words in cases:
         assert main(train_args(stream, tmp_path, ck, "--steps", "1", *extra)) == 2
         err = capsys.readouterr().err.strip()
