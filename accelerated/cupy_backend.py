@@ -639,11 +639,12 @@ class CupyProgram:
             with self.stream:
                 self._evaluate()  # warm-up: the products' first use outside a capture
             if self.captured:
-                self.stream.begin_capture()
-                try:
-                    self._evaluate()
-                finally:
-                    self.eval_graph = self.stream.end_capture()
+                with self.stream:  # the kernels must launch on the capturing stream
+                    self.stream.begin_capture()
+                    try:
+                        self._evaluate()
+                    finally:
+                        self.eval_graph = self.stream.end_capture()
         self.eval_ids.set(tokens, stream=self.stream)
         if self.eval_graph is not None:
             self.eval_graph.launch(stream=self.stream)

@@ -65,7 +65,7 @@ def main(args) -> int:
     from coppelius import data
     from coppelius.reference.binding import state_from_source
     from coppelius.reference.sources import CheckpointFileSource
-    from coppelius.run import read_run_file
+    from coppelius.run import RUN_FILE, read_run_file
 
     path = args.checkpoint
     with CheckpointFileSource(path) as source:  # validated once, then bound by name
@@ -75,10 +75,11 @@ def main(args) -> int:
     if args.stream:
         stream_path = args.stream
     else:
-        options = read_run_file(os.path.dirname(os.path.abspath(path)))
-        if not options.get("stream") and not options.get("source"):
+        run_dir = os.path.dirname(os.path.abspath(path))
+        if not os.path.isfile(os.path.join(run_dir, RUN_FILE)):
             raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
                            "(pass --stream)")
+        options = read_run_file(run_dir)  # neither source nor stream: the embedded corpus
         stream_path, _ = data.prepare_stream(source=options.get("source"),
                                              stream=options.get("stream"), vocab=config.vocab)
     stream = open_stream(stream_path, config.vocab)

@@ -68,9 +68,13 @@ def breakdown(program):
     parts = {
         "forward": lambda: m.forward(a, program.ids, T + 1),
         "loss + backward": lambda: m.backward(a, program.ids, T + 1),
-        "adamw": lambda: (k.adamw_bias_corrections(program.t, program.c, *program.betas),
-                          k.adamw_update(program.P, program.M, program.V, program.G,
-                                         program.decay, program.Pb, program.c, program.adamw)),
+        "norm + adamw": lambda: (k.gradient_norm(program.G, program.partial, program.norm,
+                                                 program.clip),
+                                 k.adamw_bias_corrections(program.t, program.c, *program.betas,
+                                                          program.rates),
+                                 k.adamw_update(program.P, program.M, program.V, program.G,
+                                                program.decay, program.Pb, program.c,
+                                                program.norm, program.adamw)),
     }
     for name, work in parts.items():
         rows.append((name, time_graph(program, record(program, work))))

@@ -34,6 +34,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
 _RECORDING = None  # the command list of the capturing stream, or None
+_CAPTURING = None  # the stream being captured, or None
+_CURRENT = []  # the streams entered with `with stream:`, innermost last
 
 
 def _submit(command):
@@ -97,22 +99,24 @@ class Stream:
         self.ptr = 0
 
     def __enter__(self):
+        _CURRENT.append(self)
         return self
 
     def __exit__(self, *exc):
+        _CURRENT.pop()
         return False
 
     def synchronize(self):
         assert _RECORDING is None, "synchronize during capture"
 
     def begin_capture(self):
-        global _RECORDING
+        global _RECORDING, _CAPTURING
         assert _RECORDING is None
-        _RECORDING = []
+        _RECORDING, _CAPTURING = [], self
 
     def end_capture(self):
-        global _RECORDING
-        graph, _RECORDING = Graph(_RECORDING), None
+        global _RECORDING, _CAPTURING
+        graph, _RECORDING, _CAPTURING = Graph(_RECORDING), None, None
         return graph
 
 
@@ -151,6 +155,10 @@ class RawModule:
         bf16 = self.bf16
 
         def launch(grid, block, args, shared_mem=0):
+            # On a GPU a kernel launched during a capture on any stream but
+            # the capturing one runs at once and is missing from the graph
+            if _CAPTURING is not None and (not _CURRENT or _CURRENT[-1] is not _CAPTURING):
+                raise AssertionError(f"kernel {name} launched outside the capturing stream")
             frozen = tuple(args)  # arguments are frozen at launch, as in a graph
             _submit(lambda: body(bf16, *frozen))
 
