@@ -6,6 +6,7 @@ import hashlib
 import math
 import re
 import statistics
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -199,3 +200,59 @@ def test_ema_is_a_bias_corrected_weighted_mean():
         w = (1 - beta) * beta ** np.arange(k, -1, -1)  # weights of x[0..k]
         assert ema(x, beta)[k] == pytest.approx(np.dot(w, x[:k + 1]) / w.sum(), rel=1e-12)
     assert np.allclose(ema(np.full(20, 3.25)), 3.25)
+
+
+# ------------------------------------------------------------ learning rate of each step
+
+def spec_s(t, W, N, f):
+    """SPEC 7's s(t), written out here from the SPEC's Python."""
+    if t <= W:
+        return t / W
+    if t > N:
+        return float(f)
+    return float(f) + (1 - float(f)) * 0.5 * (1.0 + math.cos(math.pi * (t - W) / (N - W)))
+
+
+def test_step_learning_rates_follow_spec_7():
+    from coppelius.reference.schedule import parse_schedule, step_learning_rates
+
+    h = Hyper(schedule="cosine", warmup=4, total=20, floor=Fraction(1, 10))
+    ident = h.identity("fp32")
+    assert parse_schedule(ident) == ("cosine", 4, 20, Fraction(1, 10))
+    steps = [0, 1, 3, 4, 11, 19, 20, 21, 10**6, 2**63 - 1]  # step s applies update t = s + 1
+    got = step_learning_rates(ident, steps)
+    assert got.dtype == np.float64
+    # by hand: warm-up t/W is exact, halfway (t = 12) s = 11/20, beyond N the floor
+    exact = {0: Fraction(1, 4), 1: Fraction(1, 2), 3: Fraction(1), 11: Fraction(11, 20)}
+    for s, frac in exact.items():
+        assert got[steps.index(s)] == float(np.float32(float(Fraction(3, 10000) * frac))), s
+    for i, s in enumerate(steps):
+        assert got[i] == float(np.float32(0.0003 * spec_s(min(s + 1, 21), 4, 20, 0.1))), s
+    assert got[-1] == got[-2] == got[-3] == got[-4] == float(np.float32(0.0003 * 0.1))
+    # no warm-up: the first update is already on the cosine
+    ident = Hyper(schedule="cosine", warmup=0, total=10, floor=Fraction(0)).identity("bf16")
+    first = step_learning_rates(ident, [0])[0]
+    assert first == float(np.float32(0.0003 * 0.5 * (1.0 + math.cos(math.pi / 10))))
+    assert parse_schedule(Hyper().identity("fp32")) == ("constant", 0, None, Fraction(0))
+    assert step_learning_rates(Hyper(lr="1/3").identity("fp32"), [0, 9]).tolist() == \
+        [float(np.float32(1 / 3))] * 2
+
+
+@pytest.mark.parametrize("edit", [
+    lambda i: i.replace("optimizer=adamw", "optimizer=sgd"),
+    lambda i: i.replace("floor=1/10", "floor=0.1"),  # not the canonical form
+    lambda i: i.replace("total=20", "total=" + "9" * 5000),
+    lambda i: i + "|mystery=1",
+    lambda i: i.replace("cosine(", "linear("),
+    lambda i: i.replace("|lr=3/10000", ""),
+    lambda i: 17,
+])
+def test_learner_identities_this_version_does_not_write_are_refused(edit):
+    from coppelius.reference.errors import ConfigError
+    from coppelius.reference.schedule import learner_from_identity
+
+    ident = Hyper(schedule="cosine", warmup=4, total=20, floor=Fraction(1, 10)).identity("fp32")
+    assert learner_from_identity(ident)[1] == "fp32"
+    with pytest.raises(ConfigError, match="not one this version implements") as e:
+        learner_from_identity(edit(ident), "result file r.bin")
+    assert str(e.value).startswith("result file r.bin: ") and len(str(e.value)) < 600
