@@ -1,23 +1,30 @@
-"""`coppelius inspect PATH` and `coppelius report RESULTS [--plot PNG]`.
+"""`coppelius inspect PATH` and `coppelius report RESULTS|RUN_DIR [--plot PNG] [--csv FILE]`.
 
 inspect recognises a checkpoint (SPEC 10) or a result file (SPEC 11) by its
-magic and shows its envelope after checking it; report summarises a result
-file's losses and throughput and can plot them.
+magic and shows its envelope after checking it; report summarises the losses,
+held-out losses, gradient norms, learning rate and throughput of one result
+file, or of every result file of a run directory stitched in step order, and
+can plot them and write them as CSV.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numpy as np
 
 from coppelius.reference import checkpoint, results
+from coppelius.reference.config import rational_text
 from coppelius.reference.errors import CoppeliusError
 from coppelius.reference.fsutil import publish
+from coppelius.reference.schedule import learner_from_identity
+from coppelius.stitch import CSV_COLUMNS, Run, read_run_dir, step_ranges, stitch, write_csv
 
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
 LAST_FRACTION = 0.1  # the by-position curve averages the last 10% of steps (at least one)
+RUN_PLOT = "run.png"  # the plot of `report RUN_DIR`, in the directory, unless --plot says
 
 
 def register(subparsers) -> None:
@@ -26,10 +33,19 @@ def register(subparsers) -> None:
                                           "check it, and print its envelope.")
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=inspect_command)
-    p = subparsers.add_parser("report", help="summarise a result file; optionally plot its losses",
-                              description="Summarise the losses and throughput of a result file.")
-    p.add_argument("results", metavar="RESULTS")
-    p.add_argument("--plot", metavar="PNG", help="write a loss plot (PNG) to this path")
+    p = subparsers.add_parser(
+        "report", help="summarise a result file or a whole run directory; plot, CSV",
+        description="Summarise the training loss, held-out loss, gradient norm, learning rate "
+                    "and throughput of one result file, or of every result file (results-*.bin) "
+                    "of a run directory stitched in step order: a file written later replaces "
+                    "the steps an earlier one recorded from its first step on (a run resumed "
+                    "from an older checkpoint re-trains them).")
+    p.add_argument("results", metavar="RESULTS|RUN_DIR")
+    p.add_argument("--plot", metavar="PNG",
+                   help=f"write the plot (PNG) to this path (a run directory's default: "
+                        f"{RUN_PLOT} in it; a file's: none)")
+    p.add_argument("--csv", metavar="FILE",
+                   help="write one row per step: " + ", ".join(CSV_COLUMNS))
     p.set_defaults(func=report_command)
 
 
@@ -80,62 +96,127 @@ def _inspect_results(path) -> None:
     _line("result file", r.path)
     for key in sorted(r.header):
         _line(key, r.header[key])
+    _line("version", r.version)
     _line("records", f"forward {int(r.forward is not None)}, steps {len(r.steps)}, "
-                     f"timings {len(r.timings)}, final {int(r.final is not None)}")
+                     f"timings {len(r.timings)}, norms {len(r.norms)}, evals {len(r.evals)}, "
+                     f"final {int(r.final is not None)}")
     if r.steps:
         _line("step range", f"{r.steps[0][0]}..{r.steps[-1][0]}")
+    if r.evals:
+        _line("evaluations", f"{len(r.evals)} of {len(r.evals[0][2])} contexts, after "
+                             f"{step_ranges(r.eval_steps.tolist())} updates")
     _line("complete", "yes" if r.complete else "no")
     _line("stopped early", f"yes: {r.stopped}" if r.stopped else "no")
 
 
 # --------------------------------------------------------------------- report
 
-def summarize(r: results.Results) -> dict:
+def summarize(run: Run) -> dict:
     """The numbers `report` prints. Mean losses are float64 means of the
     float32 row losses of each step."""
-    steps = np.array([s for s, _ in r.steps], dtype=np.int64)
-    means = np.array([rows.mean(dtype=np.float64) for _, rows in r.steps])
-    B, T = r.header["batch"], r.header["context"]
-    rates = [B * T / host for _, host, _ in r.timings if math.isfinite(host) and host > 0]
-    best = int(np.argmin(means)) if len(means) else None
-    return {
+    steps, means = run.steps, run.loss
+    B, T = run.files[-1].header["batch"], run.files[-1].header["context"]
+    ok = np.isfinite(run.host) & (run.host > 0)
+    rates = B * T / run.host[ok]
+    best = int(np.nanargmin(means)) if np.isfinite(means).any() else None
+    out = {
         "steps": len(steps),
         "first": (int(steps[0]), float(means[0])) if len(steps) else None,
         "last": (int(steps[-1]), float(means[-1])) if len(steps) else None,
         "min": (int(steps[best]), float(means[best])) if best is not None else None,
-        "tokens_per_second": float(np.median(rates)) if rates else None,
+        "tokens_per_second": float(np.median(rates)) if len(rates) else None,
         "timed_steps": len(rates),
-        "complete": r.complete,
-        "stopped": r.stopped,
+        "complete": run.files[-1].complete,
+        "stopped": run.files[-1].stopped,
+        "eval_last": None, "eval_best": None, "norm_last": None, "norm_max": None, "lr_last": None,
     }
+    if len(run.eval_steps):
+        out["eval_last"] = (int(run.eval_steps[-1]), float(run.eval_means[-1]), int(run.eval_k[-1]))
+        if np.isfinite(run.eval_means).any():
+            k = int(np.nanargmin(run.eval_means))
+            out["eval_best"] = (int(run.eval_steps[k]), float(run.eval_means[k]))
+    if len(run.norms):
+        out["norm_last"] = (int(run.norm_steps[-1]), float(run.norms[-1]))
+        if np.isfinite(run.norms).any():
+            k = int(np.nanargmax(np.where(np.isfinite(run.norms), run.norms, np.nan)))
+            out["norm_max"] = (int(run.norm_steps[k]), float(run.norms[k]))
+    if len(steps) and np.isfinite(run.lr[-1]):
+        out["lr_last"] = (int(steps[-1]), float(run.lr[-1]))
+    return out
+
+
+def _schedule_text(learner: str) -> str:
+    try:
+        hyper, _ = learner_from_identity(learner)
+    except CoppeliusError:
+        return "learner not understood"
+    text = "constant" if hyper.schedule == "constant" else (
+        f"cosine: warmup {hyper.warmup}, total {hyper.total}, floor {rational_text(hyper.floor)}")
+    return text + (f"; clip {rational_text(hyper.clip)}" if hyper.clip is not None else "")
 
 
 def report_command(args) -> int:
-    r = results.read_results(args.results)
-    if not r.steps:
-        raise CoppeliusError(f"result file {r.path}: no step records to report"
-                             + (f" ({r.stopped})" if r.stopped else ""))
-    s = summarize(r)
-    h = r.header
-    _line("result file", r.path)
-    _line("backend", h["backend"])
-    _line("steps read", f"{s['steps']} of {h['steps']} planned, from step {h['first_step']}")
+    whole_run = os.path.isdir(args.results)
+    if whole_run:
+        files = read_run_dir(args.results)
+        png = args.plot or os.path.join(args.results, RUN_PLOT)
+    else:
+        files = [results.read_results(args.results)]
+        png = args.plot
+    run = stitch(files)
+    if not len(run.steps):
+        where = (f"run directory {args.results}: no step records in its {len(files)} result "
+                 f"file{'s' if len(files) > 1 else ''}") if whole_run else \
+            f"result file {files[0].path}: no step records to report"
+        stopped = files[-1].stopped
+        raise CoppeliusError(where + (f" ({stopped})" if stopped else ""))
+    s = summarize(run)
+    h = files[-1].header
+    if whole_run:
+        _line("run directory", args.results)
+        _line("result files", f"{len(files)}: " + ", ".join(
+            f"{os.path.basename(r.path)} ({step_ranges([x for x, _ in r.steps]) or 'no steps'})" for r in files))
+        _line("backend", ", ".join(dict.fromkeys(r.header["backend"] for r in files)))
+        _line("steps read", f"{s['steps']}, steps {run.steps[0]}..{run.steps[-1]}")
+    else:
+        _line("result file", files[0].path)
+        _line("backend", h["backend"])
+        _line("steps read", f"{s['steps']} of {h['steps']} planned, from step {h['first_step']}")
+    for key, text in run.notes:
+        _line(key, text)
     for key in ("first", "last", "min"):
         step, loss = s[key]
         _line(f"{key} loss", f"{loss:.6f} at step {step}")
+    if s["eval_last"]:
+        step, loss, K = s["eval_last"]
+        best = f"best {s['eval_best'][1]:.6f} after {s['eval_best'][0]}; " if s["eval_best"] else ""
+        _line("held-out loss", f"{loss:.6f} after {step} updates ({best}{len(run.eval_steps)} "
+                               f"evaluations, {K} contexts)")
+    if s["norm_last"]:
+        step, norm = s["norm_last"]
+        peak = f" (max {s['norm_max'][1]:.4g} at step {s['norm_max'][0]})" if s["norm_max"] else ""
+        _line("gradient norm", f"{norm:.4g} at step {step}{peak}")
+    if s["lr_last"]:
+        _line("learning rate", f"{s['lr_last'][1]:.4g} at step {s['lr_last'][0]} "
+                               f"({_schedule_text(h['learner'])})")
     if s["tokens_per_second"] is None:
         _line("tokens/s", "n/a (no timing records)")
     else:
         _line("tokens/s", f"{s['tokens_per_second']:.1f} (median of {s['timed_steps']} steps)")
-    if r.complete:
+    if s["complete"]:
         _line("completed", "yes")
     else:
-        _line("completed", f"no ({r.stopped or 'no final record'})")
-    if args.plot:
-        plot(r, args.plot)
-        _line("plot", args.plot)
+        _line("completed", f"no ({s['stopped'] or 'no final record'})")
+    if png:
+        plot_run(run, png)
+        _line("plot", png)
+    if args.csv:
+        write_csv(run, args.csv)
+        _line("csv", args.csv)
     return 0
 
+
+# ----------------------------------------------------------------------- plot
 
 def ema(x: np.ndarray, beta: float = EMA_BETA) -> np.ndarray:
     """Exponential moving average with the (1 - beta^k) bias correction."""
@@ -147,35 +228,119 @@ def ema(x: np.ndarray, beta: float = EMA_BETA) -> np.ndarray:
     return out
 
 
+def _segments(steps: np.ndarray) -> list:
+    """Slices of runs of consecutive step numbers: lines break at a gap, and
+    the smoothing starts afresh after one."""
+    cuts = [0] + (np.nonzero(np.diff(steps) > 1)[0] + 1).tolist() + [len(steps)]
+    return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _broken(steps: np.ndarray, y: np.ndarray) -> tuple:
+    """x and y with a NaN after each gap, so that one line does not bridge it."""
+    xs, ys = [], []
+    for part in _segments(steps):
+        xs += [steps[part].astype(np.float64), [np.nan]]
+        ys += [np.asarray(y[part], dtype=np.float64), [np.nan]]
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _plot_summary(run: Run) -> list:
+    s = summarize(run)
+    files = len(run.files)
+    out = [f"steps {run.steps[0]}..{run.steps[-1]}: {s['steps']} read"
+           + (f" from {files} files" if files > 1 else ""),
+           f"training loss  {s['last'][1]:.4f} at step {s['last'][0]}",
+           f"  (EMA {ema(run.loss[_segments(run.steps)[-1]])[-1]:.4f}, min {s['min'][1]:.4f})"]
+    if s["eval_last"]:
+        out.append(f"held-out loss  {s['eval_last'][1]:.4f} after {s['eval_last'][0]}")
+        if s["eval_best"]:
+            out.append(f"  (best {s['eval_best'][1]:.4f} after {s['eval_best'][0]})")
+    if s["norm_last"]:
+        out.append(f"gradient norm  {s['norm_last'][1]:.4g} at step {s['norm_last'][0]}")
+    schedule, _, clip = _schedule_text(run.files[-1].header["learner"]).partition("; ")
+    kind, _, shape = schedule.partition(": ")
+    out.append(f"learning rate  {kind}")
+    out += [f"  ({shape})"] if shape else []
+    out += [f"clipping       {clip.removeprefix('clip ')}"] if clip else []
+    if s["tokens_per_second"] is not None:
+        out.append(f"tokens/s       {s['tokens_per_second']:.0f} (median)")
+    return out
+
+
 def plot(r: results.Results, path) -> None:
-    """Mean loss per step (raw and smoothed) and mean loss by position in the
-    context over the last steps; published atomically as a PNG."""
+    """The plot of one result file (train draws it when a run ends)."""
+    plot_run(stitch([r]), path)
+
+
+def plot_run(run: Run, path) -> None:
+    """Training loss (raw, faint, and smoothed) with the held-out loss on the
+    same axes, the loss by position in the context over the last steps, and
+    below, on the same step axis, the gradient norm and the learning rate
+    where the files have them; published atomically as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    steps = np.array([s for s, _ in r.steps])
-    means = np.array([rows.mean(dtype=np.float64) for _, rows in r.steps])
-    last = max(1, math.ceil(LAST_FRACTION * len(r.steps)))
-    by_position = np.mean([rows.mean(axis=0, dtype=np.float64) for _, rows in r.steps[-last:]],
-                          axis=0)  # (T,)
-
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    lower = (["norm"] if len(run.norms) else []) + (["lr"] if np.isfinite(run.lr).any() else [])
+    fig = Figure(figsize=(12, 4.2 + 1.9 * len(lower)), layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without touching pyplot's global state
-    ax = fig.add_subplot(1, 2, 1)
-    ax.plot(steps, means, lw=0.8, alpha=0.4, label="mean loss")
-    ax.plot(steps, ema(means), lw=1.8, label=f"EMA ({EMA_BETA})")
-    ax.set_xlabel("step")
+    grid = fig.add_gridspec(1 + len(lower), 2, width_ratios=(2.2, 1),
+                            height_ratios=(3.2,) + (1.4,) * len(lower))
+
+    ax = fig.add_subplot(grid[0, 0])
+    ax.plot(*_broken(run.steps, run.loss), lw=0.7, alpha=0.35, color="C0", label="training loss")
+    smooth = np.concatenate([ema(run.loss[part]) for part in _segments(run.steps)])
+    ax.plot(*_broken(run.steps, smooth), lw=1.8, color="C0", label=f"training, EMA ({EMA_BETA})")
+    if len(run.eval_steps):
+        K = int(run.eval_k[-1])
+        ax.plot(run.eval_steps, run.eval_means, "o-", ms=4, lw=1.4, color="C3",
+                label=f"held-out ({K} context{'s' if K > 1 else ''})")
     ax.set_ylabel("loss (nats)")
-    ax.set_title("training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax = fig.add_subplot(1, 2, 2)
-    ax.plot(np.arange(len(by_position)), by_position, lw=1.2)
-    ax.set_xlabel("position in the context")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title(f"loss by position, last {last} step{'s' if last > 1 else ''}")
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"{r.header['backend']}: {r.header['model']}", fontsize=8)
+    ax.set_title("loss")
+    left = [ax]
+    for i, kind in enumerate(lower):
+        a = fig.add_subplot(grid[1 + i, 0], sharex=ax)
+        if kind == "norm":
+            a.plot(*_broken(run.norm_steps, run.norms), lw=0.8, color="C2", label="before clipping")
+            finite = run.norms[np.isfinite(run.norms)]
+            if len(finite) and finite.min() > 0 and finite.max() > 20 * finite.min():
+                a.set_yscale("log")  # early norms are orders of magnitude above later ones
+            clips = [c for c in run.clips if c is not None]
+            if len(clips) == 1:
+                a.axhline(float(clips[0]), color="C3", lw=1, ls="--", label=f"clip {clips[0]}")
+            a.set_ylabel("gradient norm")
+        else:
+            a.plot(*_broken(run.steps, run.lr), lw=1.2, color="C4")
+            a.set_ylabel("learning rate")
+            a.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+            a.set_ylim(bottom=0)
+        left.append(a)
+    for a in left:
+        for i, start in enumerate(run.starts):  # where an invocation resumed the run
+            a.axvline(start, color="0.55", lw=0.8, ls=":",
+                      label="resumed" if i == 0 and a is ax else None)
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(loc="upper right", fontsize=8)
+        if a is not left[-1]:
+            a.tick_params(labelbottom=False)
+    left[-1].set_xlabel("step (updates done)")
+
+    last = max(1, math.ceil(LAST_FRACTION * len(run.rows)))
+    by_position = np.mean([x.mean(axis=0, dtype=np.float64) for x in run.rows[-last:]], axis=0)  # (T,)
+    a = fig.add_subplot(grid[0, 1])
+    a.plot(np.arange(len(by_position)), by_position, lw=1.2)
+    a.set_xlabel("position in the context")
+    a.set_ylabel("loss (nats)")
+    a.set_title(f"loss by position, last {last} step{'s' if last > 1 else ''}")
+    a.grid(alpha=0.3)
+    if lower:  # the space below the by-position curve holds the summary's numbers
+        a = fig.add_subplot(grid[1:, 1])
+        a.axis("off")
+        text = a.text(0.02, 0.98, "\n".join(_plot_summary(run)), va="top", ha="left",
+                      fontsize=9, family="monospace", transform=a.transAxes)
+        text.set_in_layout(False)  # the column's width is the curve's, not the text's
+    backends = ", ".join(dict.fromkeys(r.header["backend"] for r in run.files))
+    fig.suptitle(f"{backends}: {run.files[-1].header['model']}", fontsize=8)
     try:
         publish(path, lambda f: fig.savefig(f, format="png", dpi=100))
     except OSError as e:
