@@ -1,50 +1,53 @@
-"""From a source text to a token stream (SPEC section 8), and the
+"""From a source to a token stream (SPEC section 8), and the
 `coppelius tokenize` subcommand.
 
-The tokenizer is a byte-level BPE with exactly V ids, trained on the source
-with Hugging Face `tokenizers` and saved as `tokenizer.json` beside the
-stream; its SHA-256 is the data identity's `tokenizer` part.
+A source (the embedded corpus, a folder or a file) is a list of documents,
+concatenated in the keyed order: coppelius.corpus reads and orders them.
 
-The embedded default source is the running Python's standard library:
-every `.py` file under `sysconfig`'s stdlib path except those under
-`site-packages`, sorted by relative path (POSIX separators), each preceded by
-a line `# file: <relative path>`, concatenated. Files are decoded as UTF-8
-with errors="replace": the few test files written on purpose in another
-encoding (or with invalid bytes) are kept, deterministically, with U+FFFD in
-place of their bad bytes, so the file list is the same on every machine with
-the same Python; a file the process may not read is left out. A file that
-does not end with a newline gets one, so each `# file:` marker is a line of
-its own.
+The tokenizer is a byte-level BPE with exactly V ids, trained on the source
+text with Hugging Face `tokenizers` and saved as `tokenizer.json` beside the
+stream; its SHA-256 is the data identity's `tokenizer` part.
 
 Cache layout under a cache directory (by default runs/data under the current
 directory, beside the runs the main job writes to runs/<preset>, so that
 `coppelius tokenize` and `coppelius train` share one cache):
 
-    corpus/stdlib-<python version>.txt       the materialised default source
-    <source stem>-v<V>/<source stem>-v<V>.tokens   the stream
-    <source stem>-v<V>/tokenizer.json        its tokenizer
+    <stem>-v<V>/<stem>-v<V>.tokens           the stream
+    <stem>-v<V>/tokenizer.json               its tokenizer
+    <stem>-v<V>/<stem>-v<V>.documents.json   its documents, in the keyed order
+
+where <stem> is stdlib-<python version> for the embedded corpus, the file's
+stem for a file, and the folder's name followed by `-dir` for a folder.
 
 A folder holds one stream, because its tokenizer is named `tokenizer.json`:
 writing a stream into a folder that holds another is refused. A cached stream
-is reused only when its header holds the source's current mtime (ns) and size,
-a tokenizer of V ids lies beside it, and that tokenizer encodes the first and
-last pieces of the source to the stream's first and last ids (so a stream is
-never trusted beside another stream's tokenizer); otherwise it is rebuilt.
+is reused only when
+- its header holds the source's current stamp (the newest document's mtime in
+  ns, the documents' total size),
+- the document list beside it names the same kind of source and the same
+  documents in the same order (a renamed, added or deleted document changes
+  the order, even where it leaves the newest mtime and the total size as
+  they were),
+- a tokenizer of V ids lies beside it and encodes the first and last pieces
+  of the source text to the stream's first and last ids (so a stream is never
+  trusted beside another stream's tokenizer);
+otherwise it is rebuilt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import platform
 import re
 import sys
-import sysconfig
 import tempfile
 import time
 
 import numpy as np
 
+from coppelius.corpus import (EMBEDDED, FOLDER, Listing, file_listing,
+                              list_source, summary)
 from coppelius.reference.config import PRESETS, preset
 from coppelius.reference.errors import ConfigError, StreamError
 from coppelius.reference.fsutil import fsync_directory, publish
@@ -80,86 +83,12 @@ def fs_error(what: str, path, e: OSError) -> StreamError:
 
 
 # ---------------------------------------------------------------------------
-# The embedded default source
-
-def stdlib_root() -> str:
-    return sysconfig.get_paths()["stdlib"]
-
-
-def default_source_name() -> str:
-    return f"stdlib-{platform.python_version()}"
-
-
-def stdlib_files(root: str) -> list:
-    """Relative POSIX paths of every .py file under `root`, none under a
-    site-packages directory, sorted."""
-    found = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d != "site-packages"]
-        rel_dir = os.path.relpath(directory, root)
-        for name in files:
-            if name.endswith(".py"):
-                rel = os.path.normpath(os.path.join(rel_dir, name))
-                found.append(rel.replace(os.sep, "/"))
-    return sorted(found)
-
-
-def default_corpus_text(root: str | None = None) -> str:
-    """The default source's text (see the module docstring)."""
-    root = root or stdlib_root()
-    parts = []
-    for rel in stdlib_files(root):
-        try:
-            with open(os.path.join(root, *rel.split("/")), "rb") as f:
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            continue  # unreadable on this machine (permissions): not part of the corpus
-        if text and not text.endswith("\n"):
-            text += "\n"
-        parts.append(f"# file: {rel}\n")
-        parts.append(text)
-    return "".join(parts)
-
-
-def materialise_default_corpus(cache_dir, root: str | None = None) -> str:
-    """Write the default source as a text file under `cache_dir`/corpus and
-    return its path. The file is only rewritten when its content changes, so
-    its mtime (and with it the stream cache) stays valid from run to run."""
-    data = default_corpus_text(root).encode("utf-8")
-    path = os.path.join(os.fspath(cache_dir), "corpus", default_source_name() + ".txt")
-    try:
-        with open(path, "rb") as f:
-            if f.read() == data:
-                return path
-    except (FileNotFoundError, NotADirectoryError):
-        pass  # not there yet (writing says why it cannot make it)
-    except OSError as e:
-        raise fs_error(f"corpus {path}: cannot read", path, e) from None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        publish(path, lambda f: f.write(data))
-    except OSError as e:
-        raise fs_error(f"corpus {path}: cannot write", path, e) from None
-    return path
-
-
-# ---------------------------------------------------------------------------
 # The tokenizer
 
 def read_source(path) -> str:
-    """A source file's text, UTF-8, newlines kept as they are."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise StreamError(f"source {path}: no such file") from None
-    except OSError as e:
-        raise StreamError(f"source {path}: cannot read ({e.strerror})") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StreamError(f"source {path}: not UTF-8 at byte offset {e.start}") from None
+    """A source file's text, UTF-8, newlines kept as they are (a FIFO or a
+    device is refused, never opened for reading)."""
+    return file_listing(path).text()
 
 
 def pieces(text: str, size: int | None = None):
@@ -268,18 +197,6 @@ def default_cache_dir() -> str:
     return os.path.join("runs", "data")
 
 
-def source_stamp(path) -> tuple:
-    """(mtime_ns, size) of a source: what a stream's header records."""
-    path = os.fspath(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise StreamError(f"source {path}: no such file") from None
-    except OSError as e:
-        raise fs_error(f"source {path}: cannot read", path, e) from None
-    return st.st_mtime_ns, st.st_size
-
-
 def head_and_tail(text: str) -> tuple:
     """The first piece of `text` and a last piece, each cut where the
     pre-tokenizer splits anyway (see pieces), so each encodes to the first /
@@ -313,11 +230,56 @@ def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
     return True
 
 
-def is_fresh(stream_path, source_path, vocab: int) -> bool:
-    """Whether the cached stream was made from the source as it is now, by
-    the tokenizer of `vocab` ids that lies beside it."""
+DOCUMENTS_FORMAT = "coppelius-documents-v1"
+
+
+def documents_beside(stream_path) -> str:
+    """The document list published beside a stream: `a.tokens` -> `a.documents.json`."""
+    return os.path.splitext(os.fspath(stream_path))[0] + ".documents.json"
+
+
+def documents_record(listing: Listing) -> dict:
+    """What the document list beside a stream holds: the kind of source, its
+    documents in the keyed order, and what was skipped (for the summaries)."""
+    return {"format": DOCUMENTS_FORMAT, "kind": listing.kind, "documents": listing.documents,
+            "binary": listing.binary, "skipped": listing.skipped}
+
+
+def read_documents(stream_path) -> dict | None:
+    """The document list beside a stream, or None where there is none or it
+    is not one this version writes (a cache entry that is then rebuilt)."""
+    path = documents_beside(stream_path)
     try:
-        if read_stream_header(stream_path) != source_stamp(source_path):
+        with open(path, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not (isinstance(record, dict) and record.get("format") == DOCUMENTS_FORMAT
+            and all(isinstance(record.get(k), list) for k in ("documents", "binary", "skipped"))):
+        return None
+    return record
+
+
+def documents_summary(stream_path) -> str | None:
+    """'12 documents, 3 binary files skipped' from the list beside a stream,
+    or None where there is none (a stream given as it is)."""
+    record = read_documents(stream_path)
+    if record is None:
+        return None
+    return summary(len(record["documents"]), len(record["binary"]), len(record["skipped"]))
+
+
+def is_fresh(stream_path, source, vocab: int) -> bool:
+    """Whether the cached stream was made from the source as it is now, by
+    the tokenizer of `vocab` ids that lies beside it. `source`: a Listing,
+    or what list_source takes (None for the embedded corpus, a path)."""
+    listing = source if isinstance(source, Listing) else list_source(source)
+    try:
+        if read_stream_header(stream_path) != listing.stamp:
+            return False
+        record = read_documents(stream_path)
+        if record is None or (record["kind"], record["documents"]) != (listing.kind,
+                                                                       listing.documents):
             return False
         tokenizer_path = tokenizer_beside(stream_path)
         if not os.path.isfile(tokenizer_path):
@@ -326,9 +288,32 @@ def is_fresh(stream_path, source_path, vocab: int) -> bool:
         if tokenizer.get_vocab_size() != vocab:
             return False
         stream = open_stream(stream_path, vocab)
-        return encodes_to(tokenizer, read_source(source_path), stream.ids)
+        return encodes_to(tokenizer, listing.text(), stream.ids)
     except StreamError:
         return False
+
+
+def publish_documents(stream_path, listing: Listing) -> None:
+    path = documents_beside(stream_path)
+    body = json.dumps(documents_record(listing), indent=1, ensure_ascii=False) + "\n"
+    try:
+        publish(path, lambda f: f.write(body.encode("utf-8")))
+    except OSError as e:
+        raise fs_error(f"document list {path}: cannot write", path, e) from None
+
+
+def check_can_write(stream_path) -> None:
+    """Refuse a stream whose folder cannot be made or written, before the
+    tokenizer is trained (a minute on the embedded corpus), and without
+    making anything: its nearest existing ancestor must be a writable folder."""
+    stream_path = os.fspath(stream_path)
+    probe = os.path.dirname(os.path.abspath(stream_path))
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    reason = ("Not a directory" if not os.path.isdir(probe) else
+              "Permission denied" if not os.access(probe, os.W_OK | os.X_OK) else None)
+    if reason:
+        raise StreamError(f"stream {stream_path}: cannot write ({reason} at {probe})")
 
 
 def check_folder_is_its_own(stream_path) -> None:
@@ -352,14 +337,16 @@ def check_folder_is_its_own(stream_path) -> None:
 
 
 def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
-                 tokenizer_json: str) -> str:
-    """Publish a stream of `ids` (N,) and its tokenizer.json -> the tokenizer
-    path. Two files cannot be renamed at once, so the order is chosen for
-    what any failure or crash leaves behind:
+                 tokenizer_json: str, listing: Listing | None = None) -> str:
+    """Publish a stream of `ids` (N,) and its tokenizer.json (and, given the
+    source's `listing`, its document list) -> the tokenizer path. Files
+    cannot be renamed at once, so the order is chosen for what any failure
+    or crash leaves behind:
 
       1. the whole stream is written and synced under a staged name;
       2. the tokenizer is published (written, synced, renamed);
-      3. the staged stream is renamed over the stream.
+      3. the staged stream is renamed over the stream;
+      4. the document list is published.
 
     A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
     between 2 and 3 leaves the new tokenizer beside the old stream, and
@@ -367,7 +354,11 @@ def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
     header names an older source, or the new tokenizer does not encode the
     source to the old ids. (It is accepted only where it is a true pair: the
     same source and V train the same tokenizer, byte for byte.) At no point
-    is the old stream left without a tokenizer."""
+    is the old stream left without a tokenizer. The list comes last because
+    it is what tells a renamed document apart (the header does not move
+    then): a crash between 3 and 4 leaves the old list beside the new
+    stream, which is_fresh turns down; the other order could leave the new
+    list beside the old stream and have it accepted."""
     stream_path = os.fspath(stream_path)
     tokenizer_path = tokenizer_beside(stream_path)
     directory = os.path.dirname(os.path.abspath(stream_path))
@@ -394,22 +385,31 @@ def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
                 os.unlink(staged)
             except OSError:
                 pass  # a hidden leftover; the published files are what matter
+    if listing is not None:
+        publish_documents(stream_path, listing)  # 4
     return tokenizer_path
 
 
-def tokenize_source(source_path, stream_path, vocab: int, progress: bool = False) -> dict:
-    """Train the tokenizer on the source, encode it, publish the stream and
-    its tokenizer.json (publish_pair). Returns what was written."""
+def describe(listing: Listing) -> str:
+    """How a source is named in messages."""
+    if listing.kind == EMBEDDED:
+        return f"the embedded corpus {listing.root}"
+    return f"{'folder' if listing.kind == FOLDER else 'source'} {listing.root}"
+
+
+def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = False) -> dict:
+    """Train the tokenizer on the source text, encode it, publish the stream,
+    its tokenizer.json and its document list (publish_pair). Returns what
+    was written."""
     started = time.perf_counter()
-    source_path = os.fspath(source_path)
-    mtime_ns, size = source_stamp(source_path)
-    text = read_source(source_path)
+    text = listing.text()
     if progress:
-        print(f"training a byte-level BPE of {vocab} ids on {source_path} "
-              f"({size:,} bytes)", file=sys.stderr)
-    tokenizer = train_tokenizer([text], vocab, name=source_path)
+        print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
+              f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
+    tokenizer = train_tokenizer([text], vocab, name=listing.root)
     ids = encode(tokenizer, text, progress=progress)  # (N,)
-    tokenizer_path = publish_pair(stream_path, ids, mtime_ns, size, tokenizer.to_str())
+    tokenizer_path = publish_pair(stream_path, ids, listing.mtime_ns, listing.size,
+                                  tokenizer.to_str(), listing)
     return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": int(ids.size),
             "seconds": time.perf_counter() - started}
 
@@ -419,10 +419,10 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
     """The stream a run reads -> (stream path, tokenizer path or None).
 
     With `stream`, use it as is (with the tokenizer.json beside it, if any).
-    Otherwise tokenize `source` (the embedded default when None) into `out`
-    (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`, cache_dir
-    None meaning default_cache_dir()), reusing a fresh cached stream and
-    rebuilding a stale one."""
+    Otherwise tokenize `source` (a file or a folder; the embedded default when
+    None) into `out` (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`,
+    cache_dir None meaning default_cache_dir()), reusing a fresh cached stream
+    and rebuilding a stale one."""
     if stream is not None:
         if source is not None:
             raise ConfigError("give a source or a stream, not both")
@@ -433,33 +433,38 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
             raise StreamError(f"stream {stream}: no such token stream")
         tokenizer_path = tokenizer_beside(stream)
         return stream, tokenizer_path if os.path.isfile(tokenizer_path) else None
-    stream, tokenizer_path, _ = stream_for_source(source, vocab, out, cache_dir, progress)
+    stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress)
     return stream, tokenizer_path
+
+
+def cache_stem(listing: Listing, vocab: int) -> str:
+    """The cache folder's and the stream's name: a folder's gets `-dir`, so
+    that a folder `notes` and a file `notes.txt` never share a cache entry."""
+    return f"{listing.name}{'-dir' if listing.kind == FOLDER else ''}-v{vocab}"
 
 
 def stream_for_source(source, vocab: int, out=None, cache_dir=None,
                       progress: bool = False) -> tuple:
-    """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?)."""
+    """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?, Listing)."""
     check_vocab(vocab)
     cache_dir = os.fspath(default_cache_dir() if cache_dir is None else cache_dir)
-    if source is not None:
-        source = os.fspath(source)
-        source_stamp(source)  # a missing source is refused before anything is written
+    listing = list_source(source)  # a missing or empty source is refused before anything is written
     if out is None:
-        name = default_source_name() if source is None else os.path.splitext(
-            os.path.basename(source))[0]
-        stem = f"{name}-v{vocab}"
+        stem = cache_stem(listing, vocab)
         out = os.path.join(cache_dir, stem, stem + STREAM_SUFFIX)
     out = os.fspath(out)
     if os.path.isdir(out):
         raise StreamError(f"stream {out}: is a directory, not a token stream file")
-    if source is None:
-        source = materialise_default_corpus(cache_dir)
-    rebuilt = not is_fresh(out, source, vocab)
+    rebuilt = not is_fresh(out, listing, vocab)
     if rebuilt:
         check_folder_is_its_own(out)
-        tokenize_source(source, out, vocab, progress=progress)
-    return out, tokenizer_beside(out), rebuilt
+        check_can_write(out)
+        tokenize_source(listing, out, vocab, progress=progress)
+    elif read_documents(out) != documents_record(listing):
+        # the same documents, other files skipped (a binary file added, say):
+        # the stream stands, the list's counts are brought up to date
+        publish_documents(out, listing)
+    return out, tokenizer_beside(out), rebuilt, listing
 
 
 # ---------------------------------------------------------------------------
@@ -477,9 +482,12 @@ def register(subparsers) -> None:
         "tokenize", help="turn a source text into a token stream",
         description="Train a byte-level BPE of V ids on SOURCE (default: the running Python's "
                     "standard library) and write the token stream and tokenizer.json beside it. "
-                    "A stream that is up to date with its source is reused.")
+                    "A folder's text files are documents, concatenated in a fixed shuffled "
+                    "order (binary files skipped and counted). A stream that is up to date "
+                    "with its source is reused.")
     p.add_argument("source", nargs="?", metavar="SOURCE",
-                   help="a UTF-8 text file (default: the embedded standard-library corpus)")
+                   help="a UTF-8 text file, or a folder of them (default: the embedded "
+                        "standard-library corpus; SPEC §8)")
     p.add_argument("--out", metavar="STREAM",
                    help="the stream file (default: in the cache directory)")
     p.add_argument("--preset", choices=sorted(PRESETS),
@@ -497,13 +505,15 @@ def run_tokenize(args) -> int:
     config = preset(preset_name)
     vocab = config.vocab if args.vocab is None else args.vocab
     started = time.perf_counter()
-    stream_path, tokenizer_path, rebuilt = stream_for_source(
+    stream_path, tokenizer_path, rebuilt, listing = stream_for_source(
         args.source, vocab, args.out, args.cache_dir, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     n = (os.path.getsize(stream_path) - HEADER_BYTES) // TOKEN_BYTES
     K = max(n - 1, 0) // config.context
     print(f"{'wrote' if rebuilt else 'up to date'} {stream_path}: {n:,} ids, "
           f"{K:,} contexts of T={config.context} ({preset_name} preset), vocabulary V={vocab}")
+    print(f"{describe(listing)}: {listing.summary()}; their order: "
+          f"{documents_beside(stream_path)}")
     print(f"{tokenizer_path}: sha256 {tokenizer_sha(tokenizer_path)}")
     print(f"{seconds:.1f} s")
     return 0

@@ -63,7 +63,8 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="precision policy (default: bf16 on cupy, else fp32)")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--source", metavar="TEXT", help="a text file to tokenize and train on")
+    data.add_argument("--source", metavar="PATH",
+                      help="a text file, or a folder of text files, to tokenize and train on")
     data.add_argument("--stream", metavar="STREAM", help="a token stream file to train on")
     p.add_argument("--checkpoint", metavar="PATH",
                    help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin)")
@@ -642,6 +643,10 @@ def main(args) -> int:
         step, loss = summary["held_out"][-1]
         print_safely(f"held-out loss at step {step}: {loss:.4f} (perplexity "
                      f"{math.exp(min(loss, 700)):,.1f}) over {plan.heldout} contexts", out)
+    from coppelius.data import documents_summary
+
+    documents = documents_summary(plan.stream.path)  # None for a stream given as is
+    print_safely(f"stream:     {plan.stream.path}{f' ({documents})' if documents else ''}", out)
     print_safely(f"checkpoint: {plan.checkpoint}", out)
     print_safely(f"results:    {summary['results']}", out)
     png = os.path.splitext(summary["results"])[0] + ".png"

@@ -124,11 +124,19 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def mix_keys(seed: int, count: int) -> np.ndarray:
+    """(count,) uint64: key_k = mix(seed + (k + 1) * GAMMA) for k in [0, count),
+    modulo 2^64. SPEC 2 keys parameter k's stream with it; SPEC 8 orders the
+    documents of a source by it."""
+    with np.errstate(over="ignore"):
+        k1 = np.arange(1, count + 1, dtype=np.uint64)  # k + 1
+        return _mix(np.uint64(seed % 2**64) + k1 * GAMMA)
+
+
 def normal_values(seed: int, ordinal: int, start: int, count: int) -> np.ndarray:
     """Standard normal z (float64) of elements [start, start+count) of parameter `ordinal`."""
+    key = mix_keys(seed, ordinal + 1)[ordinal]
     with np.errstate(over="ignore"):
-        base = np.array([(seed + (ordinal + 1) * int(GAMMA)) % 2**64], dtype=np.uint64)
-        key = _mix(base)[0]
         i1 = np.arange(start + 1, start + count + 1, dtype=np.uint64)  # i + 1
         r = _mix(key + i1 * GAMMA)
     u1 = ((r >> np.uint64(40)).astype(np.float64) + 0.5) / 2.0**24

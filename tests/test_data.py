@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coppelius import data
+from coppelius import corpus, data
 from coppelius.cli import main
 from coppelius.reference import fsutil
 from coppelius.reference.errors import ConfigError, StreamError
@@ -137,6 +137,34 @@ def fake_stdlib(root):
     return files
 
 
+M64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+
+
+def mix(z: int) -> int:
+    """SPEC 2's splitmix64 finalizer on plain Python ints (independent of the
+    NumPy one the implementation uses)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def keyed(names) -> list:
+    """SPEC 8: document i of the sorted names gets mix(20260925 + (i+1) GAMMA);
+    the text is in increasing key order."""
+    keys = {name: mix((20260925 + (i + 1) * GAMMA) & M64) for i, name in enumerate(sorted(names))}
+    return sorted(keys, key=keys.get)
+
+
+def test_keyed_order_of_the_first_documents():
+    # written out once from the formula, so a change to the order (another
+    # seed, keys sorted the other way, a 1-based i) cannot pass unnoticed
+    assert corpus.keyed_order(5) == sorted(range(5), key=lambda i: mix(
+        (20260925 + (i + 1) * GAMMA) & M64))
+    assert keyed(["a", "b", "c"]) == [["a", "b", "c"][i] for i in corpus.keyed_order(3)]
+    assert corpus.keyed_order(0) == [] and corpus.keyed_order(1) == [0]
+
+
 def test_default_corpus_on_a_fake_stdlib(tmp_path, monkeypatch):
     root = str(tmp_path / "lib")
     files = fake_stdlib(root)
@@ -145,38 +173,47 @@ def test_default_corpus_on_a_fake_stdlib(tmp_path, monkeypatch):
                   if rel.endswith(".py") and "site-packages" not in rel.split("/"))
     # plain string order of POSIX paths: "a-b.py" < "a/bad.py" ('-' < '/')
     assert kept == ["a-b.py", "a/bad.py", "a/x.py", "os.py", "z/__init__.py"]
-    assert data.stdlib_files(root) == kept
-    expected = ("# file: a-b.py\nx = 1\n"
-                "# file: a/bad.py\ns = 'caf\ufffd'\n"
-                "# file: a/x.py\ns = 'caf\u00e9'\n"
-                "# file: os.py\nimport sys\n"
-                "# file: z/__init__.py\n")
-    assert data.default_corpus_text() == expected
+    assert corpus.stdlib_files(root) == kept
+    body = {"a-b.py": "x = 1\n",  # a final newline added
+            "a/bad.py": "s = 'caf\ufffd'\n",  # the latin-1 byte replaced
+            "a/x.py": "s = 'caf\u00e9'\n",
+            "os.py": "import sys\n",
+            "z/__init__.py": ""}  # empty: its marker line is all of it
+    order = keyed(kept)
+    assert order != kept  # five documents the shuffle moves
+    expected = "".join(f"# file: {rel}\n{body[rel]}" for rel in order)
+    listing = corpus.list_source(None)
+    assert listing.kind == corpus.EMBEDDED and listing.documents == order
+    assert listing.text() == expected
+    # the stamp: the newest document's mtime and the documents' total size
+    paths = [os.path.join(root, *rel.split("/")) for rel in kept]
+    for k, path in enumerate(paths):
+        os.utime(path, ns=(10**18 + k, 10**18 + k))
+    assert corpus.list_source(None).stamp == (10**18 + len(paths) - 1,
+                                              sum(len(files[rel]) for rel in kept))
 
-    path = data.materialise_default_corpus(tmp_path / "cache")
-    assert path.endswith(os.path.join("corpus", data.default_source_name() + ".txt"))
-    assert open(path, encoding="utf-8").read() == expected
-    before = os.stat(path).st_mtime_ns
-    os.utime(path, ns=(before - 10**9, before - 10**9))
-    data.materialise_default_corpus(tmp_path / "cache")  # unchanged: not rewritten
-    assert os.stat(path).st_mtime_ns == before - 10**9
-    with open(os.path.join(root, "os.py"), "ab") as f:
-        f.write(b"import io\n")
-    data.materialise_default_corpus(tmp_path / "cache")  # changed: rewritten
-    assert open(path, encoding="utf-8").read().count("import io\n") == 1
+    stream, tok = data.prepare_stream(vocab=256, cache_dir=tmp_path / "cache")
+    assert read_stream_header(stream) == corpus.list_source(None).stamp
+    assert decodes_to(stream, tok, expected)
+    assert not os.path.exists(tmp_path / "cache" / "corpus")  # nothing materialised
 
 
-def test_the_real_default_corpus_has_its_markers_in_order():
+def test_the_real_default_corpus_has_its_markers_in_keyed_order():
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
                    if "site-packages" not in p.relative_to(root).parts)
-    assert data.stdlib_files(str(root)) == files and "os.py" in files
-    text = data.default_corpus_text()
-    assert text.startswith(f"# file: {files[0]}\n")
+    assert corpus.stdlib_files(str(root)) == files and "os.py" in files
+    listing = corpus.list_source(None)
+    order = keyed(listing.documents)  # what was read (an unreadable file is left out)
+    assert listing.documents == order and len(order) > 0.99 * len(files)
+    text = listing.text()
+    assert text.startswith(f"# file: {order[0]}\n")
     at = -1
-    for rel in files:  # each marker is a line of its own, after the previous one
+    for rel in order:  # each marker is a line of its own, after the previous one
         at = text.index(f"# file: {rel}\n", at + 1)
         assert at == 0 or text[at - 1] == "\n", rel
+    newest = max(os.stat(root / rel).st_mtime_ns for rel in order)
+    assert listing.stamp == (newest, sum(os.stat(root / rel).st_size for rel in order))
 
 
 # ---------------------------------------------------------------------------
@@ -324,7 +361,8 @@ def test_a_second_stream_in_a_folder_is_refused_naming_both(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("coppelius tokenize: error: stream ")
     assert str(folder / "b.tokens") in err and str(folder / "a.tokens") in err
-    assert tok.read_bytes() == before and sorted(os.listdir(folder)) == ["a.tokens", "tokenizer.json"]
+    assert tok.read_bytes() == before
+    assert sorted(os.listdir(folder)) == ["a.documents.json", "a.tokens", "tokenizer.json"]
     assert main(["tokenize", str(a_src), "--out", str(folder / "a.tokens")] + args) == 0
     assert f"up to date {folder / 'a.tokens'}" in capsys.readouterr().out
     assert decodes_to(folder / "a.tokens", tok, sample_text())
@@ -456,10 +494,9 @@ def test_tokenize_and_train_share_the_default_cache(tmp_path, monkeypatch, capsy
     monkeypatch.chdir(work)
     assert data.default_cache_dir() == os.path.join("runs", "data")
     assert main(["tokenize", "--vocab", str(V), "--preset", "tiny"]) == 0
-    stem = f"{data.default_source_name()}-v{V}"
+    stem = f"{corpus.default_source_name()}-v{V}"
     expected = os.path.join("runs", "data", stem, stem + ".tokens")
     assert f"wrote {expected}: " in capsys.readouterr().out
-    assert (work / "runs" / "data" / "corpus" / f"{data.default_source_name()}.txt").is_file()
     # what `coppelius train` asks for: the default cache, no rebuild
     assert data.prepare_stream(vocab=V, cache_dir=None) == (
         expected, os.path.join("runs", "data", stem, "tokenizer.json"))
