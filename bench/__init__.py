@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Config, Hyper
+from coppelius.reference.config import PRECISIONS, Config, Hyper, config_from_toml
 from coppelius.reference.config import preset as preset_config
 from coppelius.reference.errors import ConfigError
 
@@ -192,14 +192,18 @@ def register(subparsers) -> None:
         "bench", help="time a training step on every backend and the PyTorch peer",
         description="Median ms per training step of the reference, each available "
                     "backend and the PyTorch peer, in one run, with ratios to the peer.")
-    parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--preset", help="model preset (default: tiny)")
+    parser.add_argument("--model", metavar="FILE.toml",
+                        help="model configuration file (SPEC §17); with --preset it overrides "
+                             "the preset's fields")
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help="backend to time besides the reference; repeatable "
                              "(default: every available one)")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="precision of the backends; repeatable (default: bf16 on cupy, "
                              "fp32 elsewhere)")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="contexts per step")
+    parser.add_argument("--batch", type=int, metavar="B",
+                        help="contexts per step (default: the model file's batch, else 1)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
@@ -212,12 +216,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    config, defaults = preset_config(args.preset or "tiny"), {}
+    if args.model:
+        config, defaults = config_from_toml(args.model, config if args.preset else None)
+    if args.batch is None:
+        args.batch = defaults.get("batch", 1)
     for name in ("steps", "batch"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be a positive integer")
     if args.warmup < 0 or args.reference_coppelius < 0:
         raise ConfigError("--warmup and --reference-coppelius must be >= 0")
-    config = preset_config(args.preset)
     backends = args.backend or [n for n in accelerated.available_backends() if n != "reference"]
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
@@ -246,7 +254,8 @@ def run(args) -> int:
         runner = program_runner("reference", big, "fp32", 1, label="reference (coppelius)")
         rows += measure([runner], windows(big, 1, 1 + args.reference_coppelius), warmup=1)
 
-    print(f"coppelius bench: preset {args.preset}, B={args.batch}, T={config.context}, "
+    shape = f"model {args.model}" if args.model else f"preset {args.preset or 'tiny'}"
+    print(f"coppelius bench: {shape}, B={args.batch}, T={config.context}, "
           f"{args.steps} timed steps after {args.warmup} warmup"
           + (f", torch threads {threads}" if threads else ""))
     print(format_table(rows, peers))

@@ -6,6 +6,8 @@
     --preset NAME       test (default) or tiny, coppelius; with --checkpoint it
                         must name the checkpoint's model (it is otherwise taken
                         from the checkpoint)
+    --model FILE.toml   a model configuration file (SPEC 17), over --preset's
+                        fields when both are given; with --checkpoint, the same
     --precision P       (repeatable) fp32, bf16; default both
     --batch B --steps S the step shape and the trajectory length (default 1, 20)
     --stream S          token windows from a stream (contexts c0 + s*B + b,
@@ -24,7 +26,7 @@ import argparse
 import os
 
 from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity
+from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
 from coppelius.reference.config import preset as preset_config
 from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
 
@@ -41,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None,
                         help="model preset: test (default), tiny or coppelius; with "
                              "--checkpoint it must be the checkpoint's model")
+    parser.add_argument("--model", metavar="FILE.toml",
+                        help="model configuration file (SPEC §17); with --preset it overrides "
+                             "the preset's fields")
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="precision policy; repeatable (default: fp32 and bf16)")
     parser.add_argument("--batch", type=int, default=None, metavar="B",
@@ -98,7 +103,10 @@ def run(args) -> int:
 
     preset_name = args.preset or "test"
     config = preset_config(preset_name)
-    batch = args.batch or 1
+    if args.model:  # run_suite takes the Config itself (reported as "custom")
+        config, defaults = config_from_toml(args.model, config if args.preset else None)
+        preset_name = config
+    batch = args.batch or (defaults.get("batch", 1) if args.model else 1)
     precisions = args.precision or list(PRECISIONS)
     windows, inputs = None, None
     if args.stream:
@@ -184,6 +192,13 @@ def debug_checkpoint(args, backends: list) -> int:
     if not args.stream:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
     config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint, args.preset)
+    if args.model:
+        named = config_from_toml(args.model, preset_config(args.preset) if args.preset
+                                 else None)[0]
+        if named.identity() != header["model"]:
+            raise IdentityMismatch(f"checkpoint {args.checkpoint}: model identity differs from "
+                                   f"--model {args.model}: checkpoint has {header['model']!r}, "
+                                   f"--model has {named.identity()!r}")
     batch = args.batch or batch
     stream = open_stream(args.stream, config.vocab)
     tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)

@@ -27,7 +27,7 @@ from coppelius.evaluate import held_out_losses
 from coppelius.reference import checkpoint, fsutil, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
-                                        parse_rational, preset, rational_text)
+                                        config_from_toml, parse_rational, preset, rational_text)
 from coppelius.reference.errors import IdentityMismatch, NonFiniteError, ResultFileError, RunError
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
@@ -39,7 +39,7 @@ from coppelius.reference.stream import open_stream
 # command line gives them. Not remembered: how far to go this time (--steps,
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
-REMEMBERED = ("source", "stream", "preset", "backend", "precision", "batch", "interval",
+REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
               "final_step")
@@ -58,6 +58,9 @@ def register(sub) -> None:
                                    "continues run D (SPEC §9).")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model preset (default: coppelius with a GPU, else tiny)")
+    p.add_argument("--model", metavar="FILE.toml",
+                   help="model configuration file (SPEC §17); with --preset it overrides "
+                        "the preset's fields")
     p.add_argument("--backend", choices=sorted(accelerated.BACKENDS),
                    help="backend (default: the best available)")
     p.add_argument("--precision", choices=["fp32", "bf16"],
@@ -70,7 +73,8 @@ def register(sub) -> None:
                    help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin)")
     p.add_argument("--results", metavar="PATH",
                    help="result file to write; must not exist (default: RUN_DIR/results-<step>.bin)")
-    p.add_argument("--run-dir", metavar="DIR", help="output directory (default: runs/<preset>)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="output directory (default: runs/<preset>, or runs/<model file stem>)")
     how_far = p.add_mutually_exclusive_group()
     how_far.add_argument("--steps", type=int, metavar="S", help="take S more steps")
     how_far.add_argument("--until", type=int, metavar="N",
@@ -182,14 +186,16 @@ def resolve_options(args) -> tuple:
     Paths are remembered absolute, so a run continues from any directory."""
     from coppelius import data  # tokenizers is imported only when a run needs it
 
-    run_dir = args.run_dir or os.path.join("runs", args.preset or data.default_preset())
+    default_name = (os.path.splitext(os.path.basename(args.model))[0] if args.model
+                    else args.preset or data.default_preset())
+    run_dir = args.run_dir or os.path.join("runs", default_name)
     remembered = read_run_file(run_dir)
     options = {}
     for key in REMEMBERED:
         given = getattr(args, key, None)
         if key == "repeat_data":
             given = True if args.repeat_data else None
-        if key in ("source", "stream", "checkpoint") and given is not None:
+        if key in ("source", "stream", "checkpoint", "model") and given is not None:
             given = os.path.abspath(given)
         if given is not None:
             options[key] = given
@@ -244,10 +250,13 @@ def make_plan(args) -> Plan:
     name = options.get("preset") or data.default_preset()
     if name not in PRESETS:
         raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
-    config = preset(name)
+    config, defaults = preset(name), {}
+    if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
+        config, defaults = config_from_toml(options["model"], config if options.get("preset")
+                                            else None)
     precision = check_precision(options.get("precision")
                                 or ("bf16" if backend == "cupy" else "fp32"))
-    batch = _positive(options.get("batch", 1), "batch")
+    batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")
     interval = _positive(options.get("interval"), "interval") or config.interval
     eval_every = _nonnegative(options.get("eval_every"), "eval-every")
     eval_every = interval if eval_every is None else eval_every

@@ -9,6 +9,8 @@ Dimension vocabulary used throughout the project:
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -102,6 +104,71 @@ def config_from_identity(model: str, where: str = "checkpoint") -> Config:
     if config is None or config.identity() != model:
         raise ConfigError(f"{where}: model identity {model!r} is not one this version implements")
     return config
+
+
+# What a model configuration file may set (SPEC 17): the model's fields, and
+# the run policy a preset carries (steps, interval) plus the batch a run
+# defaults to. Without --preset, a file sets every model field, and steps and
+# interval default to the tiny preset's (a configuration that trains on a CPU
+# in minutes is the likely reason to write one).
+RUN_KEYS = ("steps", "interval", "batch")
+MODEL_FILE_KEYS = MODEL_FIELDS + RUN_KEYS
+MODEL_FILE_BYTES = 1 << 20  # a model file is a few lines; anything larger is not one
+FIELD_LIMIT = 1 << 31  # every field is an int32 somewhere (token ids, kernel indices)
+
+
+def config_from_toml(path, base: Config | None = None) -> tuple:
+    """(Config, run defaults) of a model configuration file (SPEC 17).
+
+    `base` (a preset, from --preset) gives every field the file does not
+    set; without it the file must set all of MODEL_FIELDS. Run defaults:
+    {"batch": B} when the file sets batch, else {}. A refusal is one
+    ConfigError naming the file, and the key or the TOML line."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    path = os.fspath(path)
+    where = f"model file {path}"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
+            raise ConfigError(f"{where}: not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MODEL_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read ({e.strerror or e})") from None
+    if len(raw) > MODEL_FILE_BYTES:
+        raise ConfigError(f"{where}: larger than {MODEL_FILE_BYTES} bytes, not a model file")
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{where}: line {line}: not UTF-8 (byte offset {e.start})") from None
+    except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
+        raise ConfigError(f"{where}: not valid TOML: {e}") from None
+    for key, value in doc.items():
+        if key not in MODEL_FILE_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} (a model file sets "
+                              f"{', '.join(MODEL_FILE_KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < FIELD_LIMIT:
+            shown = "a table" if isinstance(value, dict) else repr(value)
+            raise ConfigError(f"{where}: {key} = {shown}: must be a positive integer "
+                              f"below 2^31")
+    if base is None:
+        missing = [k for k in MODEL_FIELDS if k not in doc]
+        if missing:
+            raise ConfigError(f"{where}: missing key {missing[0]!r} (without --preset a model "
+                              f"file sets all of {', '.join(MODEL_FIELDS)})")
+        base = PRESETS["tiny"]  # every model field is the file's; steps and interval default
+    fields = {k: doc[k] for k in MODEL_FIELDS + ("steps", "interval") if k in doc}
+    try:
+        config = dataclasses.replace(base, **fields)
+    except ConfigError as e:  # a shape the model cannot take (n_head not dividing d_model, ...)
+        raise ConfigError(f"{where}: {e}") from None
+    return config, {k: doc[k] for k in ("batch",) if k in doc}
 
 
 def rational_text(q: Fraction) -> str:
