@@ -113,6 +113,9 @@ def register(sub) -> None:
                    help="resume with another learning rate, schedule or clip (lifts the learner "
                         "identity's hyperparameters, never its precision)")
     p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    p.add_argument("--prompt", metavar="TEXT",
+                   help="the sample's prompt (default: the first line of the stream's last "
+                        "context, held out from training)")
     p.set_defaults(func=main)
 
 
@@ -663,7 +666,11 @@ def main(args) -> int:
     print_safely(f"loss plot:  {png}", out)
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()
-        text = sample.generate_text(plan.checkpoint, prompt=sample.DEFAULT_PROMPT, tokens=80,
+        prompt = args.prompt
+        if prompt is None:  # the last context: held out whenever any is (SPEC 18)
+            prompt = sample.corpus_prompt(plan.stream, plan.config, plan.tokenizer,
+                                          plan.stream.n_contexts(plan.config.context) - 1)
+        text = sample.generate_text(plan.checkpoint, prompt=prompt, tokens=80,
                                     temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer,
                                     logits_of=summary["program"].logits)
         print_safely(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text, out)

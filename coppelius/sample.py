@@ -23,6 +23,51 @@ from coppelius.reference.errors import CheckpointError, ConfigError, NonFiniteEr
 DEFAULT_PROMPT = "def"
 
 
+PROMPT_TOKENS = 8  # about a line of code: enough to set the scene, short enough to read
+PROMPT_LINE_TOKENS = 32  # a first line up to this long is kept whole
+
+
+def corpus_prompt(stream, config: Config, tokenizer, context_index: int) -> str:
+    """A prompt taken from the corpus: the first characters of context
+    `context_index` of `stream` (its T input ids), in whole lines where it
+    can. A context starts wherever T ids fall, mostly inside a line, so the
+    prompt starts after its first line break (and any blank lines there).
+    It is the first line, and the lines after it while all of them hold at
+    most PROMPT_TOKENS tokens; a first line of more than PROMPT_LINE_TOKENS
+    is cut to its first PROMPT_TOKENS. Trailing space and the line break
+    are left out: the byte-level BPE joins them with what follows, so a
+    prompt ending in one leaves a token the model rarely saw there (see
+    DEFAULT_PROMPT). DEFAULT_PROMPT where the context holds no text.
+
+    `tokenizer`: a tokenizers.Tokenizer, or the path of a tokenizer.json."""
+    from coppelius.data import load_tokenizer
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    T = config.context
+    ids = stream.batch(context_index, 1, T)[0, :T]  # (T,) the context's inputs
+    lines = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False).split("\n")
+    if "".join(lines[1:]).strip():
+        lines = lines[1:]  # the first line is, as a rule, the end of one cut off
+    while len(lines) > 1 and not lines[0].strip():
+        lines = lines[1:]
+    prompt = lines[0]
+    if len(encode(prompt)) > PROMPT_LINE_TOKENS:
+        prompt = tokenizer.decode(encode(prompt)[:PROMPT_TOKENS], skip_special_tokens=False)
+    else:
+        for line in lines[1:-1]:  # the context's last line may be cut off: never taken
+            if len(encode(prompt + "\n" + line)) > PROMPT_TOKENS:
+                break
+            prompt += "\n" + line
+    # U+FFFD: the end of a character whose bytes a token boundary cut
+    prompt = prompt.rstrip(" \t\r\n\ufffd")
+    return prompt if prompt.strip() else DEFAULT_PROMPT
+
+
 def load_parameters(path) -> tuple:
     """(config, P (N,) float32, header) of a checkpoint file, P bound by name
     through the binding layer (the moments are not read)."""

@@ -122,7 +122,8 @@ def test_a_custom_shape_trains_and_resumes_on_the_reference(tmp_path, source, ca
                                                             monkeypatch):
     monkeypatch.chdir(tmp_path)  # the stream cache runs/data and the default run directory
     model = toml_file(tmp_path / "small.toml", dict(SMALL, steps=3, batch=2))
-    assert main(["train", "--backend", "reference", "--model", model, "--source", str(source)]) == 0
+    assert main(["train", "--backend", "reference", "--model", model, "--source", str(source),
+                 "--prompt", "def"]) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "small"  # runs/<file stem>
     assert "trained 3 steps" in out and f"checkpoint: {os.path.join('runs', 'small')}" in out
@@ -130,6 +131,7 @@ def test_a_custom_shape_trains_and_resumes_on_the_reference(tmp_path, source, ca
     header = checkpoint.validate(run / "checkpoint.bin").header
     assert header["model"] == Config(**SMALL).identity()
     assert header["step"] == 3 and "|batch=2|" in header["data"]  # batch from the file
+    assert out.split("sample (")[1].split("):\n", 1)[1].startswith("def")
     # run.json remembers the file: --run-dir alone continues the run
     assert json.loads((run / "run.json").read_text())["options"]["model"] == model
     assert main(["train", "--run-dir", str(run), "--steps", "2", "--no-sample"]) == 0
@@ -178,3 +180,25 @@ def test_conformance_and_bench_take_a_model_file(tmp_path, capsys):
     assert main(["bench", "--model", str(tmp_path / "absent.toml")]) == 2
     assert "absent.toml: no such file" in capsys.readouterr().err
 
+
+def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsys, monkeypatch):
+    from coppelius import data, sample
+    from coppelius.reference.stream import open_stream
+
+    monkeypatch.chdir(tmp_path)
+    model = toml_file(tmp_path / "small.toml", dict(SMALL, steps=1))
+    assert train(tmp_path, "--model", model, "--source", str(source)) == 0
+    text = capsys.readouterr().out.split("sample (")[1].split("):\n", 1)[1]
+    stream_path, tok_path = data.prepare_stream(source=source, vocab=SMALL["vocab"])
+    stream = open_stream(stream_path, SMALL["vocab"])
+    T = SMALL["context"]
+    K = stream.n_contexts(T)
+    tok = data.load_tokenizer(tok_path)
+    last = tok.decode(stream.ids[(K - 1) * T:K * T].tolist())  # the last context's inputs
+    prompt = sample.corpus_prompt(stream, Config(**SMALL), tok, K - 1)
+    assert text.startswith(prompt) and prompt != sample.DEFAULT_PROMPT
+    assert "\n" + prompt in last  # a line of the held-out context, from its start
+    capsys.readouterr()
+    assert train(tmp_path, "--model", model, "--source", str(source), "--steps", "1",
+                 "--prompt", "class") == 0
+    assert capsys.readouterr().out.split("sample (")[1].split("):\n", 1)[1].startswith("class")

@@ -309,3 +309,68 @@ def test_the_tokenizer_beside_the_checkpoint_is_found_first(run, capsys, monkeyp
     assert sample.find_tokenizer(ckpt, header) == str(run_dir / "tokenizer.json")
     assert main(["sample", str(ckpt), "--tokens", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == greedy_text(run, "def", 5) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# The prompt of the sample `coppelius train` prints: from a held-out context
+
+class Ids:
+    """A stream stand-in: ids (N,) and the batch method corpus_prompt reads."""
+
+    def __init__(self, ids):
+        from coppelius.reference.stream import Stream
+
+        self.stream = Stream("ids", np.asarray(ids, dtype=np.uint32), 0, 0, 0)
+
+    def batch(self, c0, B, T):
+        return self.stream.batch(c0, B, T)
+
+
+def lines_stream(tok, lines, T):
+    """The ids of `lines` joined by line breaks, and the number of contexts."""
+    ids = tok.encode("\n".join(lines), add_special_tokens=False).ids
+    return Ids(ids), (len(ids) - 1) // T
+
+
+def test_the_corpus_prompt_is_the_first_whole_line_of_the_context(run):
+    tok = run["tok"]
+    T = 64
+    config = Config(vocab=BPE.vocab, context=T, d_model=32, n_layer=1, n_head=2, d_ff=8)
+    lines = [f"    result_{i} = decode(value_{i})" for i in range(200)]  # 9 to 32 tokens each
+    stream, K = lines_stream(tok, lines, T)
+    for c in (0, 1, K // 2, K - 1):
+        context = tok.decode(stream.batch(c, 1, T)[0, :T].tolist())
+        # independently: the context's text after its first line break, up to the next
+        expected = context.split("\n")[1]
+        assert 8 < len(tok.encode(expected).ids) <= 32 and expected in lines
+        assert sample.corpus_prompt(stream, config, tok, c) == expected
+
+
+def test_the_corpus_prompt_keeps_short_lines_up_to_eight_tokens(run):
+    tok = run["tok"]
+    T = 48
+    config = Config(vocab=BPE.vocab, context=T, d_model=32, n_layer=1, n_head=2, d_ff=8)
+    stream, K = lines_stream(tok, ["", "x", "", "y", "z", "", "the long line " * 20] * 30, T)
+    seen = set()
+    for c in range(K):
+        prompt = sample.corpus_prompt(stream, config, tok, c)
+        context = tok.decode(stream.batch(c, 1, T)[0, :T].tolist())
+        assert prompt and not prompt.endswith((" ", "\n")) and not prompt.startswith("\n")
+        rest = context.split("\n", 1)[1] if "\n" in context[:-1] else context
+        first = rest.lstrip("\n").split("\n")[0]  # the first line that is not blank
+        if len(tok.encode(first).ids) > 32:  # a long line: its first 8 tokens
+            assert first.startswith(prompt) and len(tok.encode(prompt).ids) <= 8
+            seen.add("cut")
+        else:  # whole lines: the first, and more while all take at most 8 tokens
+            assert prompt.startswith(first) and (prompt + "\n") in rest
+            if "\n" in prompt:
+                assert len(tok.encode(prompt).ids) <= 8
+                seen.add("lines")
+    assert seen == {"cut", "lines"}
+
+
+def test_the_corpus_prompt_falls_back_to_def_on_a_blank_context(run):
+    tok = run["tok"]
+    config = Config(vocab=BPE.vocab, context=16, d_model=32, n_layer=1, n_head=2, d_ff=8)
+    stream, K = lines_stream(tok, ["   "] * 100, 16)
+    assert K > 0 and sample.corpus_prompt(stream, config, tok, K - 1) == sample.DEFAULT_PROMPT
