@@ -634,7 +634,9 @@ def main(args) -> int:
     write_run_file(plan.run_dir, plan.remembered)
     schedule = ("" if plan.hyper.schedule == "constant" else
                 f", cosine schedule (warm-up {plan.hyper.warmup}, total {plan.hyper.total})")
-    print_safely(f"coppelius train: preset {_preset_name(plan.config)}, backend {plan.backend}, "
+    c = plan.config
+    shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
+    print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend {plan.backend}, "
                  f"precision {plan.precision}, batch {plan.batch}, steps {plan.state.t}.."
                  f"{plan.state.t + plan.steps}{schedule}, stream {plan.stream.path} "
                  f"({K - plan.heldout} contexts for training{', repeated' if plan.repeat else ''}"
@@ -677,8 +679,12 @@ def main(args) -> int:
     return 0
 
 
-def _preset_name(config):
+def _model_name(plan) -> str:
+    """The preset's name, or the model file (and the preset it overrides)."""
+    model, preset_name = plan.remembered.get("model"), plan.remembered.get("preset")
+    if model:
+        return f"{preset_name} with {model}" if preset_name else model
     for name, c in PRESETS.items():
-        if c == config:
+        if c == plan.config:
             return name
     return "custom"
