@@ -95,7 +95,7 @@ ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (at
 # vs materialized ms (dev/cuda/NOTES.md): B=1 0.111 vs 0.102, B=2 0.149 vs
 # 0.206, B=4 0.235 vs 0.397, B=8 0.394 vs 0.769.
 ATTENTION_FUSED_MIN_BATCH = 4
-NORM_BLOCKS = 264  # blocks of the norm's first pass: 2 per SM of an H200, a fixed order
+NORM_BLOCKS = 1056  # blocks of the norm's first pass: 8 per SM of an H200, a fixed order
 ATTENTION_TILE = 64  # ATT_TILE: query rows per block of the fused kernels, keys per tile
 EMBEDDING_TILE = 1024  # ids staged in shared memory per pass (as in embedding.cu)
 LN_LANE = 32  # features per lane of the layernorm kernels (as in layernorm.cu)
@@ -285,6 +285,7 @@ class Kernels:
 
     def gradient_norm(self, G, partial, norm, clip: float):
         # G (N) -> partial (NORM_BLOCKS) -> norm (2) = (||G||, clip scale); clip 0: off
+        assert G.data.ptr % 16 == 0, "gradient_sum_squares reads G as float4"
         self._launch("gradient_sum_squares", partial.size, THREADS, (G, i64(G.size), partial))
         self._launch("gradient_norm_clip", 1, 1024, (partial, i32(partial.size), norm, f32(clip)))
 

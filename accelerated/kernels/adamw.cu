@@ -26,10 +26,20 @@ extern "C" __global__ void adamw_bias_corrections(int* t, float* c, double beta1
 extern "C" __global__ void gradient_sum_squares(const float* G, long long n, float* partial) {
     __shared__ float red[32];
     float s = 0.0f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+    // float4 loads (G is a pool allocation, 256-byte aligned): the pass is
+    // bound by reading G once, and wide loads keep more bytes in flight
+    const float4* G4 = reinterpret_cast<const float4*>(G);
+    long long n4 = n / 4;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
-        float g = G[i];
-        s = fmaf(g, g, s);
+        float4 g = G4[i];
+        s = fmaf(g.x, g.x, s);
+        s = fmaf(g.y, g.y, s);
+        s = fmaf(g.z, g.z, s);
+        s = fmaf(g.w, g.w, s);
+    }
+    if (blockIdx.x == 0) {  // the last n % 4 elements
+        for (long long i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) s = fmaf(G[i], G[i], s);
     }
     s = block_sum(s, red);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
