@@ -64,7 +64,8 @@ from safetensors.numpy import save as safetensors_bytes
 
 from coppelius import hf
 from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor,
-                                         UnexpectedValue, bind, bind_vectors, flatten)
+                                         UnexpectedValue, bind, bind_vectors, check_bindings,
+                                         flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
 from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity,
                                         Hyper, data_identity, initialization_identity, preset,
@@ -332,6 +333,12 @@ def import_plan(config: Config, names: dict, tensors, moments: bool) -> tuple:
     return declared, bindings, offered, present
 
 
+def check_binds(source, config: Config, names: dict, moments: bool) -> None:
+    """Whether import would bind `source`, from its metadata alone (inspect)."""
+    declared, bindings, offered, _ = import_plan(config, names, source.tensors(), moments)
+    check_bindings(declared, bindings, source, offered=offered)
+
+
 def _bind_parameters(source, config: Config, names: dict, where: str, moments: bool) -> tuple:
     """(P (N,) float32, moment tensors dropped) bound from `source`."""
     reg = registry(config)
@@ -470,3 +477,74 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
     return ids
 
 
+
+# ---------------------------------------------------------------------- inspect
+
+def _describe(config: Config) -> str:
+    name = hf.preset_of(config)
+    return (f"{config.identity()} ({f'preset {name}, ' if name else ''}"
+            f"{registry(config).total:,} parameters)")
+
+
+def _list_tensors(source, line) -> None:
+    tensors = source.tensors()
+    dtypes = sorted({info.dtype for info in tensors.values()})
+    values = sum(int(np.prod(info.shape)) for info in tensors.values())
+    nbytes = sum(info.nbytes for info in tensors.values())
+    line("tensors", f"{len(tensors)}: {values:,} values, {nbytes:,} bytes, "
+                    f"{', '.join(dtypes) or 'none'}")
+    width = max((len(key) for key in tensors), default=0)
+    for key in sorted(tensors, key=_natural):  # layers.2 before layers.10
+        info = tensors[key]
+        print(f"  {key:<{width}}  {info.dtype:<8}  {list(info.shape)}")
+
+
+def _natural(key: str) -> list:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", key)]
+
+
+def inspect_safetensors(path: str, line) -> None:
+    """Print a safetensors file's metadata and tensors, the model its
+    metadata names and whether import binds it (checked from metadata only)."""
+    with SafetensorsSource(path) as source:
+        meta = source.metadata
+        line("safetensors", path)
+        for key in sorted(meta):
+            line(key, meta[key])
+        _list_tensors(source, line)
+        if hf.OUTER_NAMES["tok_embedding.weight"] in source.tensors():
+            line("describes", "transformers' names: inspect the directory that holds it and "
+                              "its config.json")
+            return
+        if "model" not in meta:
+            line("describes", "no model recorded in the metadata (import needs --preset)")
+            return
+        config = _import_config(meta, None, path)
+        line("describes", _describe(config))
+        check_binds(source, config, {name: name for name in hf.hf_names(config)}, moments=True)
+        line("binds", "yes: every parameter of the model (lm_head.weight tied)")
+
+
+def inspect_hf(directory: str, line) -> None:
+    """Print a Hugging Face directory's files, tensors and the model its
+    config.json describes; refuse (HfError, ExchangeError, BindingError) what
+    import would refuse."""
+    line("hf directory", directory)
+    line("files", ", ".join(sorted(os.listdir(directory))) or "none")
+    config = hf.read_config(directory)
+    line("architecture", f"{hf.ARCHITECTURE} (model_type stablelm)")
+    line("describes", _describe(config))
+    weights = hf.weights_path(directory)
+    with SafetensorsSource(weights) as source:
+        meta = source.metadata
+        for key in sorted(meta):
+            line(key, meta[key])
+        _list_tensors(source, line)
+        _import_config(meta, None, weights, described=config)
+        check_binds(source, config, hf.hf_names(config), moments=False)
+    sha = hf.directory_tokenizer(directory, config)
+    line("tokenizer", f"{hf.TOKENIZER}: {config.vocab} ids, sha256 {sha}" if sha else
+         "none (AutoTokenizer will not load this directory)")
+    line("binds", "yes: every parameter of the model (lm_head.weight tied to "
+                  "model.embed_tokens.weight)")

@@ -497,6 +497,12 @@ def test_import_refuses_a_config_of_another_size_than_the_tensors(run, tmp_path,
     assert not (tmp_path / "back.ckpt").exists()
 
 
+def listed(stdout) -> dict:
+    """{tensor: (dtype, shape text)} of inspect's tensor table."""
+    rows = [line.split(None, 2) for line in stdout.splitlines() if line.startswith("  ")]
+    return {name: (dtype, shape) for name, dtype, shape in rows}
+
+
 def test_import_refuses_directories_it_cannot_read(run, tmp_path, capsys):
     checkpoint, _, _ = run
     dst = tmp_path / "back.ckpt"
@@ -556,3 +562,46 @@ def test_import_of_a_lone_transformers_file_says_to_import_its_directory(run, tm
     refused(capsys, "import", out / "model.safetensors", tmp_path / "back.ckpt",
             words=["transformers' names", "directory"])
 
+
+# ------------------------------------------------------------------ inspect
+
+def test_inspect_describes_an_exported_directory(run, tmp_path, capsys):
+    checkpoint, _, ids = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf", "--dtype", "bfloat16")
+    status, stdout, err = cli(capsys, "inspect", out)
+    assert status == 0, err
+    assert "StableLmForCausalLM" in stdout and SMALL.identity() in stdout
+    table = listed(stdout)
+    assert table["model.layers.1.self_attn.o_proj.weight"] == ("bfloat16", "[32, 32]")
+    assert len(table) == len(registry(SMALL).specs)
+    assert f"{registry(SMALL).total:,} values" in stdout
+    assert tokenizer_sha(out / "tokenizer.json") in stdout
+    assert ids["data"] in stdout and "binds" in stdout
+    lines = stdout.splitlines()
+    order = [line.split()[0] for line in lines if line.startswith("  model.layers.")]
+    assert order.index("model.layers.0.mlp.up_proj.weight") < order.index(
+        "model.layers.1.input_layernorm.bias")
+
+
+def test_inspect_describes_a_safetensors_file(run, tmp_path, capsys):
+    checkpoint, _, ids = run
+    path = tmp_path / "model.safetensors"
+    assert cli(capsys, "export", checkpoint, path)[0] == 0
+    status, stdout, _ = cli(capsys, "inspect", path)
+    assert status == 0
+    assert listed(stdout)["layers.0.attn.q.weight"] == ("float32", "[32, 32]")
+    assert ids["learner"] in stdout and "binds" in stdout
+    save_file({"x": np.zeros(3, np.float32)}, str(path))
+    status, stdout, _ = cli(capsys, "inspect", path)
+    assert status == 0 and "--preset" in stdout and listed(stdout) == {"x": ("float32", "[3]")}
+
+
+def test_inspect_refuses_a_directory_import_would_refuse(run, tmp_path, capsys):
+    checkpoint, _, _ = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    edit_config(out, set_key("qk_layernorm", True))
+    refused(capsys, "inspect", out, words=["qk_layernorm"])
+    edit_config(out, set_key("qk_layernorm", False))
+    edit_tensors(out, lambda t: t.pop("model.norm.bias"))
+    refused(capsys, "inspect", out, words=["model.norm.bias"])
+    refused(capsys, "inspect", tmp_path / "run", words=["no config.json"])
