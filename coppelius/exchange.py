@@ -56,7 +56,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -70,10 +69,11 @@ from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_che
 from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity,
                                         Hyper, data_identity, initialization_identity, preset,
                                         schema_identity)
-from coppelius.reference.errors import CoppeliusError
+from coppelius.reference.errors import ConfigError, CoppeliusError
 from coppelius.reference.fsutil import publish
 from coppelius.reference.params import registry
 from coppelius.reference.precision import round_bf16
+from coppelius.reference.schedule import learner_from_identity
 from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource, moment_key
 from coppelius.reference.state import State
 
@@ -423,16 +423,10 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         raise refuse("chunk_bytes", f"expected {CHUNK_BYTES}")
 
     if "learner" in meta:
-        f = _fields(meta["learner"])
-        try:
-            hyper = Hyper(**{k: Fraction(f[k]) for k in
-                             ("lr", "beta1", "beta2", "weight_decay", "epsilon")})
-            have = f["precision"]
-            ok = hyper.identity(have) == meta["learner"]
-        except (KeyError, ValueError, ZeroDivisionError, CoppeliusError):
-            ok = False
-        if not ok:
-            raise refuse("learner", "not a learner identity this version writes")
+        try:  # with SPEC 7's schedule and clipping parts when it has them
+            hyper, have = learner_from_identity(meta["learner"], f"{where} metadata")
+        except ConfigError:
+            raise refuse("learner", "not a learner identity this version writes") from None
         ids["learner"] = hyper.identity(precision or have)
     else:
         ids["learner"] = Hyper().identity(precision or "fp32")
@@ -444,7 +438,8 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         f = _fields(meta["data"])
         try:
             tok = None if f["tokenizer"] == "none" else f["tokenizer"]
-            ok = data_identity(config, int(f["batch"]), tok, f["stream"]) == meta["data"]
+            heldout = int(f.get("heldout", 0))  # SPEC 18: written only when K > 0
+            ok = data_identity(config, int(f["batch"]), tok, f["stream"], heldout) == meta["data"]
         except (KeyError, ValueError):
             ok = False
         if not ok:
