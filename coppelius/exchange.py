@@ -1,58 +1,86 @@
 """`coppelius export` and `coppelius import`: checkpoints to and from
-safetensors files.
+safetensors files and Hugging Face model directories.
 
-export CHECKPOINT OUT.safetensors [--moments]
-    The parameters under their SPEC names (section 2) as float32, without
-    `lm_head.weight` (tied to `tok_embedding.weight`, so not stored); with
-    --moments also `m/<name>` and `v/<name>`. The metadata (str -> str) holds
-    the checkpoint's identities (schema, model, learner, data,
-    initialization, chunk_bytes) and its step and contexts.
+export CHECKPOINT OUT [--format safetensors|hf] [--dtype float32|bfloat16] [--moments]
+                      [--tokenizer FILE | --no-tokenizer] [--force]
+    safetensors (the default): OUT is one file. The parameters under their
+    SPEC names (section 2), without `lm_head.weight` (tied to
+    `tok_embedding.weight`, so not stored); with --moments also `m/<name>`
+    and `v/<name>`. The metadata (str -> str) holds the checkpoint's
+    identities (schema, model, learner, data, initialization, chunk_bytes)
+    and its step and contexts.
+    hf: OUT is a directory that transformers loads with no custom code
+    (coppelius.hf, SPEC 20): config.json, model.safetensors (transformers'
+    names, the same metadata), the run's tokenizer.json with
+    tokenizer_config.json, generation_config.json. The tokenizer is the
+    tokenizer.json whose SHA-256 the data identity names, found where
+    `coppelius sample` looks (beside the checkpoint, then the stream caches),
+    or --tokenizer FILE (which must be that one when the checkpoint names
+    one); --no-tokenizer writes the model alone.
+    --dtype bfloat16 rounds every tensor to the nearest bfloat16, ties to
+    even (reference.precision.round_bf16): half the bytes.
 
-import IN.safetensors CHECKPOINT [--preset NAME] [--precision fp32|bf16]
-    Binds the file's tensors by name through the binding layer (SPEC 12)
-    and writes a checkpoint that starts a run afresh: step 0, contexts 0,
-    zero moments (moments in the file are not carried over; AdamW's bias
-    correction restarts at step 1 with them zero). bfloat16 tensors are
-    widened to float32 exactly. A `lm_head.weight` in the file must equal
-    `tok_embedding.weight` bit for bit (the model ties them).
+import IN CHECKPOINT [--preset NAME] [--precision fp32|bf16]
+    IN is a safetensors file with SPEC names, or a Hugging Face directory
+    with transformers' names whose config.json describes a coppelius model
+    (coppelius.hf.model_of refuses anything else by name). Binds the tensors
+    by name through the binding layer (SPEC 12) and writes a checkpoint that
+    starts a run afresh: step 0, contexts 0, zero moments (moments in the
+    file are not carried over; AdamW's bias correction restarts at step 1
+    with them zero). bfloat16 tensors are widened to float32 exactly. A
+    stored tied head (`lm_head.weight`) must equal the embedding bit for bit.
 
     Identities come from the file's metadata when it has them (a file that
     `export` wrote); otherwise, documented defaults:
-      model           the --preset's
+      model           a directory's config.json, else the --preset's
       learner         the default AdamW hyperparameters, precision --precision (fp32)
-      data            batch --batch (1), tokenizer --tokenizer-sha (none), stream=none:
+      data            batch --batch (1), tokenizer --tokenizer-sha, else the SHA-256
+                      of a directory's tokenizer.json, else none; stream=none:
                       train on it with `coppelius train --new-data`, which lifts
                       only the stream part
       initialization  seed 20260925 (the values are the file's; the identity names
                       the generator a fresh run of this model would use)
     --precision given with a metadata learner identity replaces only its precision.
 
-Both publish atomically (a temporary in the same directory, fsync, rename)
-and refuse to replace an existing file unless --force.
+So the round trip checkpoint -> export (either format) -> import keeps the
+parameters P byte for byte (a bfloat16 export: round_bf16(P)) and every
+identity; the moments and the step are not carried (zero M and V, step 0).
+
+A file is published atomically (a temporary in the same directory, fsync,
+rename), a directory as coppelius.hf.publish_directory says; an existing
+output is refused unless --force (for a directory: only a previous export).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-from fractions import Fraction
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor, UnexpectedValue,
-                               bind, bind_vectors, flatten)
+from coppelius import hf
+from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor,
+                                         UnexpectedValue, bind, bind_vectors, check_bindings,
+                                         flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
-from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity, Hyper, data_identity,
-                              initialization_identity, preset, schema_identity)
-from coppelius.reference.errors import CoppeliusError
+from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity,
+                                        Hyper, data_identity, initialization_identity, preset,
+                                        schema_identity)
+from coppelius.reference.errors import ConfigError, CoppeliusError
 from coppelius.reference.fsutil import publish
 from coppelius.reference.params import registry
+from coppelius.reference.precision import round_bf16
+from coppelius.reference.schedule import learner_from_identity
 from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource, moment_key
 from coppelius.reference.state import State
 
 METADATA_KEYS = IDENTITY_KEYS + ("step", "contexts")
 SHA256 = re.compile(r"[0-9a-f]{64}")
+FORMATS = ("safetensors", "hf")
+DTYPES = ("float32", "bfloat16")
 
 
 class ExchangeError(CoppeliusError):
@@ -61,44 +89,64 @@ class ExchangeError(CoppeliusError):
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "export", help="write a checkpoint's parameters to a safetensors file",
-        description="Write the parameters of CHECKPOINT (float32, SPEC names, no tied "
-                    "lm_head.weight) to OUT with the checkpoint's identities, step and "
-                    "contexts as metadata.")
+        "export", help="write a checkpoint's parameters as safetensors or a Hugging Face directory",
+        description="Write the parameters of CHECKPOINT (SPEC names, no tied lm_head.weight) "
+                    "to the safetensors file OUT with the checkpoint's identities, step and "
+                    "contexts as metadata; with --format hf, write the directory OUT that "
+                    "transformers' AutoModelForCausalLM and AutoTokenizer load.")
     p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("out", metavar="OUT.safetensors")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--format", choices=FORMATS, default="safetensors",
+                   help="safetensors: one file with SPEC names (default); hf: a Hugging Face "
+                        "model directory (StableLmForCausalLM)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="tensor dtype; bfloat16 rounds to nearest even, half the size "
+                        "(default float32)")
     p.add_argument("--moments", action="store_true",
-                   help="also write the AdamW moments as m/<name> and v/<name>")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+                   help="also write the AdamW moments as m/<name> and v/<name> "
+                        "(--format safetensors, float32)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", metavar="FILE",
+                       help="--format hf: the run's tokenizer.json (default: the one whose "
+                            "SHA-256 the checkpoint names, found where `coppelius sample` looks)")
+    which.add_argument("--no-tokenizer", action="store_true",
+                       help="--format hf: write the model without a tokenizer")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists (a directory: only a previous export)")
     p.set_defaults(func=run_export)
 
     p = subparsers.add_parser(
-        "import", help="make a checkpoint from a safetensors file",
-        description="Bind the tensors of IN by their SPEC names and write CHECKPOINT with "
-                    "fresh moments at step 0. Identities come from IN's metadata when present.")
-    p.add_argument("source", metavar="IN.safetensors")
+        "import", help="make a checkpoint from a safetensors file or a Hugging Face directory",
+        description="Bind the tensors of IN (a safetensors file with SPEC names, or a directory "
+                    "that `export --format hf` wrote) by name and write CHECKPOINT with fresh "
+                    "moments at step 0. Identities come from IN's metadata when present.")
+    p.add_argument("source", metavar="IN")
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="the model, when IN's metadata has no model identity (else must agree)")
+                   help="the model, when IN has no config.json and no model identity in its "
+                        "metadata (else must agree)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="the learner's precision policy (default: the metadata's, else fp32)")
     p.add_argument("--batch", type=int, metavar="B",
                    help="data identity batch when IN's metadata has none (default 1)")
     p.add_argument("--tokenizer-sha", metavar="SHA256",
                    help="data identity tokenizer digest when IN's metadata has none "
-                        "(as printed by `coppelius tokenize`; default none)")
+                        "(as printed by `coppelius tokenize`; default: that of IN's "
+                        "tokenizer.json, else none)")
     p.add_argument("--force", action="store_true", help="replace CHECKPOINT if it exists")
     p.set_defaults(func=run_import)
 
 
 def run_export(args) -> int:
-    export(args.checkpoint, args.out, moments=args.moments, force=args.force)
+    export(args.checkpoint, args.out, moments=args.moments, force=args.force,
+           fmt=args.format, dtype=args.dtype, tokenizer=args.tokenizer,
+           no_tokenizer=args.no_tokenizer)
     print(f"wrote {args.out}")
     return 0
 
 
 def run_import(args) -> int:
-    config, dropped = import_safetensors(
+    config, dropped = import_model(
         args.source, args.checkpoint, preset_name=args.preset, precision=args.precision,
         batch=args.batch, tokenizer_sha=args.tokenizer_sha, force=args.force)
     if dropped:
@@ -114,66 +162,195 @@ def _refuse_existing(path: str, force: bool) -> None:
 
 # ---------------------------------------------------------------------- export
 
-def export(checkpoint, out, moments: bool = False, force: bool = False) -> None:
+def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str = "safetensors",
+           dtype: str = "float32", tokenizer=None, no_tokenizer: bool = False) -> None:
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
-    _refuse_existing(out, force)
-    if os.path.exists(out) and os.path.samefile(checkpoint, out):
-        raise ExchangeError(f"{out}: is the checkpoint being exported")
+    if fmt not in FORMATS or dtype not in DTYPES:
+        raise ExchangeError(f"--format {fmt} --dtype {dtype}: choose a format of "
+                            f"{', '.join(FORMATS)} and a dtype of {', '.join(DTYPES)}")
+    if fmt == "hf" and moments:
+        raise ExchangeError("--moments: a Hugging Face directory holds a model, not a run's "
+                            "optimizer state (use --format safetensors)")
+    if moments and dtype != "float32":
+        raise ExchangeError("--moments: moments export as float32 only (drop --dtype)")
+    if fmt != "hf" and (tokenizer is not None or no_tokenizer):
+        raise ExchangeError("--tokenizer and --no-tokenizer apply to --format hf only")
+    if fmt == "hf":
+        out = out.rstrip(os.sep) or out  # the directory itself, not what a link points to
+        replace = hf.check_target(out, force)
+    else:
+        _refuse_existing(out, force)
+        if os.path.exists(out) and os.path.samefile(checkpoint, out):
+            raise ExchangeError(f"{out}: is the checkpoint being exported")
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {checkpoint}")
+        files = {}
+        if fmt == "hf" and not no_tokenizer:  # before the work: a missing one is refused first
+            files[hf.TOKENIZER] = _run_tokenizer(checkpoint, header, config, tokenizer)
+            files[hf.TOKENIZER_CONFIG] = hf.json_bytes(hf.tokenizer_config_json(config))
         values = bind_vectors(source, config, moments=moments)  # views of the mapping
         reg = registry(config)
-        tensors = {spec.name: values[spec.name] for spec in reg.specs}  # no alias: tied
+        names = hf.hf_names(config) if fmt == "hf" else {s.name: s.name for s in reg.specs}
+        tensors = {names[s.name]: _cast(values[s.name], dtype, s.name, checkpoint)
+                   for s in reg.specs}  # no alias: tied
         if moments:
             for which in ("m", "v"):
                 tensors.update({moment_key(which, s.name): values[moment_key(which, s.name)]
                                 for s in reg.specs})
         metadata = {key: str(header[key]) for key in METADATA_KEYS}
+        if fmt == "hf":
+            metadata["format"] = "pt"  # transformers loads no safetensors file without it
         body = safetensors_bytes(tensors, metadata=metadata)
         del values, tensors
     try:
-        publish(out, lambda f: f.write(body))
+        if fmt == "hf":
+            files[hf.WEIGHTS] = body
+            files[hf.CONFIG] = hf.json_bytes(hf.config_json(config, dtype))
+            files[hf.GENERATION_CONFIG] = hf.json_bytes(hf.generation_config_json())
+            hf.publish_directory(out, dict(sorted(files.items())), replace)
+        else:
+            publish(out, lambda f: f.write(body))
     except OSError as e:
         raise ExchangeError(f"{out}: cannot publish: {e.strerror or e}") from None
 
 
+def _cast(a: np.ndarray, dtype: str, name: str, where: str) -> np.ndarray:
+    """A float32 parameter as `dtype`: bfloat16 rounds as the bf16 policy's
+    operands do (round_bf16), after which the conversion is exact."""
+    if dtype == "float32":
+        return a
+    b = round_bf16(a)
+    bad = ~np.isfinite(b)
+    if bad.any():  # finite float32 beyond bfloat16's largest value rounds to inf
+        index = np.unravel_index(np.argmax(bad), a.shape)
+        raise ExchangeError(f"checkpoint {where}: {name} holds {a[index]} at "
+                            f"{list(map(int, index))}, beyond bfloat16's range")
+    return b.astype(ml_dtypes.bfloat16)
+
+
+def _run_tokenizer(checkpoint: str, header: dict, config: Config, given) -> bytes:
+    """The bytes of the tokenizer.json the checkpoint was trained with (see
+    the module doc), checked to have V ids."""
+    from coppelius.sample import find_tokenizer, named_tokenizer
+
+    named = named_tokenizer(header)
+    if given is None and named is None:
+        raise ExchangeError(f"checkpoint {checkpoint}: names no tokenizer (tokenizer=none); "
+                            f"pass --tokenizer FILE, or --no-tokenizer to export the model alone")
+    path = find_tokenizer(checkpoint, header, given)
+    body = hf.read_file(path, hf.MAX_TOKENIZER_BYTES, "tokenizer")
+    sha = hashlib.sha256(body).hexdigest()
+    if named is not None and sha != named:
+        raise ExchangeError(f"tokenizer {path}: SHA-256 {sha}, but checkpoint {checkpoint} was "
+                            f"trained with tokenizer={named}")
+    hf.load_tokenizer_bytes(body, path, config)
+    return body
+
+
 # ---------------------------------------------------------------------- import
+
+def import_model(source_path, checkpoint, preset_name: str | None = None,
+                 precision: str | None = None, batch: int | None = None,
+                 tokenizer_sha: str | None = None, force: bool = False):
+    """Write CHECKPOINT from a safetensors file or a Hugging Face directory;
+    returns (config, moment tensors dropped)."""
+    source_path = os.fspath(source_path)
+    if hf.is_directory(source_path):
+        return import_hf(source_path, checkpoint, preset_name, precision, batch, tokenizer_sha,
+                         force)
+    return import_safetensors(source_path, checkpoint, preset_name, precision, batch,
+                              tokenizer_sha, force)
+
 
 def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
                        precision: str | None = None, batch: int | None = None,
                        tokenizer_sha: str | None = None, force: bool = False):
-    """Write CHECKPOINT from a safetensors file; returns (config, moment
-    tensors dropped)."""
+    """Write CHECKPOINT from a safetensors file with SPEC names; returns
+    (config, moment tensors dropped)."""
     source_path, checkpoint = os.fspath(source_path), os.fspath(checkpoint)
     _refuse_existing(checkpoint, force)
     with SafetensorsSource(source_path) as source:
-        where = source_path
         meta = source.metadata
-        config = _import_config(meta, preset_name, where)
-        ids = _import_identities(meta, config, precision, batch, tokenizer_sha, where)
-        reg = registry(config)
-        tensors = source.tensors()
-        moments = {moment_key(which, s.name) for s in reg.specs for which in ("m", "v")}
-        dropped = sum(1 for key in tensors if key in moments)
-        for alias, owner in reg.aliases.items():
-            if alias in tensors:
-                _check_tied(source, alias, owner)
-        offered = [key for key in tensors if key not in moments and key not in reg.aliases]
-        bindings = []
-        for spec in reg.specs:
-            info = tensors.get(spec.name)
-            if info is not None and info.dtype == "bfloat16":  # widened exactly
-                bindings.append(RecipeBind(spec.name, Cast(Tensor(spec.name), "float32")))
-            else:
-                bindings.append(Bind(spec.name, spec.name))
-        bindings += [Alias(alias, owner) for alias, owner in reg.aliases.items()]
-        values = bind(reg, bindings, source, NumpyBackend(copy=False), offered=offered)
-        for spec in reg.specs:  # the tied head equals its owner bit for bit: checked with it
-            _check_finite(values[spec.name], spec.name, where)
-        P = flatten(reg, values)  # the one copy
+        if hf.OUTER_NAMES["tok_embedding.weight"] in source.tensors():
+            raise ExchangeError(f"{source_path}: has transformers' names (model.embed_tokens."
+                                f"weight): import the directory that holds it and its config.json")
+        config = _import_config(meta, preset_name, source_path)
+        ids = _import_identities(meta, config, precision, batch, tokenizer_sha, source_path)
+        names = {name: name for name in hf.hf_names(config)}
+        P, dropped = _bind_parameters(source, config, names, source_path, moments=True)
     write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
     return config, dropped
+
+
+def import_hf(directory, checkpoint, preset_name: str | None = None,
+              precision: str | None = None, batch: int | None = None,
+              tokenizer_sha: str | None = None, force: bool = False):
+    """Write CHECKPOINT from a Hugging Face directory (coppelius.hf); returns
+    (config, 0)."""
+    directory, checkpoint = os.fspath(directory), os.fspath(checkpoint)
+    _refuse_existing(checkpoint, force)
+    config = hf.read_config(directory)  # another architecture is refused before any tensor
+    weights = hf.weights_path(directory)
+    beside = hf.directory_tokenizer(directory, config)
+    with SafetensorsSource(weights) as source:
+        meta = source.metadata
+        _import_config(meta, preset_name, weights, described=config)
+        if tokenizer_sha is None and "data" not in meta:
+            tokenizer_sha = beside
+        ids = _import_identities(meta, config, precision, batch, tokenizer_sha, weights)
+        P, _ = _bind_parameters(source, config, hf.hf_names(config), weights, moments=False)
+    write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    return config, 0
+
+
+def import_plan(config: Config, names: dict, tensors, moments: bool) -> tuple:
+    """What import binds: (declared, bindings, offered, moment keys present).
+
+    The parameters are declared under the file's own names (`names`: SPEC
+    name -> file key), so a refusal names the tensor as the file has it; the
+    tied head is an alias of its owner. bfloat16 tensors are widened by a
+    cast recipe. `offered` leaves out a stored tied head (checked bit for bit
+    by _check_tied) and, with `moments`, the moment tensors (not imported)."""
+    reg = registry(config)
+    declared, bindings = {}, []
+    for spec in reg.specs:
+        key = names[spec.name]
+        declared[key] = ("float32", spec.shape)
+        info = tensors.get(key)
+        if info is not None and info.dtype == "bfloat16":  # widened exactly
+            bindings.append(RecipeBind(key, Cast(Tensor(key), "float32")))
+        else:
+            bindings.append(Bind(key, key))
+    for alias, owner in reg.aliases.items():
+        declared[names[alias]] = declared[names[owner]]
+        bindings.append(Alias(names[alias], names[owner]))
+    moment_keys = {moment_key(which, s.name) for s in reg.specs for which in ("m", "v")} \
+        if moments else set()
+    tied = {names[alias] for alias in reg.aliases}
+    offered = [key for key in tensors if key not in moment_keys and key not in tied]
+    present = [key for key in tensors if key in moment_keys]
+    return declared, bindings, offered, present
+
+
+def check_binds(source, config: Config, names: dict, moments: bool) -> None:
+    """Whether import would bind `source`, from its metadata alone (inspect)."""
+    declared, bindings, offered, _ = import_plan(config, names, source.tensors(), moments)
+    check_bindings(declared, bindings, source, offered=offered)
+
+
+def _bind_parameters(source, config: Config, names: dict, where: str, moments: bool) -> tuple:
+    """(P (N,) float32, moment tensors dropped) bound from `source`."""
+    reg = registry(config)
+    declared, bindings, offered, dropped = import_plan(config, names, source.tensors(), moments)
+    for alias, owner in reg.aliases.items():
+        if names[alias] in source.tensors():
+            _check_tied(source, names[alias], names[owner])
+    values = bind(declared, bindings, source, NumpyBackend(copy=False), offered=offered)
+    for spec in reg.specs:  # the tied head equals its owner bit for bit: checked with it
+        _check_finite(values[names[spec.name]], names[spec.name], where)
+    P = flatten(reg, {spec.name: values[names[spec.name]] for spec in reg.specs})  # the one copy
+    return P, len(dropped)
 
 
 def _check_finite(a, name: str, where: str) -> None:
@@ -205,11 +382,20 @@ def _check_tied(source, alias: str, owner: str) -> None:
                                   f"(rows from {start}); the model ties them")
 
 
-def _import_config(meta: dict, preset_name: str | None, where: str) -> Config:
+def _import_config(meta: dict, preset_name: str | None, where: str,
+                   described: Config | None = None) -> Config:
+    """The model: a directory's config.json (`described`), else the metadata's
+    model identity, else --preset; those given must agree."""
+    config = described
     if "model" in meta:
-        config = config_from_identity(meta["model"], f"{where} metadata")
+        recorded = config_from_identity(meta["model"], f"{where} metadata")
+        if config is not None and recorded.identity() != config.identity():
+            raise ExchangeError(f"{where}: metadata model {meta['model']!r} is not the model "
+                                f"config.json describes ({config.identity()!r})")
+        config = recorded
+    if config is not None:
         if preset_name is not None and preset(preset_name).identity() != config.identity():
-            raise ExchangeError(f"{where}: metadata model {meta['model']!r} is not preset "
+            raise ExchangeError(f"{where}: model {config.identity()!r} is not preset "
                                 f"{preset_name} ({preset(preset_name).identity()!r})")
         return config
     if preset_name is None:
@@ -237,16 +423,10 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         raise refuse("chunk_bytes", f"expected {CHUNK_BYTES}")
 
     if "learner" in meta:
-        f = _fields(meta["learner"])
-        try:
-            hyper = Hyper(**{k: Fraction(f[k]) for k in
-                             ("lr", "beta1", "beta2", "weight_decay", "epsilon")})
-            have = f["precision"]
-            ok = hyper.identity(have) == meta["learner"]
-        except (KeyError, ValueError, ZeroDivisionError, CoppeliusError):
-            ok = False
-        if not ok:
-            raise refuse("learner", "not a learner identity this version writes")
+        try:  # with SPEC 7's schedule and clipping parts when it has them
+            hyper, have = learner_from_identity(meta["learner"], f"{where} metadata")
+        except ConfigError:
+            raise refuse("learner", "not a learner identity this version writes") from None
         ids["learner"] = hyper.identity(precision or have)
     else:
         ids["learner"] = Hyper().identity(precision or "fp32")
@@ -258,7 +438,8 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         f = _fields(meta["data"])
         try:
             tok = None if f["tokenizer"] == "none" else f["tokenizer"]
-            ok = data_identity(config, int(f["batch"]), tok, f["stream"]) == meta["data"]
+            heldout = int(f.get("heldout", 0))  # SPEC 18: written only when K > 0
+            ok = data_identity(config, int(f["batch"]), tok, f["stream"], heldout) == meta["data"]
         except (KeyError, ValueError):
             ok = False
         if not ok:
@@ -290,3 +471,75 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         ids["initialization"] = initialization_identity(SEED)
     return ids
 
+
+
+# ---------------------------------------------------------------------- inspect
+
+def _describe(config: Config) -> str:
+    name = hf.preset_of(config)
+    return (f"{config.identity()} ({f'preset {name}, ' if name else ''}"
+            f"{registry(config).total:,} parameters)")
+
+
+def _list_tensors(source, line) -> None:
+    tensors = source.tensors()
+    dtypes = sorted({info.dtype for info in tensors.values()})
+    values = sum(int(np.prod(info.shape)) for info in tensors.values())
+    nbytes = sum(info.nbytes for info in tensors.values())
+    line("tensors", f"{len(tensors)}: {values:,} values, {nbytes:,} bytes, "
+                    f"{', '.join(dtypes) or 'none'}")
+    width = max((len(key) for key in tensors), default=0)
+    for key in sorted(tensors, key=_natural):  # layers.2 before layers.10
+        info = tensors[key]
+        print(f"  {key:<{width}}  {info.dtype:<8}  {list(info.shape)}")
+
+
+def _natural(key: str) -> list:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", key)]
+
+
+def inspect_safetensors(path: str, line) -> None:
+    """Print a safetensors file's metadata and tensors, the model its
+    metadata names and whether import binds it (checked from metadata only)."""
+    with SafetensorsSource(path) as source:
+        meta = source.metadata
+        line("safetensors", path)
+        for key in sorted(meta):
+            line(key, meta[key])
+        _list_tensors(source, line)
+        if hf.OUTER_NAMES["tok_embedding.weight"] in source.tensors():
+            line("describes", "transformers' names: inspect the directory that holds it and "
+                              "its config.json")
+            return
+        if "model" not in meta:
+            line("describes", "no model recorded in the metadata (import needs --preset)")
+            return
+        config = _import_config(meta, None, path)
+        line("describes", _describe(config))
+        check_binds(source, config, {name: name for name in hf.hf_names(config)}, moments=True)
+        line("binds", "yes: every parameter of the model (lm_head.weight tied)")
+
+
+def inspect_hf(directory: str, line) -> None:
+    """Print a Hugging Face directory's files, tensors and the model its
+    config.json describes; refuse (HfError, ExchangeError, BindingError) what
+    import would refuse."""
+    line("hf directory", directory)
+    line("files", ", ".join(sorted(os.listdir(directory))) or "none")
+    config = hf.read_config(directory)
+    line("architecture", f"{hf.ARCHITECTURE} (model_type stablelm)")
+    line("describes", _describe(config))
+    weights = hf.weights_path(directory)
+    with SafetensorsSource(weights) as source:
+        meta = source.metadata
+        for key in sorted(meta):
+            line(key, meta[key])
+        _list_tensors(source, line)
+        _import_config(meta, None, weights, described=config)
+        check_binds(source, config, hf.hf_names(config), moments=False)
+    sha = hf.directory_tokenizer(directory, config)
+    line("tokenizer", f"{hf.TOKENIZER}: {config.vocab} ids, sha256 {sha}" if sha else
+         "none (AutoTokenizer will not load this directory)")
+    line("binds", "yes: every parameter of the model (lm_head.weight tied to "
+                  "model.embed_tokens.weight)")

@@ -1,10 +1,11 @@
 """`coppelius inspect PATH` and `coppelius report RESULTS|RUN_DIR [--plot PNG] [--csv FILE]`.
 
 inspect recognises a checkpoint (SPEC 10) or a result file (SPEC 11) by its
-magic and shows its envelope after checking it; report summarises the losses,
-held-out losses, gradient norms, learning rate and throughput of one result
-file, or of every result file of a run directory stitched in step order, and
-can plot them and write them as CSV.
+magic and shows its envelope after checking it, and describes a safetensors
+file or a Hugging Face directory (coppelius.exchange); report summarises the
+losses, held-out losses, gradient norms, learning rate and throughput of one
+result file, or of every result file of a run directory stitched in step
+order, and can plot them and write them as CSV.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ RUN_PLOT = "run.png"  # the plot of `report RUN_DIR`, in the directory, unless -
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("inspect", help="check a checkpoint or result file and show its envelope",
-                              description="Recognise a checkpoint or a result file by its magic, "
-                                          "check it, and print its envelope.")
+    p = subparsers.add_parser("inspect", help="check a checkpoint, result file, safetensors file "
+                                              "or Hugging Face directory and describe it",
+                              description="Recognise a checkpoint, a result file or a safetensors "
+                                          "file by its magic, or a Hugging Face model directory, "
+                                          "check it, and print its envelope or its tensors and "
+                                          "the model they describe.")
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=inspect_command)
     p = subparsers.add_parser(
@@ -56,17 +60,25 @@ def _line(key: str, value) -> None:
 # -------------------------------------------------------------------- inspect
 
 def inspect_command(args) -> int:
+    from coppelius import exchange  # safetensors files and Hugging Face directories
+
+    if os.path.isdir(args.path):
+        exchange.inspect_hf(args.path, _line)
+        return 0
     try:
         with open(args.path, "rb") as f:
-            magic = f.read(8)
+            magic = f.read(9)
     except OSError as e:
         raise CoppeliusError(f"{args.path}: cannot read: {e.strerror or e}") from None
-    if magic == checkpoint.MAGIC:
+    if magic[:8] == checkpoint.MAGIC:
         return _inspect_checkpoint(args.path)
-    elif magic == results.MAGIC:
+    elif magic[:8] == results.MAGIC:
         _inspect_results(args.path)
+    elif magic[8:] == b"{":  # safetensors: a little-endian header length, then its JSON
+        exchange.inspect_safetensors(args.path, _line)
     else:
-        raise CoppeliusError(f"{args.path}: not a checkpoint or result file (magic {magic!r})")
+        raise CoppeliusError(f"{args.path}: not a checkpoint, result file, safetensors file or "
+                             f"Hugging Face directory (magic {magic[:8]!r})")
     return 0
 
 

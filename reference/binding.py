@@ -41,7 +41,7 @@ __all__ = [
     "BindingError", "MissingValue", "UnexpectedValue", "DuplicateBinding", "InvalidName",
     "ByteLengthMismatch", "ShapeMismatch", "DtypeMismatch", "SourceError", "RecipeError",
     "Bind", "Alias", "RecipeBind", "Tensor", "Slice", "Concat", "Transpose", "Cast",
-    "NumpyBackend", "declared_parameters", "default_bindings", "materialize", "bind",
+    "NumpyBackend", "declared_parameters", "default_bindings", "materialize", "bind", "check_bindings",
     "bind_vectors", "flatten", "load_state", "state_from_source",
 ]
 
@@ -443,6 +443,17 @@ def bind(model, bindings, source, backend, offered=None) -> dict:
     `offered`: the source keys meant for this model (default: all of the
     source's); one that no binding reads is an UnexpectedValue.
     """
+    owners, aliases = _validate(model, bindings, source, offered)
+    return _realize(source, backend, owners, aliases)
+
+
+def check_bindings(model, bindings, source, offered=None) -> None:
+    """Every check `bind` makes, from the source's metadata alone: nothing
+    is leased (`coppelius inspect` says whether a file binds without reading it)."""
+    _validate(model, bindings, source, offered)
+
+
+def _validate(model, bindings, source, offered) -> tuple:
     declared = declared_parameters(model)
     bindings = list(bindings)
     _check_names(bindings)
@@ -459,7 +470,7 @@ def bind(model, bindings, source, backend, offered=None) -> dict:
             raise MissingValue(f"{name}: no binding gives it a value")
     _check_keys(source, bindings, offered)
     owners, aliases = _plan(source, bindings, declared)
-    return _realize(source, backend, owners, aliases)
+    return owners, aliases
 
 
 def _listed(keys: list, most: int = 8) -> str:

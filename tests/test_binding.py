@@ -20,7 +20,7 @@ from coppelius.reference.binding import (Alias, Bind, BindingError, ByteLengthMi
                                DtypeMismatch, DuplicateBinding, InvalidName, MissingValue,
                                NumpyBackend, RecipeBind, RecipeError, ShapeMismatch, Slice,
                                SourceError, Tensor, Transpose, UnexpectedValue, bind,
-                               default_bindings, flatten, load_state, materialize,
+                               check_bindings, default_bindings, flatten, load_state, materialize,
                                state_from_source)
 from coppelius.reference.checkpoint import identities, validate, write_checkpoint
 from coppelius.reference.config import Hyper
@@ -63,6 +63,12 @@ def test_default_bindings_bind_every_parameter_and_tie_the_head(tmp_path, params
     assert all(v.flags.writeable and v.flags.owndata for v in values.values())
 
 
+def test_check_bindings_reads_nothing(tmp_path, params):
+    source = safetensors_source(tmp_path, params)
+    check_bindings(CONFIG, default_bindings(CONFIG), source)
+    assert source.leases_granted == 0
+
+
 def test_binding_is_by_name_not_by_file_order(tmp_path, params):
     shuffled = dict(reversed(list(params.items())))
     source = safetensors_source(tmp_path, shuffled)
@@ -72,11 +78,15 @@ def test_binding_is_by_name_not_by_file_order(tmp_path, params):
 
 
 def fail(error_type, source, bindings, model=CONFIG, offered=None):
-    """Bind, expect exactly `error_type`, and check nothing was read first."""
+    """Bind, expect exactly `error_type`, and check nothing was read first;
+    check_bindings refuses the same way."""
     before = source.leases_granted
+    with pytest.raises(BindingError) as checked:
+        check_bindings(model, bindings, source, offered=offered)
     with pytest.raises(BindingError) as info:
         bind(model, bindings, source, NumpyBackend(), offered=offered)
     assert type(info.value) is error_type, info.value
+    assert type(checked.value) is error_type and str(checked.value) == str(info.value)
     assert isinstance(info.value, CoppeliusError) and info.value.exit_status == 2
     assert source.leases_granted == before, "a lease was granted before validation finished"
     return str(info.value)

@@ -144,6 +144,21 @@ def test_round_trip_keeps_parameter_bytes_and_identities(ckpt, tmp_path, capsys)
     assert again.state.P.tobytes() == state.P.tobytes()
 
 
+@pytest.mark.parametrize("fmt", [[], ["--format", "hf", "--no-tokenizer"]])
+def test_round_trip_keeps_schedule_clipping_and_held_out_contexts(tmp_path, capsys, fmt):
+    # what `coppelius train` writes with --schedule cosine, --clip and held-out contexts
+    hyper = Hyper(lr="1/1000", schedule="cosine", warmup=10, total=100, floor="1/10", clip="1")
+    ids = identities(CONFIG, hyper, "bf16", 2, "c" * 64, "d" * 64, heldout=12)
+    assert "|schedule=cosine(" in ids["learner"] and ids["data"].endswith("|heldout=12")
+    path, out, back = tmp_path / "run.ckpt", tmp_path / "exported", tmp_path / "back.ckpt"
+    state = random_state()
+    write_checkpoint(path, CONFIG, ids, state, contexts=14)
+    assert run_cli(capsys, "export", path, out, *fmt)[0] == 0
+    assert run_cli(capsys, "import", out, back)[0] == 0
+    got = load_state(back, CONFIG, expect=ids)
+    assert got.state.P.tobytes() == state.P.tobytes()
+
+
 def test_import_precision_replaces_only_the_precision(ckpt, tmp_path, capsys):
     path, _ = ckpt
     out, back = tmp_path / "model.safetensors", tmp_path / "back.ckpt"
