@@ -620,3 +620,26 @@ def test_binding_through_the_cupy_backend(tmp_path):
     assert np.array_equal(cupy.asnumpy(fused), want)
     q = P[reg["layers.0.attn.q.weight"].slice].reshape(D, D)
     assert np.array_equal(cupy.asnumpy(q16), q.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_a_cupy_failure_while_binding_names_the_parameter(tmp_path):
+    """CuPy's own exception while realizing a value (an upload failing as an
+    out-of-memory would) is a BackendFailure naming the parameter."""
+    from coppelius.reference.binding import BackendFailure, bind, default_bindings
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.sources import CheckpointFileSource
+
+    class Failing(cupy_backend.CupyBindingBackend):
+        def from_host(self, array, dtype):
+            if array.shape == (CONFIG.d_ff, CONFIG.d_model):
+                raise MemoryError(f"out of memory allocating {array.nbytes} bytes")
+            return super().from_host(array, dtype)
+
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, CONFIG, identities(CONFIG, Hyper(), "fp32", 1, None, "0" * 64),
+                     fresh(), 0)
+    with CheckpointFileSource(path) as source, pytest.raises(BackendFailure) as info:
+        bind(registry(CONFIG), default_bindings(CONFIG), source, Failing(),
+             offered=[s.name for s in registry(CONFIG).specs])
+    # (F, D): the first such tensor in the registry's order is layer 0's gate
+    assert str(info.value).startswith("layers.0.mlp.gate.weight: backend cupy failed to realize")
