@@ -691,9 +691,11 @@ class CupyProgram(CapturedProgram):
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.alloc = alloc = Buffers(self.stream)
         self.buffers = s = allocate_state(alloc, config, hyper, precision, batch)
-        # the names the rest of the program (and its tests) use
+        # the names the rest of the program, its tests and dev/cuda/bench_step.py use
         self.P, self.M, self.V, self.G, self.Pb, self.t = s.P, s.M, s.V, s.G, s.Pb, s.t
-        self.ids, self.norm = s.ids, s.norm
+        self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
+            s.ids, s.norm, s.c, s.rates, s.partial, s.decay
+        self.clip, self.adamw, self.betas = s.clip, s.adamw, s.betas
 
         self.kernels = kernels_for(precision)
         self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
@@ -840,7 +842,7 @@ class CupyProgram(CapturedProgram):
         return self.acts.loss
 
     def is_complete(self) -> bool:
-        return bool(self._done.query())
+        return bool(self._done.done)  # cudaEventQuery: no wait
 
     def wait(self) -> None:
         self._done.synchronize()
@@ -853,6 +855,7 @@ class CupyProgram(CapturedProgram):
         self.graph = self.eval_graph = None
         self.acts = self.buffers = self.model = self._eager = None
         self.P = self.M = self.V = self.G = self.Pb = self.t = self.ids = self.norm = None
+        self.c = self.rates = self.partial = self.decay = None
         self.device_state = self._owned = None
         self.eval_ids = self.eval_ce = None
         self.alloc.bytes = 0
