@@ -244,8 +244,8 @@ def place(buffers: list, indices: list, horizon: int) -> int:
             offset = max(offset, _aligned(e))
         b.offset = offset
         placed.append((offset, offset + b.nbytes, first, last))
-    return max((o + _aligned(max(b, 1)) for o, b in
-                ((buffers[i].offset, buffers[i].nbytes) for i in indices)), default=0)
+    return max((buffers[i].offset + _aligned(max(buffers[i].nbytes, 1)) for i in indices),
+               default=0)
 
 
 class PlannedBuffers:

@@ -435,3 +435,27 @@ def test_an_mlx_failure_while_binding_names_the_parameter(tmp_path):
              offered=[t.key for t in qkv])
     assert str(info.value).startswith("layers.0.attn.qkv.weight: backend mlx failed to realize")
     assert "\n" not in str(info.value)
+
+
+def test_activations_locate_a_broken_operation_to_its_layer(monkeypatch):
+    """MLX's SwiGLU broken in the second layer only: the comparison with the
+    reference's intermediates names layers.1.mlp.h first (and layer 0's
+    forward passes)."""
+    from coppelius.conformance.activations import activation_rows, first_divergence
+    from coppelius.reference.step import step_activations
+
+    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    calls, original = [], mlx_backend.Model.swiglu_forward
+
+    def broken(g, u):
+        calls.append(1)
+        a = original(g, u)
+        return a * 1.01 if len(calls) % CONFIG.n_layer == 0 else a  # layer 1 of every forward
+
+    monkeypatch.setattr(mlx_backend.Model, "swiglu_forward", staticmethod(broken))
+    tokens = windows(1, seed=40)[0]
+    rows = activation_rows(CONFIG, program.activations(tokens),
+                           step_activations(CONFIG, fresh().P, tokens, "fp32"), "fp32")
+    first = first_divergence(rows)
+    assert first is not None and first.tensor == "layers.1.mlp.h", first
+    assert next(r for r in rows if r.tensor == "layers.0.mlp.h").passed

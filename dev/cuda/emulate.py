@@ -1,5 +1,6 @@
 """Run the CuPy backend on the CPU: a stand-in for the few CuPy pieces it
-uses, NumPy versions of its kernels, and a column-major GEMM behind the
+uses (arrays, streams, events, graphs, a memory pool counting the arrays
+alive), NumPy versions of its kernels, and a column-major GEMM behind the
 cuBLAS entry points. What this checks without a GPU is everything but the
 CUDA source: the buffer plan, the launch arguments, the row-major to
 column-major mapping of every product (pointers, leading dimensions, batch
