@@ -154,9 +154,18 @@ def _check(lib, status: int, what: str) -> None:
 
 class Cublas:
     """One handle bound to one stream, with its own workspace (a device
-    buffer the caller keeps alive as long as the handle)."""
+    buffer the caller keeps alive as long as the handle). dry=True loads
+    nothing and computes nothing: with a `log` set, gemm only records the
+    products (the memory plan's dry run, accelerated/memory_plan.py)."""
 
-    def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int):
+    def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int,
+                 dry: bool = False):
+        self.calls = 0  # products issued so far
+        self.log = None  # a memory_plan.CommandLog recording every product, or None
+        self.handle = None
+        if dry:
+            self.lib, self.version = None, 0
+            return
         self.lib = library()
         handle = ctypes.c_void_p()
         _check(self.lib, self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
@@ -172,7 +181,6 @@ class Cublas:
         _check(self.lib, self.lib.cublasGetVersion_v2(handle, ctypes.byref(version)),
                "cublasGetVersion")
         self.version = version.value
-        self.calls = 0  # products issued so far
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def close(self) -> None:
@@ -189,6 +197,13 @@ class Cublas:
         batch > 1: `batch` products, operand i at address + i * stride
         (elements). ab_type, c_type: "float32" or "bfloat16"."""
         g = column_major(trans_a, trans_b, m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c)
+        if self.log is not None:
+            self.log.add("product", "gemm" if batch == 1 else "gemm_strided_batched",
+                         {"m": m, "n": n, "k": k, "batch": batch, "trans_a": trans_a,
+                          "trans_b": trans_b, "ab_type": ab_type, "c_type": c_type}, (A, B, C))
+        if self.lib is None:  # dry: recorded only
+            self.calls += 1
+            return
         ab, c = DTYPES[ab_type], DTYPES[c_type]
         one = ctypes.byref(self._one)
         scale = ctypes.byref(self._zero if beta == 0.0 else ctypes.c_float(beta))

@@ -137,21 +137,29 @@ class Kernels:
     launch goes to the current CuPy stream, so a launcher called inside a
     stream capture is recorded into the graph. replace swaps whole kernel
     files, as module_source's (for dev/cuda's variants; the backend passes
-    none)."""
+    none). dry=True compiles nothing and launches nothing: with a `log`
+    set, the launchers only record their launches (the memory plan's dry
+    run, accelerated/memory_plan.py)."""
 
-    def __init__(self, precision: str, replace: dict | None = None):
+    def __init__(self, precision: str, replace: dict | None = None, dry: bool = False):
         self.precision = precision
-        module = cupy.RawModule(code=module_source(replace), options=compile_options(precision))
-        self.functions = {name: module.get_function(name) for name in KERNELS}
+        if dry:
+            self.functions = {name: (lambda *args, **kwargs: None) for name in KERNELS}
+        else:
+            module = cupy.RawModule(code=module_source(replace),
+                                    options=compile_options(precision))
+            self.functions = {name: module.get_function(name) for name in KERNELS}
         self.launches = 0  # kernel launches so far (the capture counts its own)
-        self.trace = None  # a list to log launched kernel names into, or None
+        self.log = None  # a memory_plan.CommandLog recording every launch, or None
 
     def _launch(self, name, grid, block, args, shared_mem=0):
         # grid: blocks, or a tuple of blocks per dimension
         self.launches += 1
-        if self.trace is not None:
-            self.trace.append(name)
         grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
+        if self.log is not None:
+            pointers = [a.data.ptr for a in args if hasattr(getattr(a, "data", None), "ptr")]
+            self.log.add("kernel", name, {"grid": list(grid), "block": int(block),
+                                          "shared_mem": int(shared_mem)}, pointers)
         self.functions[name](grid, (int(block),), args, shared_mem=int(shared_mem))
 
     def _rowwise(self, name, rows, cols, args):

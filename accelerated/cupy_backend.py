@@ -8,10 +8,16 @@ Memory plan. Everything the step touches is allocated at capture and kept
 for the program's life: P, M, V, G as flat float32 vectors with the
 registry's layout (a parameter is an offset into them), the update count t
 and the bias corrections on the device, the input slot (B, T+1) int32, and
-every activation the backward needs, per layer. Kernels and products write
-in place; nothing is allocated, copied to or from the host, or synchronized
-inside the captured step. New buffers are filled with NaN (bf16: all ones
-bits, also a NaN), so an element a kernel forgets to write shows up.
+every activation the backward needs, per layer. The activation and scratch
+buffers live in one arena where buffers whose lifetimes in the step do not
+overlap share storage (accelerated/memory_plan.py: a dry run of this very
+step gives each buffer's first and last command before anything is
+allocated; COPPELIUS_NO_MEMORY_PLAN=1 gives each its own storage). Kernels
+and products write in place; nothing is allocated, copied to or from the
+host, or synchronized inside the captured step. New buffers are filled with
+NaN (bf16: all ones bits, also a NaN), so an element a kernel forgets to
+write shows up (with the plan, a region another buffer wrote before may
+hold its values instead: COPPELIUS_NO_MEMORY_PLAN=1 restores the check).
 
 Matrix products. Linear weights are (out, in) row-major slices of P, and
 the registry puts q, k, v next to each other (one (3D, D) product) and gate,
@@ -48,17 +54,20 @@ computes c1 = float32(1 - beta1^t), c2 = float32(1 - beta2^t) with pow in
 float64, then one elementwise kernel updates P, M, V (and Pb).
 
 Capture (SPEC 13): the step runs once eagerly (compiles, sizes cuBLAS's
-choices), the state is restored from the host (capture performs no
-update), then the step is recorded on a non-blocking stream. Replay is one
-graph launch. COPPELIUS_NO_CAPTURE=1 runs the same step eagerly on every
-replay instead: for debugging, not for training.
+choices; its commands must be the memory plan's dry run's), the state is
+restored from the host (capture performs no update), then the step is
+recorded on a non-blocking stream. Replay is one graph launch. A capture
+CUDA refuses falls back to running the same step eagerly on every replay
+(reference.program.capture_or_fallback: the report says why).
+COPPELIUS_NO_CAPTURE=1 runs the same step eagerly on every replay instead:
+for debugging, not for training.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -72,14 +81,18 @@ from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
-from coppelius.reference.program import (ReplayError, capture_enabled, check_capture,
-                                         check_logits_tokens, check_replay_state, check_tokens,
-                                         compilation_report)
+from coppelius.reference.program import (CapturedProgram, MemoryAnalysis, PartitionOutcome,
+                                         ReplayError, Resource, capture_enabled,
+                                         capture_or_fallback, check_capture, check_logits_tokens,
+                                         check_replay_state, check_tokens, compilation_report)
+from coppelius.reference.semantic import activation_names, partitions
 from coppelius.reference.state import State
 
 from . import cuda_kernels
 from . import cublas
 from .cublas import WORKSPACE_BYTES, Cublas
+from .memory_plan import (Buffer, CommandLog, MemoryPlan, PlannedBuffers, VirtualArray,
+                          VirtualBuffers, liveness, place, planning_enabled)
 
 BACKEND = "cupy"
 EPS = np.float32(float(LAYERNORM_EPS))
@@ -134,6 +147,14 @@ class Buffers:
     def upload(self, host):
         with self.stream:
             a = cupy.asarray(host)
+        self.bytes += a.nbytes
+        return a
+
+    def arena(self, nbytes: int):
+        """One uint8 buffer for the memory plan's shared storage, all ones
+        bits: a NaN in float32 and bfloat16 alike."""
+        with self.stream:
+            a = cupy.full((nbytes,), 0xFF, dtype=np.uint8)
         self.bytes += a.nbytes
         return a
 
@@ -265,6 +286,22 @@ class Model:
         self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
         self.final_norm = registry(config)["final_norm.weight"].offset
         self.G_emb = G[self.emb:self.emb + V * D].reshape(V, D)
+        self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
+
+    def at(self, *operations):
+        """The semantic operations (reference/semantic.py) the next commands
+        lower, recorded with them while a command log is kept (the memory
+        plan's dry run, the capture's count); nothing otherwise."""
+        if self.k.log is not None:
+            self.k.log.operations = operations
+
+    def _tap(self, name, buffer, part=None):
+        # activations(): the backward reuses its buffers layer after layer,
+        # so an eager debugging step reads each intermediate as it is made
+        # (part: (i, n), the i-th of n equal column blocks). Never set on the
+        # captured program: a tap reads the device, which a capture forbids.
+        if self.tap is not None:
+            self.tap(name, buffer, part)
 
     def norm(self, offset):
         # (weight, bias) views of P for a norm whose weight starts at offset
@@ -302,26 +339,39 @@ class Model:
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T = a.T
+        self.at("embedding")
         k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
                             a.x[0])
         for l, w in enumerate(self.layers):
+            p = f"layers.{l}."
             # h = attn_norm(x), after the previous layer's residual add
             prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
+            self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
             k.layernorm_forward(prev, add, a.x[l] if l else None, a.h1[l], a.mean1[l], a.rstd1[l],
                                 *self.norm(w.attn_norm), EPS)
+            self.at(p + "attn.q", p + "attn.k", p + "attn.v")
             self.linear_forward(a.h1[l], w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
+            self.at(p + "attn.rope_q", p + "attn.rope_k")
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
+            self.at(p + "attn.core")
             self.attention_forward(a, l)  # -> a.y[l] (BT,D)
+            self.at(p + "attn.o")
             self.linear_forward(a.y[l], w.o, a.proj, D, D)
             # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
+            self.at(p + "attn.residual", p + "mlp_norm")
             k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h2[l], a.mean2[l], a.rstd2[l],
                                 *self.norm(w.mlp_norm), EPS)
+            self.at(p + "mlp.gate", p + "mlp.up")
             self.linear_forward(a.h2[l], w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
+            self.at(p + "mlp.swiglu")
             k.swiglu_forward(a.gu[l], a.a[l])
+            self.at(p + "mlp.down")
             self.linear_forward(a.a[l], w.down, a.proj, D, F)
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
+        self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
                             *self.norm(self.final_norm), EPS)
+        self.at("lm_head")
         self.linear_forward(a.hf, self.emb, a.logits, V, D)
 
     def attention_forward(self, a: Activations, l: int) -> None:
@@ -357,34 +407,65 @@ class Model:
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / BT)  # d mean / d ce, as the reference's float32 1/n
+        self.at("loss", "loss.backward")
         k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce, a.dlogits, dce)
+        self._tap("dlogits", a.dlogits)
+        self.at("loss.mean")
         k.mean_loss(a.ce, a.loss)
         # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
+        self.at("lm_head.backward")
         self.linear_backward(a.dlogits, a.hf, self.emb, a.dh, V, D)
+        self._tap("final_norm.dout", a.dh)
         dres_op = self.operand(a.dres, a.dres_op)
+        self.at("final_norm.backward")
         k.layernorm_backward(a.dh, None, a.x[L], a.meanf, a.rstdf, self.norm(self.final_norm)[0],
                              a.dres, a.dres_op, a.ln_partials[2 * L])
         for l in reversed(range(L)):
             w = self.layers[l]
+            p = f"layers.{l}."
+            self._tap(p + "dout", a.dres)
             # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
+            self.at(p + "mlp.down.backward")
             self.linear_backward(dres_op, a.a[l], w.down, a.da, D, F)
+            self._tap(p + "mlp.dh", a.da)
+            self.at(p + "mlp.swiglu.backward")
             k.swiglu_backward(a.da, a.gu[l], a.dgu)
-            self.linear_backward(a.dgu, a.h2[l], w.gate_up, a.dh, 2 * F, D)  # dh = dh_gate + dh_up
+            self._tap(p + "mlp.dgate", a.dgu, (0, 2))
+            self._tap(p + "mlp.dup", a.dgu, (1, 2))
+            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
+            self.linear_backward(a.dgu, a.h2[l], w.gate_up, a.dh, 2 * F, D)
+            self._tap(p + "mlp_norm.dout", a.dh)
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward")
             k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l],
                                  self.norm(w.mlp_norm)[0], a.dres, a.dres_op,
                                  a.ln_partials[2 * l + 1])
+            self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
+            self.at(p + "attn.o.backward")
             self.gemm(False, False, BT, D, D, _ptr(dres_op), D, _ptr(self.Pop, w.o), D,
                       _ptr(a.dy), D, c_type=self.op)  # dy = dres Wo, an operand only
             self.gemm(True, False, D, D, BT, _ptr(dres_op), D, _ptr(a.y[l]), D, _ptr(self.G, w.o),
                       D)
+            self._tap(p + "attn.dy", a.dy)
+            self.at(p + "attn.core.backward")
             self.attention_backward(a, l)  # -> a.dqkv (BT,3D)
-            self.linear_backward(a.dqkv, a.h1[l], w.qkv, a.dh, 3 * D, D)  # dh = dh_q + dh_k + dh_v
+            # dh = dh_q + dh_k + dh_v: the sum inside one (BT,3D) x (3D,D) product
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
+                    p + "attn_norm.dout_sum")
+            self.linear_backward(a.dqkv, a.h1[l], w.qkv, a.dh, 3 * D, D)
+            self._tap(p + "attn_norm.dout", a.dh)
+            self.at(p + "attn_norm.backward", p + "attn.residual.backward")
             k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l],
                                  self.norm(w.attn_norm)[0], a.dres, a.dres_op,
                                  a.ln_partials[2 * l])
+        self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
+        self.at("embedding.backward", "tok_embedding.dweight_sum")
         k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb)
+        # every norm's weight and bias gradients, reduced from their partials at once
+        self.at("final_norm.backward", *(f"layers.{l}.{norm}.backward" for l in range(L)
+                                         for norm in ("attn_norm", "mlp_norm")))
         k.layernorm_param_grads(a.ln_partials, self.norm_offsets, self.G)
 
     def attention_backward(self, a: Activations, l: int) -> None:
@@ -394,7 +475,7 @@ class Model:
         if a.fused:
             self.k.attention_backward(a.qkv[l], a.y[l], a.dy, a.att_m[l], a.att_l[l], a.att_dot,
                                       a.dqk, a.dqkv, B, T, H, self.scale)
-            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, T, c.n_head)
+            self._rope_backward(a, l)
             return
         qkv, att = a.qkv[l], a.att[l]
         for b in range(B):
@@ -417,7 +498,16 @@ class Model:
                       **hh)
             self.gemm(True, False, T, E, T, ds, T, q, 3 * D, _ptr(a.dqk, b * T * 2 * D + D),
                       2 * D, **hh)
-        self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, T, c.n_head)
+        self._rope_backward(a, l)
+
+    def _rope_backward(self, a: Activations, l: int) -> None:
+        """a.dqk (BT,2D), the gradients of the rotated q and k -> a.dqkv[:, :2D]."""
+        p = f"layers.{l}."
+        self._tap(p + "attn.dq", a.dqk, (0, 2))
+        self._tap(p + "attn.dk", a.dqk, (1, 2))
+        self._tap(p + "attn.dv", a.dqkv, (2, 3))
+        self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
+        self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
 
 
 class Event:
@@ -428,6 +518,19 @@ class Event:
 
     def wait(self) -> None:
         self.event.synchronize()
+
+
+class TimedEvent(Event):
+    """A replay between two device timestamps (replay_timed())."""
+
+    def __init__(self, start, end):
+        super().__init__(end)
+        self.start = start
+
+    def device_seconds(self) -> float:
+        """Device time between the timestamps; waits for the step."""
+        self.event.synchronize()
+        return cupy.cuda.get_elapsed_time(self.start, self.event) / 1e3
 
 
 class DeviceState:
@@ -449,7 +552,127 @@ def kernels_for(precision: str):
     return _KERNELS[precision]
 
 
-class CupyProgram:
+@dataclass
+class StepBuffers:
+    """The buffers of the step that are not activations: the optimizer
+    state, its gradient, and the step's constants and input slot."""
+
+    P: object  # (N,) float32 each: parameters, moments, gradient
+    M: object
+    V: object
+    G: object
+    Pb: object  # (N,) bfloat16 bits of P under bf16, else None
+    t: object  # (1,) int32, the update count
+    c: object  # (4,) float32: c1, c2, a_t, b_t of the current update
+    rates: object  # (R, 2) float32: the schedule's a_t, b_t (SPEC 7), read by the device's t
+    partial: object  # (NORM_BLOCKS,) float32: the norm's first pass
+    norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
+    decay: object  # (N,) uint8
+    cos: object  # (T, E/2) float32 each, from float64 angles
+    sin: object
+    ids: object  # (B, T+1) int32: the input slot
+    workspace: object  # cuBLAS's
+    norms: object  # (2L+1,) int64: norm_offsets()
+    clip: float  # float32(clip), 0: off
+    adamw: AdamWConstants
+    betas: tuple  # the float64 betas of the bias corrections
+
+
+def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int) -> StepBuffers:
+    """Every buffer but the activations, from `alloc` (Buffers, or the
+    memory plan's VirtualBuffers: the same allocations in the same order)."""
+    reg = registry(config)
+    N, T, E = reg.total, config.context, config.head_dim
+    P, M, V, G = (alloc((N,), np.float32) for _ in range(4))
+    Pb = alloc((N,), np.uint16) if precision == "bf16" else None
+    t = alloc((1,), np.int32)
+    c = alloc((4,), np.float32)
+    rates = alloc.upload(schedule_table(hyper))
+    partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)
+    norm = alloc((2,), np.float32)
+    decay = alloc.upload(reg.decay_mask().astype(np.uint8))
+    cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
+    ids = alloc((batch, T + 1), np.int32)
+    workspace = alloc((WORKSPACE_BYTES,), np.uint8)
+    norms = alloc.upload(norm_offsets(config))
+    clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))
+    return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
+                       norms, clip, AdamWConstants.of(hyper),
+                       (float(hyper.beta1), float(hyper.beta2)))
+
+
+def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=None) -> Model:
+    """The step's Model over the buffers s (G: another gradient buffer)."""
+    return Model(config, precision, kernels, blas, s.P, s.Pb if s.Pb is not None else s.P,
+                 s.G if G is None else G, s.cos, s.sin, s.norms)
+
+
+def run_step(model: Model, kernels, a: Activations, s: StepBuffers) -> None:
+    """Forward, backward and AdamW on the input slot: the captured work."""
+    T = model.config.context
+    model.forward(a, s.ids, T + 1)
+    model.backward(a, s.ids, T + 1)
+    model.at("gradient_norm", "clip")
+    kernels.gradient_norm(s.G, s.partial, s.norm, s.clip)  # and the clip scale
+    model.at("adamw")
+    kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
+    kernels.adamw_update(s.P, s.M, s.V, s.G, s.decay, s.Pb, s.c, s.norm, s.adamw)
+
+
+# Activations buffers that keep storage of their own whatever their lifetimes
+HOST_READ = {"ce": "row losses: read by the host after a replay",
+             "loss": "the loss: read by the host after a replay"}
+KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
+         "ids": "input", "workspace": "workspace"}
+
+
+def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int) -> MemoryPlan:
+    """The step's dry run (accelerated/memory_plan.py): every buffer, the
+    commands in order with what they touch, each activation's lifetime, and
+    the activations laid out in one arena. Allocates nothing; needs no GPU."""
+    v = VirtualBuffers()
+    s = allocate_state(v, config, hyper, precision, batch)
+    names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
+             if isinstance(getattr(s, f.name), VirtualArray)}
+    n_state = len(v.requests)
+    acts = Activations(config, batch, config.context,
+                       np.uint16 if precision == "bf16" else np.float32, v, train=True)
+    for attr, value in vars(acts).items():
+        if isinstance(value, VirtualArray):
+            names[value.ptr] = f"acts.{attr}"
+        elif isinstance(value, list):
+            for l, x in enumerate(value):
+                names.setdefault(x.ptr, f"acts.{attr}[{l}]")
+    log = CommandLog()
+    kernels = cuda_kernels.Kernels(precision, dry=True)
+    blas = Cublas(0, 0, 0, dry=True)
+    kernels.log = blas.log = log
+    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s)
+
+    buffers = []
+    for i, (shape, dtype, zeros, ptr, nbytes) in enumerate(v.requests):
+        name = names[ptr]
+        if i < n_state:
+            kind = KINDS.get(name, "constant")
+            buffers.append(Buffer(name, nbytes, kind, False, "kept for the program's life"))
+            continue
+        attr = name[len("acts."):].split("[")[0]
+        note = HOST_READ.get(attr, "")
+        if zeros:
+            note = "zeros above the diagonal written once, at allocation, and kept"
+        buffers.append(Buffer(name, nbytes, "activation", not note, note))
+    touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
+    products = [c.index for c in log.commands if c.kind == "product"]
+    ws = buffers[[b.name for b in buffers].index("workspace")]
+    ws.first, ws.last = (products[0], products[-1]) if products else (None, None)
+    ws.note = "cuBLAS's, used by every product"
+    activations = list(range(n_state, len(buffers)))
+    arena = place(buffers, activations, len(log.commands))
+    return MemoryPlan(buffers, activations, arena, sum(buffers[i].nbytes for i in activations),
+                      [(r[0], r[1]) for r in v.requests[n_state:]], log.commands, touches)
+
+
+class CupyProgram(CapturedProgram):
     """The captured training step on CUDA (the TrainingProgram interface)."""
 
     backend = BACKEND
@@ -460,64 +683,62 @@ class CupyProgram:
             raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
                            f"a row in registers, at most {cuda_kernels.MAX_D} features")
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
-        self.captured = capture_enabled()
         self.replays = 0
-        reg = registry(config)
-        N, T, E = reg.total, config.context, config.head_dim
+        T = config.context
         bf16 = precision == "bf16"
         op_dtype = np.uint16 if bf16 else np.float32
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.alloc = alloc = Buffers(self.stream)
-        # the optimizer state, its gradient, and the step's constants
-        self.P, self.M, self.V, self.G = (alloc((N,), np.float32) for _ in range(4))
-        self.Pb = alloc((N,), np.uint16) if bf16 else None
-        self.t = alloc((1,), np.int32)
-        self.c = alloc((4,), np.float32)  # c1, c2, a_t, b_t of the current update
-        # the schedule's a_t, b_t (SPEC 7): one host table, read by the device's t
-        self.rates = alloc.upload(schedule_table(hyper))  # (R, 2)
-        self.partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)  # the norm's first pass
-        self.norm = alloc((2,), np.float32)  # ||G|| before clipping, and the clip scale
-        self.clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))  # 0: off
-        self.decay = alloc.upload(reg.decay_mask().astype(np.uint8))  # (N,)
-        cos, sin = rope_tables(T, E)  # (T, E/2) float32, from float64 angles
-        self.cos, self.sin = alloc.upload(cos), alloc.upload(sin)
-        self.ids = alloc((batch, T + 1), np.int32)  # the input slot
-        self.workspace = alloc((WORKSPACE_BYTES,), np.uint8)
-        self.adamw = AdamWConstants.of(hyper)
-        self.betas = (float(hyper.beta1), float(hyper.beta2))  # the float64 bias corrections'
+        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch)
+        # the names the rest of the program, its tests and dev/cuda/bench_step.py use
+        self.P, self.M, self.V, self.G, self.Pb, self.t = s.P, s.M, s.V, s.G, s.Pb, s.t
+        self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
+            s.ids, s.norm, s.c, s.rates, s.partial, s.decay
+        self.clip, self.adamw, self.betas = s.clip, s.adamw, s.betas
 
         self.kernels = kernels_for(precision)
-        self.blas = Cublas(self.stream.ptr, _ptr(self.workspace), WORKSPACE_BYTES)
+        self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
         weakref.finalize(self, self.blas.close)
-        self.model = Model(config, precision, self.kernels, self.blas, self.P,
-                           self.Pb if bf16 else self.P, self.G, self.cos, self.sin,
-                           alloc.upload(norm_offsets(config)))
-        self.acts = Activations(config, batch, T, op_dtype, alloc, train=True)
+        self.model = model_for(config, precision, self.kernels, self.blas, s)
+        # the memory plan, made by a dry run of this very step before any
+        # activation exists (accelerated/memory_plan.py)
+        self.plan = memory_plan(config, hyper, precision, batch)
+        self.memory_planned = planning_enabled() and self.plan.savings > 0
+        acts_alloc = PlannedBuffers(alloc, self.plan, self.stream) if self.memory_planned \
+            else alloc
+        self.acts = Activations(config, batch, T, op_dtype, acts_alloc, train=True)
         self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
         self._eager = None  # (B', T', Activations) of the last logits() shape
         self._uploaded = False
         self._stepped = False
         self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
-        self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
         self.graph = None
         self.eval_ids = self.eval_ce = self.eval_graph = None  # evaluate(), on first use
 
         self._load(state)
-        self.recorded = self._counted(self._step)  # warm-up: compiles, lets cuBLAS choose
+        warm = CommandLog()
+        self.recorded = self._counted(self._step, warm)  # compiles, lets cuBLAS choose
+        if warm.signature() != [(c.kind, c.name, c.launch) for c in self.plan.commands]:
+            # the plan's lifetimes are those of the dry run's commands
+            raise AssertionError("the step's commands differ from the memory plan's dry run")
         self._load(state)  # the warm-up updated the state: capture performs no update
-        if self.captured:
-            def record():
-                self.stream.begin_capture()
-                try:
-                    self._step()
-                finally:
-                    self.graph = self.stream.end_capture()
-
-            self.recorded = self._counted(record)
+        self.captured = capture_enabled() and capture_or_fallback(self, self._record)
         self.stream.synchronize()
 
     # -- the step ----------------------------------------------------------------
+
+    def _record(self) -> None:
+        """Capture the step as a CUDA graph on the program's stream."""
+        def record():
+            self.stream.begin_capture()
+            try:
+                self._step()
+            finally:
+                graph = self.stream.end_capture()
+            self.graph = graph  # only a capture that completed
+
+        self.recorded = self._counted(record, CommandLog())
 
     def _load(self, state: State) -> None:
         """Host state -> the device buffers the graph reads (in place)."""
@@ -530,36 +751,30 @@ class CupyProgram:
                 self.kernels.round_bf16(self.P, self.Pb)
         self.stream.synchronize()
 
-    def _counted(self, work) -> dict:
-        """Run work() on the stream; count its kernel launches and products."""
-        k = self.kernels
-        launches, calls, k.trace = k.launches, self.blas.calls, []
+    def _counted(self, work, log) -> dict:
+        """Run work() on the stream with its commands logged; count them."""
+        self.kernels.log = self.blas.log = log
         try:
             with self.stream:
                 work()
         finally:
-            names, k.trace = set(k.trace), None
+            self.kernels.log = self.blas.log = None
         self.stream.synchronize()
-        return {"kernel_launches": k.launches - launches, "products": self.blas.calls - calls,
-                "kernels": sorted(names)}
+        kinds = [c.kind for c in log.commands]
+        return {"kernel_launches": kinds.count("kernel"), "products": kinds.count("product"),
+                "kernels": sorted({c.name for c in log.commands if c.kind == "kernel"})}
 
     def _step(self) -> None:
-        """Forward, backward and AdamW on the input slot: the captured work."""
-        k, a = self.kernels, self.acts
-        T = self.config.context
-        self.model.forward(a, self.ids, T + 1)
-        self.model.backward(a, self.ids, T + 1)
-        k.gradient_norm(self.G, self.partial, self.norm, self.clip)  # and the clip scale
-        k.adamw_bias_corrections(self.t, self.c, *self.betas, self.rates)  # t += 1 on the device
-        k.adamw_update(self.P, self.M, self.V, self.G, self.decay, self.Pb, self.c, self.norm,
-                       self.adamw)
+        run_step(self.model, self.kernels, self.acts, self.buffers)
 
     def _evaluate(self) -> None:
         """Forward and row losses of the evaluation slot: the captured
         forward-only program (SPEC 18). It runs on the training step's own
-        activations (free between steps, on the same stream) and writes its
-        losses to a buffer of its own, so the last step's row losses, loss and
-        gradient stay readable."""
+        activations (free between steps, on the same stream; under the
+        memory plan too: its commands are a prefix of the step's, so buffers
+        sharing storage never live at once) and writes its losses to a
+        buffer of its own, so the last step's row losses, loss and gradient
+        stay readable."""
         a, T = self.acts, self.config.context
         self.model.forward(a, self.eval_ids, T + 1)
         dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
@@ -579,15 +794,29 @@ class CupyProgram:
 
     def replay(self) -> Event:
         """Submit one step without waiting; returns an event."""
-        if not self._uploaded:
-            raise ReplayError("replay before upload_input: the input slot is empty")
-        s = self.device_state
-        check_replay_state(s, self._owned, BACKEND)
+        self._check_replay()
         self._submit()
         self._done.record(self.stream)
         self.replays += 1
         self._stepped = True
         return Event(self._done)
+
+    def replay_timed(self) -> TimedEvent:
+        """Submit one step between two device timestamps; returns at once."""
+        self._check_replay()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()  # each replay's own pair
+        start.record(self.stream)
+        self._submit()
+        self._done.record(self.stream)
+        end.record(self.stream)
+        self.replays += 1
+        self._stepped = True
+        return TimedEvent(start, end)
+
+    def _check_replay(self) -> None:
+        if not self._uploaded:
+            raise ReplayError("replay before upload_input: the input slot is empty")
+        check_replay_state(self.device_state, self._owned, BACKEND)
 
     def _submit(self) -> None:
         if self.graph is not None:
@@ -602,19 +831,39 @@ class CupyProgram:
 
     def replay_timed_and_wait(self):
         """-> (mean loss, device seconds between events around the launch)."""
-        self._start.record(self.stream)
-        event = self.replay()
-        self._end.record(self.stream)
-        event.wait()
-        self._end.synchronize()
-        seconds = cupy.cuda.get_elapsed_time(self._start, self._end) / 1e3
+        event = self.replay_timed()
+        seconds = event.device_seconds()
         return float(self.acts.loss.get(stream=self.stream)[0]), seconds
+
+    def loss(self):
+        """The captured loss buffer, (1,) float32 on the device; no wait."""
+        if not self._stepped:
+            raise ReplayError("loss: no step has been replayed yet")
+        return self.acts.loss
+
+    def is_complete(self) -> bool:
+        return bool(self._done.done)  # cudaEventQuery: no wait
+
+    def wait(self) -> None:
+        self._done.synchronize()
+
+    def _release(self) -> None:
+        """Drop every device buffer, the graphs and the cuBLAS handle: the
+        memory returns to CuPy's pool. (The compiled kernel module stays:
+        it is shared by every program of the process.)"""
+        self.blas.close()
+        self.graph = self.eval_graph = None
+        self.acts = self.buffers = self.model = self._eager = None
+        self.P = self.M = self.V = self.G = self.Pb = self.t = self.ids = self.norm = None
+        self.c = self.rates = self.partial = self.decay = None
+        self.device_state = self._owned = None
+        self.eval_ids = self.eval_ce = None
+        self.alloc.bytes = 0
 
     def _last(self, what):
         if not self._stepped:
             raise ReplayError(f"{what}: no step has been replayed yet")
         self._done.synchronize()
-
     def row_losses(self) -> np.ndarray:
         self._last("row_losses")
         return self.acts.ce.get(stream=self.stream).reshape(self.batch, self.config.context)
@@ -677,8 +926,77 @@ class CupyProgram:
         self.stream.synchronize()
         return acts.logits.get(stream=self.stream).reshape(B2, T2, self.config.vocab)
 
+    def activations(self, tokens) -> dict:
+        """tokens (B, T+1) -> every named intermediate of one step's forward
+        and backward with the current parameters: an eager forward and
+        backward on buffers of its own (every layer's kept, no memory plan,
+        a gradient buffer of its own; no AdamW), so the program's state and
+        last results stay as they are. The backward's intermediates are
+        read as the step makes them (Model.tap): its buffers serve every
+        layer in turn."""
+        tokens = check_tokens(self.config, self.batch, tokens,
+                              "activations input").astype(np.int32)
+        c = self.config
+        B, T = self.batch, c.context
+        self._done.synchronize()  # a pending replay still uses the kernels' stream
+        alloc = Buffers(self.stream)
+        op = np.uint16 if self.precision == "bf16" else np.float32
+        acts = Activations(c, B, T, op, alloc, train=True)
+        G = alloc((registry(c).total,), np.float32)
+        ids = alloc.upload(tokens)
+        model = model_for(c, self.precision, self.kernels, self.blas, self.buffers, G=G)
+
+        def read(buffer, part=None):  # -> (B, T, columns) float32 on the host
+            x = _as_float32(buffer.get(stream=self.stream)).reshape(B * T, -1)
+            if part is not None:
+                i, n = part
+                width = x.shape[1] // n
+                x = x[:, i * width:(i + 1) * width]
+            return x.reshape(B, T, -1)
+
+        out = {}
+        model.tap = lambda name, buffer, part: out.__setitem__(name, read(buffer, part))
+        with self.stream:
+            model.forward(acts, ids, T + 1)
+            model.backward(acts, ids, T + 1)
+        self.stream.synchronize()
+        out["embedding.out"] = read(acts.x[0])
+        for l in range(c.n_layer):
+            p = f"layers.{l}."
+            out[p + "attn_norm.out"] = read(acts.h1[l])
+            for i, part in enumerate("qkv"):
+                out[p + f"attn.{part}"] = read(acts.qkv[l], (i, 3))
+            out[p + "attn.y"] = read(acts.y[l])
+            out[p + "mid"] = read(acts.x_mid[l])
+            out[p + "mlp_norm.out"] = read(acts.h2[l])
+            out[p + "mlp.gate"] = read(acts.gu[l], (0, 2))
+            out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
+            out[p + "mlp.h"] = read(acts.a[l])
+            out[p + "out"] = read(acts.x[l + 1])
+        out["final_norm.out"] = read(acts.hf)
+        out["logits"] = read(acts.logits)
+        out["row_losses"] = read(acts.ce).reshape(B, T)
+        return {name: out[name] for name, _ in activation_names(c)}
+
     def compilation_report(self) -> dict:
         return _report(self)
+
+    def _partition_outcomes(self) -> list:
+        return _partition_outcomes(self)
+
+    def _executable_nodes(self):
+        # the dry run's commands: the warm-up checked that the real step's agree
+        return [c.operations for c in self.plan.commands], ""
+
+    def _executable_plan(self) -> list:
+        plan = self.plan
+        return [{"node": c.index, "kind": c.kind, "name": c.name, "launch": c.launch,
+                 "operations": list(c.operations),
+                 "buffers": [plan.buffers[i].name for i in plan.touches[c.index]]}
+                for c in plan.commands]
+
+    def _memory_analysis(self) -> MemoryAnalysis:
+        return _memory_analysis(self)
 
     def diagnostics(self) -> dict:
         report = _report(self)
@@ -752,6 +1070,11 @@ class CupyBindingBackend:
 
 # ---------------------------------------------------------------- the report
 
+def _as_float32(x: np.ndarray) -> np.ndarray:
+    """A buffer read back: bfloat16 bits (uint16) widened exactly, float32 as is."""
+    return (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x
+
+
 def graph_nodes(graph):
     """Nodes of the captured graph, read from CUDA's DOT dump of it
     (cudaGraphDebugDotPrint through CuPy), or None where CuPy lacks it."""
@@ -772,6 +1095,9 @@ def _report(program: CupyProgram) -> dict:
     B = program.batch
     on = program.graph is not None
     rec = program.recorded
+    plan = program.plan
+    candidates = sum(b.candidate for b in plan.buffers)
+    aliased = len(plan.aliased()) if program.memory_planned else 0
     launches, products = rec["kernel_launches"], rec["products"]
     commands = launches + products
     nodes = graph_nodes(program.graph) if on else None
@@ -785,9 +1111,11 @@ def _report(program: CupyProgram) -> dict:
         "precision": ("applied" if bf16 else "analyzed", products, products),
         "kernel_selection": ("applied", commands, commands),
         "lowering_validation": ("analyzed", commands, commands),
-        "memory_planning": ("applied", 1, 1),
+        "memory_planning": ("applied" if program.memory_planned else "analyzed",
+                            len(plan.buffers), aliased if program.memory_planned else candidates),
         "synchronization_planning": ("applied", 1, 1),
-        "command_recording": ("applied" if on else "not_run", commands, 1 if on else 0),
+        "command_recording": ("applied" if on else "failed" if program.capture_refused
+                              else "not_run", commands, 1 if on else 0),
     }
     notes = {
         "semantic_validation": "configuration, precision, batch and state checked at capture",
@@ -805,17 +1133,71 @@ def _report(program: CupyProgram) -> dict:
                             + ("; attention: mma.sync bfloat16 tiles"
                                if program.acts.fused else ""),
         "lowering_validation": "the step runs eagerly once before capture",
-        "memory_planning": "every buffer allocated before capture; no allocation in the step",
+        "memory_planning": (f"{aliased} activation and scratch buffers share one arena by "
+                            f"lifetime: {plan.savings} bytes saved" if program.memory_planned
+                            else "plan not applied: " + _plan_off_reason(program))
+                           + "; every buffer allocated before capture, none in the step",
         "synchronization_planning": "stream order only; the host waits once per replay",
         "command_recording": "CUDA graph by stream capture" if on
+                             else f"capture refused ({program.capture_refused}): the step runs "
+                                  "eagerly" if program.capture_refused
                              else "disabled by COPPELIUS_NO_CAPTURE: the step runs eagerly",
     }
     return compilation_report(
         BACKEND, stages, kernels=len(rec["kernels"]),
         graph_nodes=nodes if nodes is not None else (commands if on else 0),
         device_bytes=program.alloc.bytes, replays=program.replays, precision=program.precision,
-        batch=B, captured=on, kernel_names=rec["kernels"], kernel_launches=launches,
-        products=products,
+        batch=B, captured=on, capture_refused=program.capture_refused or "",
+        kernel_names=rec["kernels"], kernel_launches=launches, products=products,
+        memory_planned=program.memory_planned, memory_saved_bytes=(
+            plan.savings if program.memory_planned else 0),
         graph_nodes_source=("cudaGraphDebugDotPrint" if nodes is not None
                             else "recorded commands" if on else "no graph"),
         notes=notes)
+
+
+# ---------------------------------------------------------------- the analyses
+
+def _plan_off_reason(program: CupyProgram) -> str:
+    if not planning_enabled():
+        return "disabled by COPPELIUS_NO_MEMORY_PLAN"
+    return "no two activation buffers have disjoint lifetimes"
+
+
+def _partition_outcomes(program: CupyProgram) -> list:
+    """The step's fusion candidates as the CUDA step has them (Model)."""
+    c, B = program.config, program.batch
+    fused = program.acts.fused
+    if fused:
+        attention = PartitionOutcome("applied", "fused kernels (flash-attention style): the "
+                                                "(T, T) scores never in memory")
+    elif program.precision != "bf16":
+        attention = PartitionOutcome("fallback", "fp32 policy: the fused kernels take "
+                                                 "bfloat16 operands")
+    elif c.head_dim not in cuda_kernels.ATTENTION_HEAD_DIMS:
+        attention = PartitionOutcome("fallback", f"head dim {c.head_dim}: no fused kernel")
+    else:
+        attention = PartitionOutcome(
+            "fallback", f"batch {B} < {cuda_kernels.ATTENTION_FUSED_MIN_BATCH}: the fused "
+                        "kernels' few blocks would leave the GPU idle; scores materialized")
+    outcomes = {
+        "shared_input_products": PartitionOutcome("applied", "one product over the adjacent "
+                                                             "weights"),
+        "residual_norm": PartitionOutcome("applied", "the residual add inside the layernorm "
+                                                     "kernel"),
+        "attention": attention,
+        "loss": PartitionOutcome("applied", "row losses and dlogits in one kernel"),
+    }
+    return [outcomes[p.kind] for p in partitions(c)]
+
+
+def _memory_analysis(program: CupyProgram) -> MemoryAnalysis:
+    plan = program.plan
+    on = program.memory_planned
+    aliased = plan.aliased() if on else set()
+    resources = tuple(
+        Resource(b.name, b.nbytes, b.kind, b.first, b.last, b.candidate, i in aliased,
+                 b.offset if on and b.kind == "activation" else None, b.note)
+        for i, b in enumerate(plan.buffers))
+    return MemoryAnalysis(resources, plan.arena_bytes, plan.unplanned_bytes, on,
+                          "" if on else _plan_off_reason(program))

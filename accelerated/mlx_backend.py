@@ -52,9 +52,12 @@ from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_preci
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
-from coppelius.reference.program import (ReplayError, capture_enabled, check_capture,
+from coppelius.reference.program import (CapturedProgram, MemoryAnalysis, MissingCapability,
+                                         PartitionOutcome, ReplayError, Resource,
+                                         capture_enabled, capture_or_fallback, check_capture,
                                          check_logits_tokens, check_replay_state, check_tokens,
                                          compilation_report)
+from coppelius.reference.semantic import activation_names, gradient_name, partitions
 from coppelius.reference.state import State
 
 BACKEND = "mlx"
@@ -148,31 +151,42 @@ class Model:
         p = p / mx.sum(p, axis=-1, keepdims=True)
         return self.matmul(p, v)
 
-    def logits(self, params, tokens):
-        # tokens (B,T) int32 -> logits (B,T,V)
+    def logits(self, params, tokens, tap=None):
+        """tokens (B,T) int32 -> logits (B,T,V). tap(name, x) -> x, when
+        given, sees each named intermediate (reference/semantic.py) and
+        returns what the step continues with (activations() adds a zero
+        probe there to read the gradient at that point)."""
+        keep = tap or (lambda name, x: x)
         c = self.config
         B, T = tokens.shape
-        H, E = c.n_head, c.head_dim
+        H, E, D = c.n_head, c.head_dim, c.d_model
         w = params
         W = w["tok_embedding.weight"]  # (V,D), tied: the gather and the logits
-        x = mx.take(W, tokens, axis=0)  # (B,T,D): embedding_forward, a gather
+        x = keep("embedding.out", mx.take(W, tokens, axis=0))  # (B,T,D): a gather
         for l in range(c.n_layer):
             p = f"layers.{l}."
             h = self.layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"])
+            h = keep(p + "attn_norm.out", h)
             q = self.linear_forward(h, w[p + "attn.q.weight"]).reshape(B, T, H, E)
             k = self.linear_forward(h, w[p + "attn.k.weight"]).reshape(B, T, H, E)
-            v = self.linear_forward(h, w[p + "attn.v.weight"]).reshape(B, T, H, E)
-            q, k = self.rope_forward(q), self.rope_forward(k)
+            v = keep(p + "attn.v", self.linear_forward(h, w[p + "attn.v.weight"]))
+            v = v.reshape(B, T, H, E)
+            q = keep(p + "attn.q", self.rope_forward(q).reshape(B, T, D)).reshape(B, T, H, E)
+            k = keep(p + "attn.k", self.rope_forward(k).reshape(B, T, D)).reshape(B, T, H, E)
             y = self.attention_forward(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
                                        v.transpose(0, 2, 1, 3))  # (B,H,T,E)
             y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)  # heads concatenated in order
-            x = x + self.linear_forward(y, w[p + "attn.o.weight"])
+            y = keep(p + "attn.y", y)
+            x = keep(p + "mid", x + self.linear_forward(y, w[p + "attn.o.weight"]))
             h = self.layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
-            g = self.linear_forward(h, w[p + "mlp.gate.weight"])  # (B,T,F)
-            u = self.linear_forward(h, w[p + "mlp.up.weight"])
-            x = x + self.linear_forward(self.swiglu_forward(g, u), w[p + "mlp.down.weight"])
-        h = self.layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"])
-        return self.linear_forward(h, W)  # (B,T,V)
+            h = keep(p + "mlp_norm.out", h)
+            g = keep(p + "mlp.gate", self.linear_forward(h, w[p + "mlp.gate.weight"]))  # (B,T,F)
+            u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))
+            a = keep(p + "mlp.h", self.swiglu_forward(g, u))
+            x = keep(p + "out", x + self.linear_forward(a, w[p + "mlp.down.weight"]))
+        h = keep("final_norm.out",
+                 self.layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"]))
+        return keep("logits", self.linear_forward(h, W))  # (B,T,V)
 
     @staticmethod
     def swiglu_forward(g, u):
@@ -295,7 +309,7 @@ class Event:
 
 
 
-class MLXProgram:
+class MLXProgram(CapturedProgram):
     """The captured training step on MLX (the TrainingProgram interface)."""
 
     backend = BACKEND
@@ -306,18 +320,19 @@ class MLXProgram:
         self.model = Model(config, precision)
         self.adamw = AdamW(config, hyper)
         self.value_and_grad = mx.value_and_grad(self.model.loss)  # d loss / d params
-        self.captured = capture_enabled()
         self.traces = 0  # times the step function was traced (1 when compiled)
         self.replays = 0
-        self._step = mx.compile(self._traced_step) if self.captured else self._traced_step
+        self._step = self._traced_step  # replaced by the compiled step when captured
         t = mx.array(int(state.t), dtype=mx.int32)  # the update count lives on the device
         self.device_state = DeviceState(_to_device(config, state.P), _to_device(config, state.M),
                                         _to_device(config, state.V), t)
         self._owned = self.device_state  # the state this program last produced
         self._tokens = None  # the input slot, (B,T+1) int32
         self._loss = self._rows = self._grads = None  # outputs of the last replay
+        self._pending = None  # the arrays of a replay submitted and not yet waited for
         self._eval = None  # the forward-only program, compiled on first evaluate()
-        self._graph = self._record()
+        self.captured = capture_enabled() and capture_or_fallback(self, self._record)
+        self._graph = self._count_graph()
 
     # -- the step ------------------------------------------------------------
 
@@ -334,15 +349,24 @@ class MLXProgram:
         self.traces += 1  # Python runs only while tracing: counts compilations
         return self._step_fn(params, m, v, t, tokens)
 
-    def _record(self) -> dict:
-        """Capture: trace and compile the step once on a placeholder input and
-        count its graph. Nothing is evaluated, so no update happens."""
-        B, T = self.batch, self.config.context
-        placeholder = mx.zeros((B, T + 1), dtype=mx.int32)
+    def _placeholder(self):
+        return mx.zeros((self.batch, self.config.context + 1), dtype=mx.int32)
+
+    def _record(self) -> None:
+        """Capture: compile the step and trace it once on a placeholder input.
+        Nothing is evaluated, so no update happens."""
+        compiled = mx.compile(self._traced_step)
         s = self.device_state
-        graph = _primitives(self._step_fn(s.params, s.m, s.v, s.t, placeholder))
+        compiled(s.params, s.m, s.v, s.t, self._placeholder())  # traces; errors surface here
+        self._step = compiled
+
+    def _count_graph(self) -> dict:
+        """The primitive nodes of the step's lazy graph, before and after
+        mx.compile (the same when not compiled)."""
+        s = self.device_state
+        graph = _primitives(self._step_fn(s.params, s.m, s.v, s.t, self._placeholder()))
         if self.captured:
-            compiled = _primitives(self._step(s.params, s.m, s.v, s.t, placeholder))
+            compiled = _primitives(self._step(s.params, s.m, s.v, s.t, self._placeholder()))
         else:
             compiled = graph
         return {"graph": graph, "compiled": compiled}
@@ -369,10 +393,35 @@ class MLXProgram:
         outputs = [*self.device_state.arrays(), loss, rows, norm, *grads.values()]
         mx.async_eval(outputs)  # starts the graph; the host returns at once
         self.replays += 1
+        self._pending = outputs
         return Event(outputs)
 
+    def loss(self):
+        """The last replay's loss: an MLX array, lazy until waited for."""
+        self._last("loss")
+        return self._loss
+
+    def is_complete(self) -> bool:
+        if self._pending is None:
+            return True
+        # MLX has no query of a submitted evaluation: only waiting tells
+        raise MissingCapability("is_complete(): backend mlx cannot query a submitted replay "
+                                "without waiting for it (call wait())")
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            mx.eval(self._pending)
+            self._pending = None
+
+    def _release(self) -> None:
+        self.device_state = self._owned = None
+        self._tokens = self._loss = self._rows = self._grads = self._norm = None
+        self._step = self._eval = self._pending = None
+        mx.clear_cache()  # the freed buffers go back to the system, not to MLX's cache
+
     def replay_and_wait(self) -> float:
-        self.replay().wait()
+        self.replay()
+        self.wait()
         return float(self._loss.item())  # the one device-to-host read per step
 
     def replay_timed_and_wait(self):
@@ -397,6 +446,7 @@ class MLXProgram:
         return float(self._norm.item())
 
     def state(self) -> State:
+        self.wait()
         s = self.device_state
         mx.eval(s.arrays())
         return State(_to_host(self.config, s.params), _to_host(self.config, s.m),
@@ -419,8 +469,59 @@ class MLXProgram:
         rows = self._eval(self.device_state.params, tokens[:, :-1], tokens[:, 1:])
         return np.array(rows, dtype=np.float32)  # waits: the caller reads the losses
 
+    def activations(self, tokens) -> dict:
+        """tokens (B,T+1) -> every named intermediate of one step's forward and
+        backward with the current parameters (no update). The backward's are
+        gradients with respect to zero probes added at each named point of
+        the forward (x + 0 is x: the forward's values are unchanged), taken
+        by the same autodiff as the step."""
+        tokens = check_tokens(self.config, self.batch, tokens, "activations input")
+        self.wait()
+        ids = mx.array(tokens.astype(np.int32))
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        params = self.device_state.params
+        shapes = {}
+
+        def shape_of(name, x):
+            shapes[name] = x.shape
+            return x
+
+        self.model.logits(params, inputs, shape_of)  # lazy: only the shapes are read
+        probes = {name: mx.zeros(shape, dtype=mx.float32) for name, shape in shapes.items()}
+
+        def loss(probes):
+            seen = {}
+
+            def tap(name, x):
+                x = x + probes[name]
+                seen[name] = x
+                return x
+
+            ce = self.model.crossentropy_forward(self.model.logits(params, inputs, tap), targets)
+            return mx.mean(ce), (ce, seen)
+
+        (_, (ce, seen)), grads = mx.value_and_grad(loss)(probes)
+        values = {**seen, "row_losses": ce}
+        values.update({gradient_name(name): g for name, g in grads.items()})
+        return {name: np.array(values[name], dtype=np.float32)
+                for name, _ in activation_names(self.config)}
+
     def compilation_report(self) -> dict:
         return _report(self)
+
+    def _partition_outcomes(self) -> list:
+        return _partition_outcomes(self)
+
+    def _executable_nodes(self):
+        # MLX's autodiff builds the backward from its own primitives: its
+        # nodes carry no record of the semantic operation they came from
+        return None, "MLX's traced graph does not record which operation a primitive serves"
+
+    def _executable_plan(self) -> list:
+        return _executable_plan(self)
+
+    def _memory_analysis(self) -> MemoryAnalysis:
+        return _memory_analysis(self)
 
     def diagnostics(self) -> dict:
         report = _report(self)
@@ -490,7 +591,8 @@ def _report(program: MLXProgram) -> dict:
         "lowering_validation": ("inherited" if on else "not_run", fused, fused),
         "memory_planning": ("inherited", n_in, n_out),
         "synchronization_planning": ("analyzed", 1, 1),
-        "command_recording": ("applied" if on else "not_run", len(compiled), 1 if on else 0),
+        "command_recording": ("applied" if on else "failed" if program.capture_refused
+                              else "not_run", len(compiled), 1 if on else 0),
     }
     notes = {
         "semantic_validation": "configuration, precision, batch and state checked at capture",
@@ -508,6 +610,8 @@ def _report(program: MLXProgram) -> dict:
         "memory_planning": "MLX allocator and its buffer reuse",
         "synchronization_planning": "one async_eval per replay; the host waits once per step",
         "command_recording": "mx.compile, traced once at capture" if on
+                             else f"capture refused ({program.capture_refused}): traced every "
+                                  "replay" if program.capture_refused
                              else "disabled by COPPELIUS_NO_CAPTURE: traced every replay",
     }
     N = registry(program.config).total
@@ -516,7 +620,46 @@ def _report(program: MLXProgram) -> dict:
         BACKEND, stages, kernels=len(compiled), graph_nodes=len(graph),
         device_bytes=4 * 4 * N + 4 * B * (T + 1),  # P, M, V, G and the input slot
         replays=program.replays, precision=program.precision, batch=B, captured=on,
-        traces=program.traces, fused_kernels=fused if on else 0, notes=notes)
+        capture_refused=program.capture_refused or "", traces=program.traces,
+        fused_kernels=fused if on else 0, notes=notes)
+
+
+# ---------------------------------------------------------------- the analyses
+
+def _partition_outcomes(program: MLXProgram) -> list:
+    """What MLX makes of the step's fusion candidates: the autodiff graph has
+    one product per weight and materialized attention scores; elementwise
+    chains (a residual add and its norm, the loss and its gradient) are left
+    to mx.compile, which fuses what it fuses (its regions are counted in
+    the report's fused_kernels)."""
+    out = []
+    for part in partitions(program.config):
+        if part.kind == "shared_input_products":
+            out.append(PartitionOutcome("fallback", "one MLX product per weight"))
+        elif part.kind == "attention":
+            out.append(PartitionOutcome("fallback", "scores materialized by MLX primitives"))
+        elif program.captured:
+            out.append(PartitionOutcome("inherited", "elementwise chain left to mx.compile"))
+        else:
+            out.append(PartitionOutcome("fallback", "not compiled (capture off or refused)"))
+    return out
+
+
+def _executable_plan(program: MLXProgram) -> list:
+    """The compiled graph's primitives (MLX's DOT export), in its order."""
+    return [{"node": i, "primitive": label}
+            for i, label in enumerate(program._graph["compiled"])]
+
+
+def _memory_analysis(program: MLXProgram) -> MemoryAnalysis:
+    note = "MLX's allocator owns every buffer of the step and reuses them itself"
+    N = registry(program.config).total
+    B, T = program.batch, program.config.context
+    resources = [Resource(name, 4 * N, "state", None, None, False, False, None, note)
+                 for name in ("P", "M", "V", "G")]
+    resources.append(Resource("tokens", 4 * B * (T + 1), "input", None, None, False, False, None,
+                              note))
+    return MemoryAnalysis(tuple(resources), 0, 0, False, note)
 
 
 # ---------------------------------------------------------------- binding

@@ -16,6 +16,12 @@
     --checkpoint CK     reference debugging: one step from a real checkpoint
                         on context --context of --stream, every tensor's
                         difference, worst first
+    --activations       layer-by-layer debugging: every intermediate of one
+                        step's forward and backward against the reference's,
+                        in the step's order, and the first layer and tensor
+                        beyond tolerance (from --checkpoint's state when
+                        given, else the preset's initialization; the window
+                        is context --context of --stream, or a seeded one)
 
 Exit status 0 when every check passes, 1 when any fails, 2 for bad input.
 """
@@ -61,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run N hypothesis-drawn small cases per backend and policy")
     parser.add_argument("--failures-only", action="store_true",
                         help="print only the failing rows of each table")
+    parser.add_argument("--activations", action="store_true",
+                        help="compare every intermediate of one step's forward and backward "
+                             "with the reference's and name the first layer and tensor that "
+                             "diverges")
 
 
 def default_backends() -> list:
@@ -98,6 +108,8 @@ def run(args) -> int:
     backends = args.backend or default_backends()
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
+    if args.activations:
+        return debug_activations(args, backends)
     if args.checkpoint:
         return debug_checkpoint(args, backends)
 
@@ -213,6 +225,56 @@ def debug_checkpoint(args, backends: list) -> int:
             report = Report(name, "checkpoint", prec, batch, where)
             report.rows = step_rows(program, config, hyper, prec, state, tokens, report.notes)
             _print(report, args.failures_only, rows=report.sorted_by_error())
+            status = status or (0 if report.passed else FAILED)
+    return status
+
+
+def debug_activations(args, backends: list) -> int:
+    """Every intermediate of one step on each backend against the
+    reference's, under one naming scheme; the first divergence named."""
+    from coppelius.reference.step import step_activations
+
+    from .activations import activation_rows, first_divergence, layer_of
+
+    if args.checkpoint:
+        if not args.stream:
+            raise RunError("--activations --checkpoint needs --stream (the token stream to take "
+                           "context --context from)")
+        config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint,
+                                                                         args.preset)
+        preset_name = f"of {args.checkpoint}"
+        precisions = args.precision or [precision]
+        where = f"checkpoint {args.checkpoint} (step {header.get('step')})"
+    else:
+        preset_name = args.preset or "test"
+        config = preset_config(preset_name)
+        hyper, batch, state = Hyper(), 1, cases.fresh_state(config)
+        precisions = args.precision or list(PRECISIONS)
+        where = "the initialization"
+    batch = args.batch or batch
+    if args.stream:
+        from coppelius.reference.stream import open_stream
+
+        stream = open_stream(args.stream, config.vocab)
+        tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
+        where += f", stream {args.stream} context {args.context}"
+    else:
+        tokens = cases.random_windows(config, batch, 1)[0]
+        where += f", a random window (seed {cases.TOKEN_SEED})"
+    status = 0
+    for name in backends:
+        module = accelerated.backend_module(name)
+        for prec in precisions:
+            program = module.capture(config, hyper, prec, batch, state.copy())
+            report = Report(name, preset_name, prec, batch, f"activations: {where}")
+            want = step_activations(config, state.P, tokens, prec)
+            report.rows = activation_rows(config, program.activations(tokens), want, prec)
+            first = first_divergence(report.rows)
+            report.notes.append(
+                f"first divergence: {layer_of(first.tensor)}, {first.tensor} ({first.check}): "
+                f"error {first.error:.3e} > {first.tolerance:.0e}" if first else
+                "no divergence: every intermediate is within its tolerance")
+            _print(report, args.failures_only)
             status = status or (0 if report.passed else FAILED)
     return status
 

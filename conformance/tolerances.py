@@ -55,8 +55,10 @@ TOLERANCES = {
 }
 
 # the checks P, M and V share the "update" row of the table
+# layer-by-layer intermediates (conformance/activations.py): a forward one is
+# one forward deep at most, as the logits; a backward one is a gradient
 _TABLE_ROW = {"P": "update", "M": "update", "V": "update", "t": "resume", "norm": "gradient",
-              "eval": "row_losses"}
+              "eval": "row_losses", "forward": "logits", "backward": "gradient"}
 
 
 def tolerance(check: str, precision: str) -> float:

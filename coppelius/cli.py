@@ -18,6 +18,7 @@ MODULES = (
     "coppelius.sample",  # sample
     "coppelius.exchange",  # export, import
     "coppelius.conformance_cmd",  # conformance
+    "coppelius.program_cmd",  # program
     "coppelius.bench",  # bench
 )
 

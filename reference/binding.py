@@ -21,7 +21,9 @@ until every binding validates, and each failure is its own error type naming
 the parameter. Order of the checks: names, duplicates, bindings the model
 does not take, parameters with no binding, then per binding the inferred
 byte length, shape and dtype against the declared ones, then source tensors
-no binding reads; only then are values realized and aliases shared.
+no binding reads; only then are values realized and aliases shared. A
+backend's own exception while realizing (an upload, a device operation)
+becomes a BackendFailure naming the parameter.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .state import State
 __all__ = [
     "BindingError", "MissingValue", "UnexpectedValue", "DuplicateBinding", "InvalidName",
     "ByteLengthMismatch", "ShapeMismatch", "DtypeMismatch", "SourceError", "RecipeError",
+    "BackendFailure",
     "Bind", "Alias", "RecipeBind", "Tensor", "Slice", "Concat", "Transpose", "Cast",
     "NumpyBackend", "declared_parameters", "default_bindings", "materialize", "bind", "check_bindings",
     "bind_vectors", "flatten", "load_state", "state_from_source",
@@ -82,6 +85,13 @@ class DtypeMismatch(BindingError):
 class RecipeError(BindingError):
     """A recipe that cannot be evaluated on the source's metadata (bad axis,
     range, concatenation or cast)."""
+
+
+class BackendFailure(BindingError):
+    """The backend itself failed while realizing a value that passed every
+    check (an upload, a device allocation, a slice, concatenation or cast
+    raising its own exception): names the parameter, the backend and the
+    backend's error."""
 
 
 # A parameter identity: dotted lowercase segments, as in SPEC section 2
@@ -387,6 +397,15 @@ def _plan(source, bindings: list, declared: dict) -> tuple:
     return owners, aliases
 
 
+def _backend_failure(param: str, backend, error: Exception) -> BackendFailure:
+    # the backend's own message, first line only: a device library's error
+    # may span lines, and a binding error is shown as one line
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    name = getattr(backend, "name", type(backend).__name__)
+    return BackendFailure(f"{param}: backend {name} failed to realize the value: "
+                          f"{type(error).__name__}{': ' + text if text else ''}")
+
+
 def _realize(source, backend, owners: list, aliases: list) -> dict:
     values = {}
     for param, recipe in owners:
@@ -394,8 +413,13 @@ def _realize(source, backend, owners: list, aliases: list) -> dict:
             values[param] = recipe.realize(source, backend)
         except BindingError as e:
             raise _named(param, e) from None
+        except Exception as e:  # the backend's own failure (out of memory, a device error)
+            raise _backend_failure(param, backend, e) from e
     for param, of in aliases:
-        values[param] = backend.alias(values[of])  # the same object: tied storage
+        try:
+            values[param] = backend.alias(values[of])  # the same object: tied storage
+        except Exception as e:
+            raise _backend_failure(param, backend, e) from e
     return values
 
 

@@ -58,3 +58,24 @@ def step(config: Config, state: State, tokens: np.ndarray, policy: str = "fp32",
                                hyper, t)
     return StepResult(loss=np.float32(loss), row_losses=ce, grads=G if grads else None,
                       state=State(P, M, V, t), grad_norm=norm)
+
+
+def step_activations(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32") -> dict:
+    """tokens (B,T+1) -> {name: float32 array}: every intermediate of the
+    forward and backward of one step with parameters P, under the names and
+    in the order of reference.semantic.activation_names (no update). For
+    debugging a backend layer by layer (`conformance --activations`)."""
+    from .semantic import activation_names
+
+    check_precision(policy)
+    tokens = np.asarray(tokens)
+    record = {}
+    with np.errstate(all="ignore"):
+        logits, cache = model_forward(config, P, tokens[:, :-1], policy, record)
+        ce, ce_cache = loss_forward(logits, tokens[:, 1:])
+        record["row_losses"] = ce
+        dlogits = loss_backward(ce_cache, ce.size, P.dtype)
+        record["dlogits"] = dlogits
+        model_backward(config, P, dlogits, cache, policy, record)
+    return {name: np.ascontiguousarray(record[name], dtype=np.float32)
+            for name, _ in activation_names(config)}

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from coppelius.reference import State, forward, initialize, preset, registry
-from coppelius.reference.binding import (Alias, Bind, BindingError, ByteLengthMismatch, Cast, Concat,
+from coppelius.reference.binding import (Alias, BackendFailure, Bind, BindingError,
+                                         ByteLengthMismatch, Cast, Concat,
                                DtypeMismatch, DuplicateBinding, InvalidName, MissingValue,
                                NumpyBackend, RecipeBind, RecipeError, ShapeMismatch, Slice,
                                SourceError, Tensor, Transpose, UnexpectedValue, bind,
@@ -234,6 +235,46 @@ def test_recipe_error_alias_of_an_alias(tmp_path, params):
     bindings = [Bind("a.weight", "final_norm.bias"), Alias("b.weight", "a.weight"),
                 Alias("c.weight", "b.weight")]
     fail(RecipeError, source, bindings, model=model, offered=[])
+
+
+class FailingBackend(NumpyBackend):
+    """A backend whose own operations fail on a chosen source tensor (an
+    upload) or on every concatenation, as a device out of memory would."""
+
+    def __init__(self, upload_fails_for=None):
+        super().__init__()
+        self.upload_fails_for = upload_fails_for
+
+    def from_host(self, array, dtype):
+        if self.upload_fails_for is not None and array.shape == self.upload_fails_for:
+            raise MemoryError("out of device memory allocating 8192 bytes\n(a second line)")
+        return super().from_host(array, dtype)
+
+    def concat(self, xs, axis):
+        raise RuntimeError("concatenate: device error 700")
+
+
+def test_a_backend_failure_while_realizing_names_the_parameter(tmp_path, params):
+    """The backend's own exception, after every check passed, is a
+    BindingError naming the parameter and the backend, on one line."""
+    source = safetensors_source(tmp_path, params)
+    shape = (CONFIG.d_model,)  # every norm's; the first realized is layers.0.attn_norm.weight
+    with pytest.raises(BackendFailure) as info:
+        bind(CONFIG, default_bindings(CONFIG), source, FailingBackend(upload_fails_for=shape))
+    message = str(info.value)
+    assert message.startswith("layers.0.attn_norm.weight: backend numpy failed")
+    assert "MemoryError: out of device memory allocating 8192 bytes" in message
+    assert "\n" not in message and info.value.exit_status == 2
+    assert isinstance(info.value.__cause__, MemoryError)  # the backend's error is kept
+
+    D = CONFIG.d_model
+    qkv = [Tensor(f"layers.1.attn.{x}.weight") for x in "qkv"]
+    with pytest.raises(BackendFailure, match=r"^layers\.1\.attn\.qkv\.weight: backend numpy "
+                                             r"failed to realize the value: RuntimeError: "
+                                             r"concatenate: device error 700$"):
+        bind({"layers.1.attn.qkv.weight": ("float32", (3 * D, D))},
+             [RecipeBind("layers.1.attn.qkv.weight", Concat(qkv, 0))], source, FailingBackend(),
+             offered=[t.key for t in qkv])
 
 
 def test_materialize_checks_byte_length_before_reading(tmp_path, params):

@@ -154,6 +154,22 @@ def broken_backend(fault: str, tensor: str = "layers.1.mlp.up.weight"):
                 out[0, 1, 2] = np.nan
                 return out
             program.logits = logits
+        if fault == "breaks_swiglu_of_layer_1":  # a kernel wrong in one layer: all after it too
+            def activations(tokens):
+                from unittest import mock
+
+                from coppelius.reference import model
+
+                calls, original = [], model.swiglu_forward
+
+                def swiglu(g, u):
+                    calls.append(1)
+                    a, cache = original(g, u)
+                    return (a * np.float32(1.1) if len(calls) == 2 else a), cache
+
+                with mock.patch.object(model, "swiglu_forward", swiglu):
+                    return program.inner.activations(tokens)
+            program.activations = activations
         return program
 
     return types.SimpleNamespace(NAME=f"broken:{fault}", capture=capture, available=lambda: True)
@@ -317,11 +333,12 @@ def cli(argv, capsys):
     return status, out.out, out.err
 
 
-@pytest.fixture
-def broken_registered(monkeypatch):
-    """Make the perturbed-gradient backend selectable by name, as `--backend broken`."""
+@pytest.fixture(params=["perturbs_gradient"])
+def broken_registered(monkeypatch, request):
+    """Make a broken backend selectable by name, as `--backend broken`
+    (the perturbed gradient unless the test asks for another fault)."""
     module = types.ModuleType("broken_backend_for_tests")
-    backend = broken_backend("perturbs_gradient")
+    backend = broken_backend(request.param)
     module.capture, module.available = backend.capture, backend.available
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(accelerated.BACKENDS, "broken", module.__name__)
@@ -469,3 +486,34 @@ def test_learner_identity_is_parsed_back_exactly():
         hyper_from_learner(hyper.identity("bf16").replace("decay=matrices", "decay=all"), "ck")
     with pytest.raises(CheckpointError, match="lr"):
         hyper_from_learner(hyper.identity("fp32").replace("lr=1/1000|", ""), "ck")
+
+
+# ------------------------------------------------------------------ layer by layer
+
+def test_activations_pass_on_the_reference(capsys):
+    status, out, _ = cli(["conformance", "--activations", "--backend", "reference",
+                          "--precision", "fp32"], capsys)
+    assert status == 0
+    assert "no divergence" in out and "51 checks, 51 passed" in out
+    assert out.splitlines()[1].split()[:2] == ["forward", "embedding.out"]
+
+
+@pytest.mark.parametrize("broken_registered", ["breaks_swiglu_of_layer_1"], indirect=True)
+def test_activations_name_the_first_diverging_layer_and_tensor(capsys, broken_registered):
+    status, out, _ = cli(["conformance", "--activations", "--backend", "broken", "--precision",
+                          "fp32", "--failures-only"], capsys)
+    assert status == 1
+    assert "first divergence: layer 1, layers.1.mlp.h (forward): error" in out
+    failed = [line.split()[1] for line in out.splitlines()
+              if line.startswith(("forward", "backward")) and " FAIL " in line]
+    assert failed[0] == "layers.1.mlp.h" and "layers.0.mlp.h" not in failed
+    assert {"layers.1.out", "logits", "layers.0.dmid"} <= set(failed)  # all after it inherit it
+
+
+def test_activations_from_a_checkpoint_and_a_stream(tmp_path, capsys):
+    ck, stream = write_run(tmp_path)
+    base = ["conformance", "--activations", "--backend", "reference", "--checkpoint", str(ck)]
+    status, _, err = cli(base, capsys)
+    assert status == 2 and "--stream" in err and err.count("\n") == 1
+    status, out, _ = cli(base + ["--stream", str(stream), "--context", "2"], capsys)
+    assert status == 0 and "step 3" in out and "context 2" in out and "fp32" in out

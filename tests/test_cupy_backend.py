@@ -7,6 +7,8 @@ the compilation report.
 
 Every test needs a GPU (marker gpu): skipped elsewhere."""
 
+import gc
+import json
 import math
 
 import ml_dtypes
@@ -29,7 +31,8 @@ from coppelius.reference.layers.rope import rope_backward, rope_forward, rope_ta
 from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.precision import round_bf16
-from coppelius.reference.program import STAGES, ReplayError
+from coppelius.reference.program import STAGES, ProgramReset, ReplayError
+from coppelius.reference.semantic import semantic_graph
 from coppelius.reference.state import State
 
 cupy = pytest.importorskip("cupy")
@@ -620,3 +623,217 @@ def test_binding_through_the_cupy_backend(tmp_path):
     assert np.array_equal(cupy.asnumpy(fused), want)
     q = P[reg["layers.0.attn.q.weight"].slice].reshape(D, D)
     assert np.array_equal(cupy.asnumpy(q16), q.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_a_cupy_failure_while_binding_names_the_parameter(tmp_path):
+    """CuPy's own exception while realizing a value (an upload failing as an
+    out-of-memory would) is a BackendFailure naming the parameter."""
+    from coppelius.reference.binding import BackendFailure, bind, default_bindings
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.sources import CheckpointFileSource
+
+    class Failing(cupy_backend.CupyBindingBackend):
+        def from_host(self, array, dtype):
+            if array.shape == (CONFIG.d_ff, CONFIG.d_model):
+                raise MemoryError(f"out of memory allocating {array.nbytes} bytes")
+            return super().from_host(array, dtype)
+
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, CONFIG, identities(CONFIG, Hyper(), "fp32", 1, None, "0" * 64),
+                     fresh(), 0)
+    with CheckpointFileSource(path) as source, pytest.raises(BackendFailure) as info:
+        bind(registry(CONFIG), default_bindings(CONFIG), source, Failing(),
+             offered=[s.name for s in registry(CONFIG).specs])
+    # (F, D): the first such tensor in the registry's order is layer 0's gate
+    assert str(info.value).startswith("layers.0.mlp.gate.weight: backend cupy failed to realize")
+
+
+# ------------------------------------------------------------------ memory plan
+
+def run_steps(program, inputs):
+    rows = []
+    for tokens in inputs:
+        program.upload_input(tokens)
+        program.replay_and_wait()
+        rows.append(program.row_losses())
+    return np.stack(rows), program.gradients(), program.state()
+
+
+@pytest.mark.parametrize("precision, batch", [("fp32", 2), ("bf16", 2), ("bf16", 4)],
+                         ids=["fp32", "bf16-materialized", "bf16-fused"])
+def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, monkeypatch):
+    """Buffers sharing storage by lifetime: the same row losses, G, P, M, V
+    and held-out losses, bit for bit, as every buffer in its own storage; the
+    device bytes fall by exactly the plan's savings."""
+    state = random_state(CONFIG, seed=31, t=3)
+    inputs = windows(3, seed=32, batch=batch)
+    planned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
+    assert planned.acts.fused == (precision == "bf16" and batch >= 4)
+    monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
+    unplanned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
+    assert planned.memory_planned and not unplanned.memory_planned
+    saved = planned.plan.savings
+    assert saved > 0
+    assert unplanned.alloc.bytes - planned.alloc.bytes == saved
+    assert planned.compilation_report()["device_bytes"] == planned.alloc.bytes
+    rows1, G1, s1 = run_steps(planned, inputs)
+    rows2, G2, s2 = run_steps(unplanned, inputs)
+    check_bitwise("row losses", rows1, rows2)
+    check_bitwise("G", G1, G2)
+    for name in "PMV":
+        check_bitwise(name, getattr(s1, name), getattr(s2, name))
+    assert s1.t == s2.t == 6
+    held_out = windows(1, seed=33, batch=batch)[0]
+    check_bitwise("evaluate", planned.evaluate(held_out), unplanned.evaluate(held_out))
+    check_bitwise("row losses after evaluate", planned.row_losses(), rows1[-1])
+    memory = json.loads(planned.compilation_debug_report_json("plan"))["memory_analysis"]
+    assert memory["materialized"] and memory["materialized_savings_bytes"] == saved
+    assert memory["unplanned_bytes"] - memory["planned_bytes"] == saved
+    stages = {r.stage: r.state for r in planned.compilation_stages()}
+    assert stages["memory_planning"] == "applied"
+    off = json.loads(unplanned.compilation_debug_report_json("off"))["memory_analysis"]
+    assert not off["materialized"] and "COPPELIUS_NO_MEMORY_PLAN" in off["fallback_reason"]
+
+
+def test_a_plan_that_ignores_lifetimes_is_caught(monkeypatch):
+    """The check above can fail: every buffer at offset 0 of a small arena
+    (storage shared whatever the lifetimes) changes the results."""
+    def overlap_everything(buffers, indices, horizon):
+        for i in indices:
+            buffers[i].offset = 0
+        return max(buffers[i].nbytes for i in indices)
+
+    state = random_state(CONFIG, seed=34, t=1)
+    inputs = windows(1, seed=35)
+    good = run_steps(cupy_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy()), inputs)
+    monkeypatch.setattr(cupy_backend, "place", overlap_everything)
+    bad = run_steps(cupy_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy()), inputs)
+    assert not np.array_equal(good[0], bad[0])
+
+
+@pytest.mark.parametrize("config, batch, precision", [
+    (CONFIG, 2, "fp32"), (CONFIG, 4, "bf16"),
+    (Config(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13), 3, "bf16"),
+    (preset("coppelius"), 32, "bf16"),
+], ids=["test-fp32", "test-fused", "odd", "coppelius-B32"])
+def test_memory_plan_shares_storage_only_between_disjoint_lifetimes(config, batch, precision):
+    """The plan itself, made by the dry run (no device memory, so even the
+    production model at B=32): two activations whose bytes overlap never
+    live at once; pinned buffers (host reads, persistent zeros) share
+    nothing; the arena is no smaller than the bytes live at once."""
+    plan = cupy_backend.memory_plan(config, Hyper(), precision, batch)
+    acts = [plan.buffers[i] for i in plan.activations]
+    assert all(b.first is not None for b in acts), [b.name for b in acts if b.first is None]
+    for i, a in enumerate(acts):
+        for b in acts[i + 1:]:
+            if a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes:
+                assert a.candidate and b.candidate, (a.name, b.name)
+                assert a.last < b.first or b.last < a.first, (a.name, b.name)
+    pinned = {b.name for b in acts if not b.candidate}
+    assert {"acts.ce", "acts.loss"} <= pinned
+    horizon = len(plan.commands)
+    live = max(sum(b.nbytes for b in acts if not b.candidate or b.first <= t <= b.last)
+               for t in range(horizon))
+    assert live <= plan.arena_bytes < plan.unplanned_bytes
+    assert plan.savings == plan.unplanned_bytes - plan.arena_bytes
+    # every command lowers at least one semantic operation of the step
+    names = {o.name for o in semantic_graph(config, batch, precision).operations}
+    assert all(c.operations and set(c.operations) <= names for c in plan.commands)
+
+
+def test_reset_returns_the_device_memory():
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, fresh())
+    program.upload_input(windows(1)[0])
+    program.replay()
+    held = pool.used_bytes() - before
+    assert held >= program.compilation_report()["device_bytes"]
+    program.reset()
+    gc.collect()
+    assert pool.used_bytes() - before < held / 100, (pool.used_bytes() - before, held)
+    with pytest.raises(ProgramReset):
+        program.state()
+
+
+# ------------------------------------------------------------------ capture fallback
+
+def test_a_capture_refused_inside_the_stream_capture_falls_back(monkeypatch, capfd):
+    """The failure inside the stream capture (a launch refused while the
+    stream records, as CUDA refuses what a graph cannot hold): the capture
+    ends cleanly, the step runs uncaptured with the same bits."""
+    state = random_state(CONFIG, seed=36, t=2)
+    inputs = windows(2, seed=37)
+    rows, G, want = run_steps(cupy_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy()),
+                              inputs)
+    original, record = cuda_kernels.Kernels.mean_loss, cupy_backend.CupyProgram._record
+    capturing = []
+
+    def refused_in_capture(self, ce, loss):
+        if capturing:  # the stream is recording: half the step is in the graph already
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                               "when stream is capturing")
+        return original(self, ce, loss)
+
+    def flagged_record(self):
+        capturing.append(True)
+        try:
+            record(self)
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(cuda_kernels.Kernels, "mean_loss", refused_in_capture)
+    monkeypatch.setattr(cupy_backend.CupyProgram, "_record", flagged_record)
+    capfd.readouterr()
+    program = cupy_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
+    err = capfd.readouterr().err
+    assert "capture refused (RuntimeError: cudaErrorStreamCaptureUnsupported" in err
+    assert err.count("\n") == 1
+    assert program.graph is None and program.capture_refused
+    rows2, G2, got = run_steps(program, inputs)
+    check_bitwise("row losses", rows2, rows)
+    check_bitwise("G", G2, G)
+    check_bitwise("P", got.P, want.P)
+    assert "capture refused" in program.compilation_report()["notes"]["command_recording"]
+
+
+# ------------------------------------------------------------------ layer-by-layer debugging
+
+def test_activations_locate_a_broken_kernel_to_its_layer(monkeypatch):
+    """A SwiGLU launcher broken in the second layer only: the backend's
+    activations against the reference's name layers.1.mlp.h first."""
+    from coppelius.conformance.activations import activation_rows, first_divergence
+    from coppelius.reference.step import step_activations
+
+    program = cupy_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    original = cuda_kernels.Kernels.swiglu_forward
+    calls = []
+
+    def broken(self, gu, a):
+        original(self, gu, a)
+        calls.append(1)
+        if len(calls) == 2:  # activations() runs the one forward since the patch: layer 1
+            with program.stream:
+                a *= np.float32(1.01)
+
+    monkeypatch.setattr(cuda_kernels.Kernels, "swiglu_forward", broken)
+    tokens = windows(1, seed=38)[0]
+    rows = activation_rows(CONFIG, program.activations(tokens),
+                           step_activations(CONFIG, fresh().P, tokens, "fp32"), "fp32")
+    first = first_divergence(rows)
+    assert first is not None and first.tensor == "layers.1.mlp.h", first
+
+
+def test_executable_plan_lists_the_captured_commands():
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, fresh())
+    report = program.compilation_report()
+    plan = json.loads(program.debug_report_json("step"))
+    nodes = plan["nodes"]
+    assert len(nodes) == report["kernel_launches"] + report["products"]
+    assert sorted({n["name"] for n in nodes if n["kind"] == "kernel"}) == report["kernel_names"]
+    gemm = next(n for n in nodes if n["kind"] == "product")
+    assert gemm["operations"] == ["layers.0.attn.q", "layers.0.attn.k", "layers.0.attn.v"]
+    D = CONFIG.d_model
+    assert (gemm["launch"]["m"], gemm["launch"]["n"], gemm["launch"]["k"]) == \
+        (B * CONFIG.context, 3 * D, D)
+    assert "acts.h1[0]" in gemm["buffers"] and "acts.qkv32" in gemm["buffers"]

@@ -405,3 +405,57 @@ def test_binding_through_the_mlx_backend(tmp_path):
     assert isinstance(got, mx.array)
     want = np.concatenate([P[reg[f"layers.0.attn.{x}.weight"].slice].reshape(D, D) for x in "qkv"])
     assert np.array_equal(np.array(got), want)
+
+
+@pytest.mark.mlx
+def test_an_mlx_failure_while_binding_names_the_parameter(tmp_path):
+    """MLX's own exception while realizing a value (here its concatenate,
+    as an out-of-memory would raise) is a BackendFailure naming the parameter."""
+    from coppelius.accelerated.mlx_backend import MLXBindingBackend
+    from coppelius.reference import Hyper, State, initialize
+    from coppelius.reference.binding import BackendFailure, Concat, RecipeBind, Tensor, bind
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.sources import CheckpointFileSource
+
+    class Failing(MLXBindingBackend):
+        def concat(self, xs, axis):
+            import mlx.core as mx
+
+            return mx.concatenate(list(xs), axis=axis + 5)  # MLX refuses the axis itself
+
+    config = preset("test")
+    D = config.d_model
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, config, identities(config, Hyper(), "fp32", 1, None, "0" * 64),
+                     State.fresh(initialize(config)), 0)
+    qkv = [Tensor(f"layers.0.attn.{x}.weight") for x in "qkv"]
+    with CheckpointFileSource(path) as source, pytest.raises(BackendFailure) as info:
+        bind({"layers.0.attn.qkv.weight": ("float32", (3 * D, D))},
+             [RecipeBind("layers.0.attn.qkv.weight", Concat(qkv, 0))], source, Failing(),
+             offered=[t.key for t in qkv])
+    assert str(info.value).startswith("layers.0.attn.qkv.weight: backend mlx failed to realize")
+    assert "\n" not in str(info.value)
+
+
+def test_activations_locate_a_broken_operation_to_its_layer(monkeypatch):
+    """MLX's SwiGLU broken in the second layer only: the comparison with the
+    reference's intermediates names layers.1.mlp.h first (and layer 0's
+    forward passes)."""
+    from coppelius.conformance.activations import activation_rows, first_divergence
+    from coppelius.reference.step import step_activations
+
+    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    calls, original = [], mlx_backend.Model.swiglu_forward
+
+    def broken(g, u):
+        calls.append(1)
+        a = original(g, u)
+        return a * 1.01 if len(calls) % CONFIG.n_layer == 0 else a  # layer 1 of every forward
+
+    monkeypatch.setattr(mlx_backend.Model, "swiglu_forward", staticmethod(broken))
+    tokens = windows(1, seed=40)[0]
+    rows = activation_rows(CONFIG, program.activations(tokens),
+                           step_activations(CONFIG, fresh().P, tokens, "fp32"), "fp32")
+    first = first_divergence(rows)
+    assert first is not None and first.tensor == "layers.1.mlp.h", first
+    assert next(r for r in rows if r.tensor == "layers.0.mlp.h").passed

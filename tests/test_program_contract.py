@@ -24,9 +24,12 @@ from coppelius.conformance.tolerances import tolerance
 from coppelius.conformance.tolerances import relative_error as error_and_worst
 from coppelius.reference.config import Config, Hyper, preset
 from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.program import (STAGE_STATES, STAGES, ReplayError, ReplayEvent,
+from coppelius.reference.program import (STAGE_STATES, STAGES, MissingCapability,
+                                         ProgramReset, ReplayError, ReplayEvent, StageRecord,
                                          TrainingProgram)
+from coppelius.reference.semantic import activation_names, semantic_graph
 from coppelius.reference.state import State
+from coppelius.reference.step import step_activations
 
 BACKENDS = [
     pytest.param("reference"),
@@ -305,3 +308,231 @@ def test_compilation_report(backend, precision):
     assert diagnostics["runtime"]["update_count"] == 2
     json.dumps(report)
     json.dumps(diagnostics)
+
+
+# ------------------------------------------------------------------ the whole surface (seed)
+
+def host_scalar(buffer) -> float:
+    """The value of a backend's one-element loss buffer (a CuPy array has
+    .get(); NumPy and MLX arrays convert directly)."""
+    value = buffer.get() if hasattr(buffer, "get") else np.asarray(buffer)
+    return float(np.asarray(value).reshape(-1)[0])
+
+
+def test_loss_buffer_replay_count_completion_and_wait(backend):
+    program = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    assert program.replay_count() == 0 and program.is_complete()  # nothing submitted yet
+    with pytest.raises(ReplayError, match="no step"):
+        program.loss()
+    inputs = windows(3, seed=20)
+    program.upload_input(inputs[0])
+    loss = program.replay_and_wait()
+    assert host_scalar(program.loss()) == loss  # the very value replay_and_wait read
+    program.upload_input(inputs[1])
+    program.replay()
+    program.upload_input(inputs[2])  # waits for the pending replay's use of the input
+    event = program.replay()
+    assert program.replay_count() == 3
+    try:
+        program.is_complete()  # either answer is right while the step may still run
+    except MissingCapability as e:
+        assert program.backend in str(e)
+    program.wait()
+    assert program.is_complete()
+    event.wait()
+    want = reference.step(CONFIG, reference.step(CONFIG, reference.step(
+        CONFIG, fresh(), inputs[0]).state, inputs[1]).state, inputs[2])
+    assert relative_error(np.float32(host_scalar(program.loss())), want.loss) <= 1e-5
+    assert program.state().t == 3
+
+
+def call_every_method(program, tokens):
+    """Each protocol method once, with arguments it accepts."""
+    args = {"upload_input": (tokens,), "logits": (tokens[:, :-1],), "evaluate": (tokens,),
+            "activations": (tokens,), "semantic_debug_report_json": ("x",),
+            "debug_report_json": ("x",), "compilation_debug_report_json": ("x",)}
+    from coppelius.reference.program import _protocol_methods
+
+    for name in _protocol_methods():
+        yield name, (lambda name=name: getattr(program, name)(*args.get(name, ())))
+
+
+def test_reset_releases_everything_and_refuses_every_later_use(backend):
+    program = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    tokens = windows(1, seed=21)[0]
+    program.upload_input(tokens)
+    program.replay()  # pending: reset waits for it
+    program.reset()
+    names = []
+    for name, call in call_every_method(program, tokens):
+        with pytest.raises(ProgramReset) as info:
+            call()
+        assert name in str(info.value) and info.value.exit_status == 2
+        assert "\n" not in str(info.value)
+        names.append(name)
+    assert {"reset", "replay", "wait", "loss", "state", "compilation_report"} <= set(names)
+    # a new capture from the same starting state is unaffected
+    again = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    again.upload_input(tokens)
+    assert relative_error(np.float32(again.replay_and_wait()),
+                          reference.step(CONFIG, fresh(), tokens).loss) <= 1e-5
+
+
+def test_replay_timed_has_a_device_clock_or_refuses_before_submitting(backend):
+    program = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    program.upload_input(windows(1, seed=22)[0])
+    try:
+        event = program.replay_timed()
+    except MissingCapability as e:
+        assert "clock" in str(e) and program.backend in str(e)
+        assert program.replay_count() == 0 and program.state().t == 0  # nothing was submitted
+        return
+    seconds = event.device_seconds()  # waits for the step
+    assert 0 < seconds < 10 and program.replay_count() == 1 and program.state().t == 1
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_semantic_graph_is_the_backend_independent_step(backend, precision):
+    program = backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    text = program.semantic_debug_report_json("step")
+    assert text == semantic_graph(CONFIG, B, precision).debug_report_json("step")
+    assert text == program.semantic_debug_report_json("step")  # deterministic
+    doc = json.loads(text)
+    assert doc["schema"] == "coppelius.semantic_graph.v1" and doc["batch"] == B
+    L = CONFIG.n_layer
+    assert doc["operation_count"] == len(doc["operations"]) == 13 + 32 * L
+    shapes = {t["tensor"]: t["shape"] for t in doc["tensors"]}
+    assert shapes["layers.1.attn.q"] == [B, CONFIG.context, CONFIG.d_model]
+    assert shapes["logits"] == [B, CONFIG.context, CONFIG.vocab]
+    # every input is produced before it is read, or is an input, parameter or state
+    made = {t["tensor"] for t in doc["tensors"] if t["role"] in ("input", "parameter", "state")}
+    made.add("G")  # the gradient vector; its parameter views are written by the backward
+    for op in doc["operations"]:
+        missing = [name for name in op["inputs"] if name not in made]
+        assert not missing, (op["name"], missing)
+        made.update(op["outputs"])
+    assert {name for name, _ in activation_names(CONFIG)} <= made
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compilation_debug_report(backend, precision):
+    program = backend.capture(CONFIG, Hyper(), precision, B, fresh())
+    program.upload_input(windows(1, seed=23)[0])
+    program.replay_and_wait()
+    text = program.compilation_debug_report_json("step")
+    assert text == program.compilation_debug_report_json("step")  # deterministic
+    doc = json.loads(text)
+    assert doc["schema"] == "coppelius.training_compilation.v2" and doc["name"] == "step"
+    assert doc["backend"] == program.backend and doc["replays"] == 1
+    report = program.compilation_report()
+    assert doc["stages"] == report["stages"]
+    assert program.compilation_stages() == tuple(
+        StageRecord(r["stage"], r["state"], r["inputs"], r["outputs"]) for r in report["stages"])
+    assert [r.stage for r in program.compilation_stages()] == list(STAGES)
+    assert doc["capture"] == {"state": "captured", "reason": ""}
+
+    plan = doc["dnn_plan"]
+    assert plan["graph_hash"] == semantic_graph(CONFIG, B, precision).graph_hash()
+    assert plan["partition_count"] == len(plan["partitions"]) == 5 * CONFIG.n_layer + 1
+    assert plan["applied_partition_count"] + plan["inherited_partition_count"] + \
+        plan["fallback_partition_count"] == plan["partition_count"]
+    for row in plan["partitions"]:
+        assert row["state"] in ("applied", "inherited", "fallback") and row["reason"], row
+
+    lowering = doc["lowering_analysis"]
+    ops = lowering["operations"]
+    assert len(ops) == lowering["operation_count"] == plan["source_operation_count"]
+    if lowering["attributed"]:  # every operation runs on at least one executable node
+        assert all(o["executable_node_count"] >= 1 for o in ops), \
+            [o["name"] for o in ops if not o["executable_node_count"]]
+        assert plan["captured_operation_count"] == len(ops)
+        assert lowering["direct_operation_count"] + lowering["fused_operation_count"] + \
+            lowering["decomposed_operation_count"] >= len(ops)
+    else:
+        assert lowering["reason"]
+
+    memory = doc["memory_analysis"]
+    assert memory["resource_count"] == len(memory["resources"]) > 0
+    saved = memory["unplanned_bytes"] - memory["planned_bytes"]
+    assert memory["materialized_savings_bytes"] == (saved if memory["materialized"] else 0)
+    assert memory["materialized"] or memory["fallback_reason"]
+
+    plan_doc = json.loads(program.debug_report_json("step"))
+    assert plan_doc["schema"] == "coppelius.executable_plan.v1"
+    assert plan_doc["node_count"] == len(plan_doc["nodes"]) > 0
+
+
+def test_a_refused_capture_runs_the_same_step_uncaptured(backend, monkeypatch, capfd):
+    """The backend's capture (its _record) refuses with its library's kind
+    of error: the step runs uncaptured with the same bits, the report says
+    why, and one line goes to stderr."""
+    state = random_state(CONFIG, seed=24, t=4)
+    inputs = windows(2, seed=25)
+    captured = backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    rows, want = run(captured, inputs)
+
+    def refuse(self):
+        raise RuntimeError("injected capture failure\nsecond line")
+
+    monkeypatch.setattr(type(captured), "_record", refuse)
+    capfd.readouterr()
+    program = backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "capture refused (RuntimeError: injected capture failure)" \
+        in err, err
+    rows_fallback, got = run(program, inputs)
+    assert np.array_equal(bits(rows_fallback), bits(rows))
+    check_same_state(got, want)
+    stages = {r.stage: r.state for r in program.compilation_stages()}
+    assert stages["command_recording"] == "failed"
+    doc = json.loads(program.compilation_debug_report_json("fallback"))
+    assert doc["capture"] == {"state": "refused",
+                              "reason": "RuntimeError: injected capture failure"}
+    assert doc["captured"] is False
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_activations_match_the_reference_under_one_naming_scheme(backend, precision):
+    from coppelius.conformance.activations import activation_rows
+
+    state = random_state(CONFIG, seed=26, t=6)
+    program = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+    program.upload_input(windows(1, seed=27)[0])
+    program.replay_and_wait()
+    kept = program.row_losses()
+    tokens = windows(1, seed=28)[0]
+    got = program.activations(tokens)
+    assert list(got) == [name for name, _ in activation_names(CONFIG)]
+    P = program.state().P
+    want = step_activations(CONFIG, P, tokens, precision)
+    for name in got:
+        assert got[name].shape == want[name].shape and got[name].dtype == np.float32, name
+    rows = activation_rows(CONFIG, got, want, precision)
+    assert all(r.passed for r in rows), failures(rows)
+    assert np.array_equal(program.row_losses(), kept)  # the last replay's results are kept
+    assert program.state().t == 7
+
+
+def test_activations_locate_the_first_diverging_layer(backend, monkeypatch):
+    """A reference whose second layer's SwiGLU is broken: the comparison
+    names that layer and tensor first, whatever follows it."""
+    from coppelius.conformance.activations import activation_rows, first_divergence
+    from coppelius.reference import model as reference_model
+
+    program = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+    tokens = windows(1, seed=29)[0]
+    got = program.activations(tokens)
+    calls = []
+    original = reference_model.swiglu_forward
+
+    def broken(g, u):
+        calls.append(1)
+        a, cache = original(g, u)
+        return (a * np.float32(1.01) if len(calls) == 2 else a), cache  # layer 1 only
+
+    monkeypatch.setattr(reference_model, "swiglu_forward", broken)
+    want = step_activations(CONFIG, fresh().P, tokens, "fp32")
+    rows = activation_rows(CONFIG, got, want, "fp32")
+    first = first_divergence(rows)
+    assert first is not None and first.tensor == "layers.1.mlp.h", first
+    assert all(r.passed for r in rows[:[r.tensor for r in rows].index("layers.1.mlp.h")])

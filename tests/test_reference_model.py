@@ -251,3 +251,68 @@ def test_gradients_are_fresh_and_step_does_not_touch_its_input_state():
     assert not np.shares_memory(r1.grads, r2.grads)
     np.testing.assert_array_equal(r1.grads, r2.grads)  # deterministic
     assert reference.step(CONFIG, state, tokens, "fp32").grads is None
+
+
+# ---------------------------------------------------------------- the program's plan and intermediates
+
+def test_the_reference_programs_plan_is_the_calls_it_makes(monkeypatch):
+    """debug_report_json's nodes, one per semantic operation, name the
+    functions a replay calls, in the order it calls them (numpy's own adds
+    and mean aside)."""
+    import json
+    import sys
+
+    from coppelius.reference import model
+    from coppelius.reference.program import capture
+
+    step = sys.modules["coppelius.reference.step"]  # the package's `step` is the function
+
+    program = capture(CONFIG, reference.Hyper(), "fp32", 2, reference.State.fresh(
+        reference.initialize(CONFIG)))
+    called = []
+    for module, prefix, names in (
+            (model, "layers.", ["embedding_forward", "layernorm_forward", "linear_forward",
+                                "rope_forward", "attention_forward", "swiglu_forward",
+                                "crossentropy_forward", "crossentropy_backward",
+                                "linear_backward", "layernorm_backward", "rope_backward",
+                                "attention_backward", "swiglu_backward", "embedding_backward"]),
+            (step, "adamw.", ["gradient_norm", "clip_scale", "adamw_update"])):
+        for name in names:
+            function = getattr(module, name)
+            family = function.__module__.rsplit(".", 1)[1]
+            label = f"{prefix}{family}.{name}" if prefix == "layers." else prefix + name
+
+            def spy(*args, _function=function, _label=label, **kwargs):
+                called.append(_label)
+                return _function(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, spy)
+    program.upload_input(np.random.default_rng(0).integers(0, CONFIG.vocab,
+                                                           (2, CONFIG.context + 1)))
+    program.replay_and_wait()
+    nodes = json.loads(program.debug_report_json("step"))["nodes"]
+    planned = [n["function"] for n in nodes if not n["function"].startswith("numpy.")]
+    assert called == planned
+
+
+def test_named_intermediates_are_the_step_itself():
+    """step_activations records what the step computes: its logits, row
+    losses and the gradient at the embedding give the step's own logits,
+    row losses and the embedding's gather gradient."""
+    from coppelius.reference.layers.embedding import embedding_backward
+    from coppelius.reference.semantic import activation_names
+    from coppelius.reference.step import step_activations
+
+    P = reference.initialize(CONFIG)
+    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab, (2, CONFIG.context + 1))
+    acts = step_activations(CONFIG, P, tokens, "fp32")
+    assert list(acts) == [name for name, _ in activation_names(CONFIG)]
+    assert np.array_equal(acts["logits"], reference.forward(CONFIG, P, tokens[:, :-1]))
+    rows, G = reference.loss_and_grads(CONFIG, P, tokens)
+    assert np.array_equal(acts["row_losses"], rows)
+    spec = reference.registry(CONFIG)["tok_embedding.weight"]
+    # the tied embedding's gradient: the unembedding part plus the gather of embedding.dout
+    d_head = acts["dlogits"].reshape(-1, CONFIG.vocab).T @ acts["final_norm.out"].reshape(
+        -1, CONFIG.d_model)
+    gather = embedding_backward(acts["embedding.dout"], tokens[:, :-1], CONFIG.vocab)
+    assert np.allclose(d_head + gather, G[spec.slice].reshape(spec.shape), rtol=1e-5, atol=1e-7)

@@ -1,5 +1,6 @@
 """Run the CuPy backend on the CPU: a stand-in for the few CuPy pieces it
-uses, NumPy versions of its kernels, and a column-major GEMM behind the
+uses (arrays, streams, events, graphs, a memory pool counting the arrays
+alive), NumPy versions of its kernels, and a column-major GEMM behind the
 cuBLAS entry points. What this checks without a GPU is everything but the
 CUDA source: the buffer plan, the launch arguments, the row-major to
 column-major mapping of every product (pointers, leading dimensions, batch
@@ -26,6 +27,7 @@ import os
 import runpy
 import sys
 import types
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -61,8 +63,32 @@ class DevArray(np.ndarray):
         self.view(np.ndarray)[...] = np.asarray(arr).reshape(self.shape)
 
 
+_OWNERS = {}  # id -> weak reference of each array owning emulated device memory
+
+
 def _dev(a):
-    return np.ascontiguousarray(a).view(DevArray)
+    a = np.ascontiguousarray(a)
+    if a.base is None:  # it owns its memory: counted while it (or any view of it) lives
+        _OWNERS[id(a)] = weakref.ref(a, lambda ref, key=id(a): _OWNERS.pop(key, None))
+    return a.view(DevArray)
+
+
+class MemoryPool:
+    """cupy.get_default_memory_pool() of the stand-ins: the bytes of every
+    emulated device array still alive (views keep their owner alive)."""
+
+    def used_bytes(self):
+        arrays = (ref() for ref in list(_OWNERS.values()))
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def total_bytes(self):
+        return self.used_bytes()  # nothing is cached
+
+    def free_all_blocks(self):
+        pass
+
+
+_POOL = MemoryPool()
 
 
 def full(shape, value, dtype):
@@ -130,6 +156,10 @@ class Event:
     def synchronize(self):
         pass
 
+    @property
+    def done(self):
+        return True  # the stand-ins run every command when it is submitted
+
 
 class Device:
     id = 0
@@ -167,7 +197,7 @@ class RawModule:
 
 fake_cupy = types.SimpleNamespace(
     __version__="emulated", full=full, zeros=zeros, asarray=asarray, empty=empty,
-    asnumpy=asnumpy, RawModule=RawModule,
+    asnumpy=asnumpy, RawModule=RawModule, get_default_memory_pool=lambda: _POOL,
     ascontiguousarray=lambda a: _dev(np.ascontiguousarray(a)),
     concatenate=lambda xs, axis=0: _dev(np.concatenate([np.asarray(x) for x in xs], axis=axis)),
     cuda=types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device, runtime=runtime,
