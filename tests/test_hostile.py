@@ -1,0 +1,203 @@
+"""Hostile input and misuse: special files, hangs, hostile headers, paths
+that collide, two processes on one file. Every case ends in a one-line
+error and exit status 2 (or a correct result), never in a hang: anything
+that could block runs under a deadline (a subprocess timeout, or SIGALRM in
+this process), so a regression fails instead of stopping the suite."""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coppelius.reference import fsutil
+from coppelius.reference.checkpoint import identities
+from coppelius.reference.config import (PRESETS, Hyper)
+from coppelius.reference.errors import (InUseError,
+                                        NotRegularFile, OutputError)
+from coppelius.reference.params import initialize, registry
+from coppelius.reference.state import State
+from coppelius.reference.stream import write_stream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = PRESETS["test"]
+N = registry(CFG).total
+SHA = hashlib.sha256(b"ids").hexdigest()
+
+
+# ------------------------------------------------------------------ helpers
+
+@contextlib.contextmanager
+def deadline(seconds=10):
+    """Fail, rather than hang, when the block runs past `seconds` (a blocking
+    open or read is interrupted: PEP 475 lets the handler's exception out)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_cli(*argv, timeout=60, cwd=None):
+    """The command line in a new process under a timeout: (status, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "coppelius", *map(str, argv)], cwd=cwd or ROOT,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def one_line_error(status, err, *words):
+    """Exit 2, one line on stderr, no traceback, every word in it."""
+    assert status == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    for word in words:
+        assert str(word) in err, (word, err)
+
+
+def fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def test_ids(batch=1, stream=SHA):
+    return identities(CFG, Hyper(), "fp32", batch, None, stream)
+
+
+test_ids.__test__ = False  # a helper, not a test
+
+
+def state_at(t):
+    P = initialize(CFG)
+    return State(P, np.zeros_like(P), np.zeros_like(P), t=t)
+
+
+@pytest.fixture
+def stream(tmp_path):
+    """A token stream of 40 test-preset contexts (no tokenizer beside it)."""
+    ids = (np.arange(40 * CFG.context + 1) * 5 % CFG.vocab).astype(np.uint32)
+    path = tmp_path / "s.tokens"
+    write_stream(path, ids, source_mtime_ns=0, source_size=0)
+    return path
+
+
+def header_bytes(header) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build_checkpoint(path, header=None, raw=None, payload=None):
+    """A checkpoint with any header (or raw header bytes) and a valid digest."""
+    if header is None:
+        header = dict(test_ids(), step=0, contexts=0, parameters=registry(CFG).describe())
+    raw = header_bytes(header) if raw is None else raw
+    payload = bytes(12 * N) if payload is None else payload
+    start = struct.pack("<8sII", b"CPLSCKPT", 1, len(raw)) + raw
+    body = start + bytes(-len(start) % 4096) + payload
+    path.write_bytes(body + struct.pack("<8sQ", b"CPLSDONE", len(payload))
+                     + hashlib.sha256(body).digest())
+    return path
+
+
+# ------------------------------------------------------------------ the file layer
+
+def test_publish_refuses_a_fifo_and_a_directory(tmp_path):
+    pipe = fifo(tmp_path / "pipe")
+    with pytest.raises(NotRegularFile, match="FIFO"):
+        fsutil.publish(pipe, lambda f: f.write(b"x"))
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    with pytest.raises(IsADirectoryError):
+        fsutil.publish(tmp_path, lambda f: f.write(b"x"))
+    assert sorted(os.listdir(tmp_path)) == ["pipe"]  # no temporary left
+
+
+@pytest.mark.parametrize("special", ["fifo", "directory", "devnull"])
+def test_an_output_path_must_be_a_regular_file_or_absent(tmp_path, special):
+    path = {"fifo": lambda: fifo(tmp_path / "p"), "directory": lambda: tmp_path,
+            "devnull": lambda: os.devnull}[special]()
+    with pytest.raises(OutputError, match="refusing to replace it") as e:
+        fsutil.output_target(path, "checkpoint")
+    assert f"checkpoint {path}: is a" in str(e.value)
+    with pytest.raises(OutputError, match="empty path"):
+        fsutil.output_target("", "checkpoint")
+
+
+def test_a_symlink_is_published_through_to_its_target(tmp_path):
+    target = tmp_path / "real.bin"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(target)
+    fsutil.publish(link, lambda f: f.write(b"new"))
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "made.bin")
+    fsutil.publish(dangling, lambda f: f.write(b"made"))
+    assert dangling.is_symlink() and (tmp_path / "made.bin").read_bytes() == b"made"
+
+
+@pytest.mark.parametrize("special", ["fifo", "devnull", "directory"])
+def test_open_regular_never_opens_a_special_file(tmp_path, special):
+    path = {"fifo": lambda: fifo(tmp_path / "p"), "devnull": lambda: os.devnull,
+            "directory": lambda: tmp_path}[special]()
+    with deadline(10), pytest.raises(OSError, match="not a regular file"):
+        fsutil.open_regular(path)
+    with pytest.raises(FileNotFoundError):
+        fsutil.open_regular(tmp_path / "absent")
+
+
+def test_a_long_name_publishes_and_a_too_long_one_is_refused(tmp_path):
+    long = tmp_path / ("c" * 250)  # its temporary would be 264 bytes unshortened
+    fsutil.publish(long, lambda f: f.write(b"x"))
+    fsutil.publish(long, lambda f: f.write(b"y"))
+    assert long.read_bytes() == b"y" and os.listdir(tmp_path) == [long.name]
+    with fsutil.Lock(long, "checkpoint"):
+        assert len(os.listdir(tmp_path)) == 2
+    with pytest.raises(OutputError, match="300 bytes, longer than the file system allows"):
+        fsutil.output_target(tmp_path / ("c" * 300), "checkpoint")
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path):
+    path = tmp_path / "ck.bin"
+    stale = tmp_path / ".ck.bin.abcdefgh.coppelius.tmp"
+    legacy = tmp_path / ".ck.bin.abcd_123.tmp"
+    live = tmp_path / ".ck.bin.zzzzzzzz.coppelius.tmp"
+    mine = tmp_path / ".ck.bin.notours.tmp"  # not a name publication makes
+    for p in (stale, legacy, live, mine):
+        p.write_bytes(b"partial")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a writer still at work
+    try:
+        fsutil.publish(path, lambda f: f.write(b"x"))
+        assert sorted(os.listdir(tmp_path)) == sorted(["ck.bin", live.name, mine.name])
+    finally:
+        os.close(fd)
+    assert fsutil.remove_stale(path) == 1 and not live.exists() and mine.exists()
+
+
+def test_a_lock_refuses_a_second_holder_naming_the_pid(tmp_path):
+    path = tmp_path / "ck.bin"
+    first = fsutil.Lock(path, "checkpoint").acquire()
+    with pytest.raises(InUseError) as e:
+        fsutil.Lock(path, "checkpoint").acquire()
+    assert f"checkpoint {path}: in use by process {os.getpid()}" in str(e.value)
+    link = tmp_path / "other-name.bin"
+    link.symlink_to(path)
+    with pytest.raises(InUseError):  # every name of the file takes the one lock
+        fsutil.Lock(link, "checkpoint").acquire()
+    first.release()
+    assert os.listdir(tmp_path) == ["other-name.bin"]
+    # a crashed holder leaves its lock file, but no lock: it is stale
+    (tmp_path / ".ck.bin.lock").write_text("999999999\n")
+    with fsutil.Lock(path, "checkpoint") as lock:
+        assert lock.held and (tmp_path / ".ck.bin.lock").read_text() == f"{os.getpid()}\n"
