@@ -14,14 +14,16 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from coppelius.reference import fsutil
-from coppelius.reference.checkpoint import identities
-from coppelius.reference.config import (PRESETS, Hyper)
-from coppelius.reference.errors import (InUseError,
+from coppelius.reference.checkpoint import identities, validate, write_checkpoint
+from coppelius.reference.config import (PRESETS, Hyper, parameter_count, parse_rational,
+                                        tensor_count)
+from coppelius.reference.errors import (CheckpointError, ConfigError, InUseError,
                                         NotRegularFile, OutputError)
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
@@ -201,3 +203,83 @@ def test_a_lock_refuses_a_second_holder_naming_the_pid(tmp_path):
     (tmp_path / ".ck.bin.lock").write_text("999999999\n")
     with fsutil.Lock(path, "checkpoint") as lock:
         assert lock.held and (tmp_path / ".ck.bin.lock").read_text() == f"{os.getpid()}\n"
+
+
+# ------------------------------------------------------------------ numbers and identities
+
+@pytest.mark.parametrize("text", ["1e999999999", "1e-999999999", "1E+9_999_999", "7" * 5000])
+def test_huge_rationals_are_refused_unbuilt(text):
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="exponent is out of range|characters"):
+        parse_rational(text, "lr")
+    assert time.perf_counter() - started < 1
+
+
+def test_parameter_count_is_the_registrys_without_building_it():
+    for config in PRESETS.values():
+        assert parameter_count(config) == registry(config).total
+        assert tensor_count(config) == len(registry(config).specs)
+    huge = CFG.__class__(vocab=64, context=16, d_model=32, n_layer=10**8, n_head=2, d_ff=96)
+    started = time.perf_counter()
+    assert parameter_count(huge) > 10**11
+    assert time.perf_counter() - started < 0.1
+
+
+def with_(**changes):
+    h = dict(test_ids(), step=0, contexts=0, parameters=registry(CFG).describe())
+    h.update(changes)
+    return h
+
+
+@pytest.mark.parametrize("header,raw,match", [
+    pytest.param(None, header_bytes(with_(step=3, contexts=3))[:-1] + b',"step":0}',
+                 "canonical", id="duplicate-key"),
+    pytest.param(None, json.dumps(with_(), sort_keys=True).encode(), "canonical",
+                 id="spaces"),
+    pytest.param(None, json.dumps(with_(), separators=(",", ":")).encode(), "canonical",
+                 id="keys-unsorted"),
+    pytest.param(with_(step=3, contexts=2), None, "contexts 2 is not step 3", id="contexts"),
+    pytest.param(with_(learner=""), None, "learner identity '' is not", id="empty-learner"),
+    pytest.param(with_(learner="garbage"), None, "learner identity", id="bad-learner"),
+    pytest.param(with_(data=""), None, "data identity", id="empty-data"),
+    pytest.param(with_(data=test_ids(batch=1)["data"].replace("batch=1", "batch=0")), None,
+                 "data identity", id="batch-zero"),
+    pytest.param(with_(data=test_ids(batch=1)["data"].replace("batch=1", "batch=-3")), None,
+                 "data identity", id="batch-negative"),
+    pytest.param(with_(initialization=""), None, "initialization identity", id="empty-init"),
+    pytest.param(with_(model=""), None, "model identity", id="empty-model"),
+    pytest.param(with_(schema="coppelius-raw-pmv-f32-v1"), None, "schema identity",
+                 id="schema"),
+    pytest.param(with_(model=CFG.identity().replace("n_layer=2", "n_layer=100000000")), None,
+                 "has 1100000003 tensors", id="n-layer-huge"),
+])
+def test_hostile_envelope_refused_before_hashing(tmp_path, header, raw, match):
+    path = build_checkpoint(tmp_path / "h.ckpt", header, raw)
+    with deadline(10), pytest.raises(CheckpointError, match=match) as e:
+        validate(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sparse_file_whose_claims_add_up_is_refused_unread(tmp_path):
+    """4 GiB of holes behind a header whose parameter list covers them, under
+    a model identity of a small model: refused before the SHA-256 pass."""
+    payload = 12 * ((4 << 30) // 12)
+    params = [{"name": "tok_embedding.weight", "shape": [payload // 12], "offset": 0}]
+    header = with_(parameters=params)
+    raw = header_bytes(header)
+    path = tmp_path / "sparse.ckpt"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sII", b"CPLSCKPT", 1, len(raw)) + raw)
+        f.truncate(4096 + payload)
+        f.seek(4096 + payload)
+        f.write(struct.pack("<8sQ", b"CPLSDONE", payload) + bytes(32))
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match="the header lists 1 tensors"):
+        validate(path)
+    assert time.perf_counter() - started < 2
+
+
+def test_write_refuses_an_inconsistent_envelope(tmp_path):
+    with pytest.raises(CheckpointError, match="contexts 5 is not step 2 times the batch 1"):
+        write_checkpoint(tmp_path / "c.ckpt", CFG, test_ids(), state_at(2), contexts=5)
+    assert not (tmp_path / "c.ckpt").exists()
