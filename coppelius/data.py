@@ -27,9 +27,15 @@ directory, beside the runs the main job writes to runs/<preset>, so that
 A folder holds one stream, because its tokenizer is named `tokenizer.json`:
 writing a stream into a folder that holds another is refused. A cached stream
 is reused only when its header holds the source's current mtime (ns) and size,
-a tokenizer of V ids lies beside it, and that tokenizer encodes the first and
+a tokenizer of V ids lies beside it, that tokenizer encodes the first and
 last pieces of the source to the stream's first and last ids (so a stream is
-never trusted beside another stream's tokenizer); otherwise it is rebuilt.
+never trusted beside another stream's tokenizer), and the SHA-256 of its ids
+is the one recorded beside it when it was written (`<stream>.sha256`: an id
+changed anywhere in the middle is noticed); otherwise it is rebuilt.
+
+Only regular files are read (a FIFO or a device given as a source is
+refused, never opened), and an existing file at the stream's path is
+replaced only when it is a token stream.
 """
 
 from __future__ import annotations
@@ -39,20 +45,25 @@ import os
 import platform
 import re
 import sys
+import stat
 import sysconfig
-import tempfile
 import time
 
 import numpy as np
 
 from coppelius.reference.config import PRESETS, preset
 from coppelius.reference.errors import ConfigError, StreamError
-from coppelius.reference.fsutil import fsync_directory, publish
+from coppelius.reference.fsutil import (open_regular, output_target, path_argument, publish,
+                                        remove_stale, same_file, stage)
 from coppelius.reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
                               stream_body)
 
 TOKENIZER_NAME = "tokenizer.json"
 STREAM_SUFFIX = ".tokens"
+DIGEST_SUFFIX = ".sha256"  # beside a cached stream: the SHA-256 of its ids
+# Ids are uint32 in the stream (SPEC 8), and the tokenizers library counts
+# its vocabulary in 32 bits too (it aborts the process at 2^32).
+MAX_VOCAB = 2**32 - 1
 BYTE_SYMBOLS = 256  # a byte-level BPE starts from one symbol per byte value
 PIECE_CHARS = 1 << 16  # the text is trained on and encoded in pieces of about 64 K characters
 ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Encoding objects
@@ -110,10 +121,10 @@ def default_corpus_text(root: str | None = None) -> str:
     parts = []
     for rel in stdlib_files(root):
         try:
-            with open(os.path.join(root, *rel.split("/")), "rb") as f:
+            with open_regular(os.path.join(root, *rel.split("/"))) as f:
                 text = f.read().decode("utf-8", errors="replace")
         except OSError:
-            continue  # unreadable on this machine (permissions): not part of the corpus
+            continue  # unreadable here (permissions), or not a file: not part of the corpus
         if text and not text.endswith("\n"):
             text += "\n"
         parts.append(f"# file: {rel}\n")
@@ -128,7 +139,7 @@ def materialise_default_corpus(cache_dir, root: str | None = None) -> str:
     data = default_corpus_text(root).encode("utf-8")
     path = os.path.join(os.fspath(cache_dir), "corpus", default_source_name() + ".txt")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             if f.read() == data:
                 return path
     except (FileNotFoundError, NotADirectoryError):
@@ -150,12 +161,12 @@ def read_source(path) -> str:
     """A source file's text, UTF-8, newlines kept as they are."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
     except FileNotFoundError:
         raise StreamError(f"source {path}: no such file") from None
     except OSError as e:
-        raise StreamError(f"source {path}: cannot read ({e.strerror})") from None
+        raise StreamError(f"source {path}: cannot read ({e.strerror or e})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -175,10 +186,20 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
-def check_vocab(vocab: int) -> None:
+def check_vocab(vocab: int, source_bytes: int | None = None) -> None:
+    """A vocabulary a byte-level BPE can have: at least one id per byte
+    value, ids that fit uint32, and (given the source's size) no more than
+    one merge per byte of the source can make: each merge joins a pair that
+    occurs in it."""
     if vocab < BYTE_SYMBOLS:
         raise ConfigError(f"vocab={vocab}: a byte-level BPE needs at least {BYTE_SYMBOLS} ids "
                           f"(one per byte value)")
+    if vocab > MAX_VOCAB:
+        raise ConfigError(f"vocab={vocab}: at most {MAX_VOCAB} (token ids are 32-bit)")
+    if source_bytes is not None and vocab > BYTE_SYMBOLS + source_bytes:
+        raise ConfigError(f"vocab={vocab}: a source of {source_bytes} bytes yields at most "
+                          f"{BYTE_SYMBOLS + source_bytes} ids; use a larger source or a "
+                          f"smaller --vocab")
 
 
 def train_tokenizer(source, vocab: int, name: str | None = None):
@@ -234,9 +255,26 @@ def load_tokenizer(path):
 
     path = os.fspath(path)
     try:
-        return Tokenizer.from_file(path)
+        with open_regular(path) as f:  # read here: the library would open a FIFO and block
+            text = f.read().decode("utf-8")
+    except OSError as e:
+        raise fs_error(f"tokenizer {path}: cannot read", path, e) from None
+    except UnicodeDecodeError as e:
+        raise StreamError(f"tokenizer {path}: not UTF-8 at byte offset {e.start}") from None
+    try:
+        return Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise StreamError(f"tokenizer {path}: cannot load ({e})") from None
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        raise StreamError(f"tokenizer {path}: cannot load ({detail})") from None
+
+
+def check_tokenizer(path, vocab: int):
+    """The tokenizer at `path`, refused unless it loads and has `vocab` ids."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.get_vocab_size() != vocab:
+        raise StreamError(f"tokenizer {os.fspath(path)}: has {tokenizer.get_vocab_size()} ids, "
+                          f"the model has V={vocab}")
+    return tokenizer
 
 
 def tokenizer_sha(path) -> str | None:
@@ -245,7 +283,7 @@ def tokenizer_sha(path) -> str | None:
         return None
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     except FileNotFoundError:
@@ -273,6 +311,8 @@ def source_stamp(path) -> tuple:
     path = os.fspath(path)
     try:
         st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            open_regular(path)  # refuses it, saying what it is, without opening it
     except FileNotFoundError:
         raise StreamError(f"source {path}: no such file") from None
     except OSError as e:
@@ -313,9 +353,24 @@ def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
     return True
 
 
+def digest_beside(stream_path) -> str:
+    return os.fspath(stream_path) + DIGEST_SUFFIX
+
+
+def read_digest(stream_path) -> str | None:
+    """The SHA-256 of its ids recorded beside a cached stream, or None."""
+    try:
+        with open_regular(digest_beside(stream_path)) as f:
+            text = f.read(100).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if len(text) == 64 else None
+
+
 def is_fresh(stream_path, source_path, vocab: int) -> bool:
     """Whether the cached stream was made from the source as it is now, by
-    the tokenizer of `vocab` ids that lies beside it."""
+    the tokenizer of `vocab` ids that lies beside it, and holds the ids it
+    was written with."""
     try:
         if read_stream_header(stream_path) != source_stamp(source_path):
             return False
@@ -326,7 +381,12 @@ def is_fresh(stream_path, source_path, vocab: int) -> bool:
         if tokenizer.get_vocab_size() != vocab:
             return False
         stream = open_stream(stream_path, vocab)
-        return encodes_to(tokenizer, read_source(source_path), stream.ids)
+        try:
+            if stream.sha256 != read_digest(stream_path):
+                return False
+            return encodes_to(tokenizer, read_source(source_path), stream.ids)
+        finally:
+            stream.close()
     except StreamError:
         return False
 
@@ -351,49 +411,53 @@ def check_folder_is_its_own(stream_path) -> None:
                           f"be replaced; write each stream to a folder of its own")
 
 
+def ids_sha256(ids: np.ndarray) -> str:
+    """Hex SHA-256 of ids (N,) as a stream stores them (Stream.sha256)."""
+    body = np.ascontiguousarray(ids, dtype="<u4")
+    h = hashlib.sha256()
+    for start in range(0, body.size, 1 << 22):
+        h.update(body[start:start + (1 << 22)].tobytes())
+    return h.hexdigest()
+
+
 def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
                  tokenizer_json: str) -> str:
-    """Publish a stream of `ids` (N,) and its tokenizer.json -> the tokenizer
-    path. Two files cannot be renamed at once, so the order is chosen for
-    what any failure or crash leaves behind:
+    """Publish a stream of `ids` (N,), its tokenizer.json and the digest of
+    its ids -> the tokenizer path. Files cannot be renamed at once, so the
+    order is chosen for what any failure or crash leaves behind:
 
-      1. the whole stream is written and synced under a staged name;
+      1. the whole stream is written and synced to a temporary;
       2. the tokenizer is published (written, synced, renamed);
-      3. the staged stream is renamed over the stream.
+      3. the digest of the new ids is published;
+      4. the temporary is renamed over the stream.
 
-    A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
-    between 2 and 3 leaves the new tokenizer beside the old stream, and
-    is_fresh turns that pair down, so the next run rebuilds it: the old
-    header names an older source, or the new tokenizer does not encode the
-    source to the old ids. (It is accepted only where it is a true pair: the
-    same source and V train the same tokenizer, byte for byte.) At no point
-    is the old stream left without a tokenizer."""
+    A failure in 1 to 3 (ENOSPC, say) changes nothing published but the
+    tokenizer and the digest. A crash before 4 leaves the new tokenizer (and
+    digest) beside the old stream, and is_fresh turns that down, so the next
+    run rebuilds it: the old header names an older source, the digest is not
+    the old ids', or the new tokenizer does not encode the source to the old
+    ids. At no point is the old stream left without a tokenizer."""
     stream_path = os.fspath(stream_path)
     tokenizer_path = tokenizer_beside(stream_path)
+    digest_path = digest_beside(stream_path)
     directory = os.path.dirname(os.path.abspath(stream_path))
     staged = None
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, staged = tempfile.mkstemp(prefix="." + os.path.basename(stream_path) + ".",
-                                      suffix=".staged", dir=directory)
-        os.close(fd)
-        publish(staged, stream_body(ids, mtime_ns, size, stream_path))  # 1
+        staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
         payload = tokenizer_json.encode("utf-8")
         try:
             publish(tokenizer_path, lambda f: f.write(payload))  # 2
         except OSError as e:
             raise fs_error(f"tokenizer {tokenizer_path}: cannot write", tokenizer_path, e) from None
-        os.replace(staged, stream_path)  # 3
-        staged = None
-        fsync_directory(directory)
+        digest = (ids_sha256(ids) + "\n").encode("ascii")
+        publish(digest_path, lambda f: f.write(digest))  # 3
+        staged.commit()  # 4
     except OSError as e:
         raise fs_error(f"stream {stream_path}: cannot write", stream_path, e) from None
     finally:
         if staged is not None:
-            try:
-                os.unlink(staged)
-            except OSError:
-                pass  # a hidden leftover; the published files are what matter
+            staged.discard()
     return tokenizer_path
 
 
@@ -403,6 +467,7 @@ def tokenize_source(source_path, stream_path, vocab: int, progress: bool = False
     started = time.perf_counter()
     source_path = os.fspath(source_path)
     mtime_ns, size = source_stamp(source_path)
+    check_vocab(vocab, size)  # a vocabulary the source cannot yield: refused before training
     text = read_source(source_path)
     if progress:
         print(f"training a byte-level BPE of {vocab} ids on {source_path} "
@@ -453,13 +518,51 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
     out = os.fspath(out)
     if os.path.isdir(out):
         raise StreamError(f"stream {out}: is a directory, not a token stream file")
+    check_stream_output(out, source)
     if source is None:
         source = materialise_default_corpus(cache_dir)
+        check_stream_output(out, source)
+    for leftover in (out, tokenizer_beside(out), digest_beside(out)):
+        remove_stale(leftover)  # temporaries of a run killed while it published
     rebuilt = not is_fresh(out, source, vocab)
     if rebuilt:
         check_folder_is_its_own(out)
+        check_replaceable(out)
         tokenize_source(source, out, vocab, progress=progress)
     return out, tokenizer_beside(out), rebuilt
+
+
+def check_stream_output(out: str, source) -> None:
+    """A stream's path (and its tokenizer's beside it) must be a regular file
+    or absent, and neither may be the source it is made of."""
+    output_target(out, "stream")
+    tokenizer = tokenizer_beside(out)
+    if os.path.basename(out) == TOKENIZER_NAME or same_file(out, tokenizer):
+        raise StreamError(f"stream {out}: is where its own {TOKENIZER_NAME} goes; "
+                          f"name the stream otherwise")
+    output_target(tokenizer, "tokenizer")
+    if source is not None:
+        for path in (out, tokenizer, digest_beside(out)):
+            if same_file(path, source):
+                raise StreamError(f"stream {out}: writing it would replace the source {source}")
+
+
+def check_replaceable(out: str) -> None:
+    """Refuse to replace a file at the stream's path that is not a token
+    stream (header, then whole ids), or a tokenizer.json beside it that is
+    no stream's: neither was written here, so neither is ours to replace."""
+    try:
+        size = os.stat(out).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        size = None  # writing says why a missing folder cannot be made
+    if size is not None and (size < HEADER_BYTES or (size - HEADER_BYTES) % TOKEN_BYTES):
+        raise StreamError(f"stream {out}: exists and is not a token stream ({size} bytes); "
+                          f"refusing to replace it")
+    tokenizer = tokenizer_beside(out)
+    if size is None and os.path.lexists(tokenizer) and not os.path.lexists(digest_beside(out)):
+        raise StreamError(f"stream {out}: {tokenizer} exists beside it and belongs to no stream "
+                          f"written here; refusing to replace it (move it, or write the stream "
+                          f"to a folder of its own)")
 
 
 # ---------------------------------------------------------------------------
@@ -478,15 +581,15 @@ def register(subparsers) -> None:
         description="Train a byte-level BPE of V ids on SOURCE (default: the running Python's "
                     "standard library) and write the token stream and tokenizer.json beside it. "
                     "A stream that is up to date with its source is reused.")
-    p.add_argument("source", nargs="?", metavar="SOURCE",
+    p.add_argument("source", nargs="?", metavar="SOURCE", type=path_argument,
                    help="a UTF-8 text file (default: the embedded standard-library corpus)")
-    p.add_argument("--out", metavar="STREAM",
+    p.add_argument("--out", metavar="STREAM", type=path_argument,
                    help="the stream file (default: in the cache directory)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="the preset whose vocabulary and context to use "
                         "(default: coppelius with a GPU, else tiny)")
     p.add_argument("--vocab", type=int, metavar="N", help="vocabulary size V (default: the preset's)")
-    p.add_argument("--cache-dir", metavar="DIR",
+    p.add_argument("--cache-dir", metavar="DIR", type=path_argument,
                    help="where cached corpora and streams live (default: runs/data, the "
                         "cache `coppelius train` uses)")
     p.set_defaults(func=run_tokenize)

@@ -324,7 +324,8 @@ def test_a_second_stream_in_a_folder_is_refused_naming_both(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("coppelius tokenize: error: stream ")
     assert str(folder / "b.tokens") in err and str(folder / "a.tokens") in err
-    assert tok.read_bytes() == before and sorted(os.listdir(folder)) == ["a.tokens", "tokenizer.json"]
+    assert tok.read_bytes() == before and sorted(os.listdir(folder)) == ["a.tokens", "a.tokens.sha256",
+                                                                "tokenizer.json"]
     assert main(["tokenize", str(a_src), "--out", str(folder / "a.tokens")] + args) == 0
     assert f"up to date {folder / 'a.tokens'}" in capsys.readouterr().out
     assert decodes_to(folder / "a.tokens", tok, sample_text())

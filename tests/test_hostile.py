@@ -283,3 +283,151 @@ def test_write_refuses_an_inconsistent_envelope(tmp_path):
     with pytest.raises(CheckpointError, match="contexts 5 is not step 2 times the batch 1"):
         write_checkpoint(tmp_path / "c.ckpt", CFG, test_ids(), state_at(2), contexts=5)
     assert not (tmp_path / "c.ckpt").exists()
+
+
+# ------------------------------------------------------------------ streams and sources
+
+def source_text(tmp_path, name="a.txt") -> str:
+    """A small real text (the json package of the running Python)."""
+    import sysconfig
+
+    root = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    text = "".join(open(os.path.join(root, n), encoding="utf-8").read()
+                   for n in sorted(os.listdir(root)) if n.endswith(".py"))
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+V = 320  # trains in milliseconds on source_text
+
+
+TRUNCATE = """
+import os, sys
+sys.path.insert(0, {root!r})
+from coppelius.reference.errors import StreamError
+from coppelius.reference.stream import open_stream
+path = sys.argv[1]
+s = open_stream(path, 64)
+s.batch(0, 2, 16)
+os.truncate(path, 16 + 4 * 20)  # the file shrinks under the open stream
+try:
+    s.batch(3, 2, 16)
+except StreamError as e:
+    print(e)
+"""
+
+
+def test_a_stream_truncated_in_use_is_an_error_not_sigbus(stream):
+    p = subprocess.run([sys.executable, "-c", TRUNCATE.format(root=ROOT), str(stream)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr  # -SIGBUS with a mapping
+    assert f"{stream}: is 96 bytes now, token 64 ends at offset 276" in p.stdout
+    assert "truncated while in use" in p.stdout
+
+
+def test_a_stream_changed_in_use_is_an_error(stream):
+    from coppelius.reference.errors import StreamError
+    from coppelius.reference.stream import open_stream
+
+    s = open_stream(stream, CFG.vocab)
+    with open(stream, "r+b") as f:
+        f.seek(16 + 4 * 16 * 5)
+        f.write(struct.pack("<I", 1000))  # an id no model of V=64 has
+    with pytest.raises(StreamError, match="not below V=64 .was it changed while in use"):
+        s.batch(5, 1, 16)
+
+
+def test_context_numbers_of_any_size_neither_overflow_nor_allocate(stream):
+    from coppelius.reference.errors import StreamError
+    from coppelius.reference.stream import open_stream
+
+    s = open_stream(stream, CFG.vocab)
+    with pytest.raises(StreamError, match="contexts 99999999999999999999"):
+        s.batch(10**20 - 1, 1, 16)
+    with pytest.raises(StreamError, match="holds 40"):
+        s.batch(0, 10**20, 16)
+    assert s.batch(10**20, 2, 16, repeat=True).tolist() == s.batch(0, 2, 16).tolist()
+
+
+@pytest.mark.parametrize("special", ["fifo", "devnull"])
+def test_tokenize_and_train_never_open_a_special_source(tmp_path, special):
+    source = fifo(tmp_path / "pipe.txt") if special == "fifo" else os.devnull
+    status, _, err = run_cli("tokenize", source, "--vocab", V, "--cache-dir", tmp_path / "c",
+                             timeout=60)
+    one_line_error(status, err, source, "not a regular file")
+    status, _, err = run_cli("train", "--preset", "tiny", "--backend", "reference", "--source",
+                             source, "--run-dir", tmp_path / "run", "--steps", "1", timeout=60)
+    one_line_error(status, err, source, "not a regular file")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("vocab, words", [
+    ("99999999999999999999", "at most 4294967295"),
+    ("4294967296", "at most 4294967295"),  # the tokenizers library aborted the process
+    ("100000", "yields at most"),
+])
+def test_impossible_vocabularies_are_refused_first(tmp_path, vocab, words):
+    source = source_text(tmp_path)
+    started = time.perf_counter()
+    status, _, err = run_cli("tokenize", source, "--vocab", vocab, "--out", tmp_path / "o.tokens")
+    one_line_error(status, err, f"vocab={vocab}", words)
+    assert time.perf_counter() - started < 30 and not (tmp_path / "o.tokens").exists()
+
+
+@pytest.mark.parametrize("out", ["fifo", "source", "text", "tokenizer.json", "foreign-tokenizer"])
+def test_tokenize_never_replaces_what_is_not_its_own(tmp_path, out):
+    source = source_text(tmp_path)
+    if out == "fifo":
+        target = fifo(tmp_path / "s.tokens")
+    elif out == "source":
+        target = source
+    elif out == "text":
+        target = tmp_path / "notes.tokens"
+        target.write_text("my notes\n")  # 9 bytes: no stream has them
+    elif out == "tokenizer.json":
+        target = tmp_path / "d" / "tokenizer.json"
+    else:
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "tokenizer.json").write_text('{"mine": true}')
+        target = tmp_path / "d" / "s.tokens"
+    before = {p: (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    status, _, err = run_cli("tokenize", source, "--vocab", V, "--out", target)
+    one_line_error(status, err, target)
+    assert {p: (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")} == before
+    if out == "fifo":
+        assert stat.S_ISFIFO(os.lstat(target).st_mode)
+
+
+def test_a_cached_stream_changed_in_the_middle_is_rebuilt(tmp_path):
+    from coppelius import data
+
+    source = source_text(tmp_path)
+    out = tmp_path / "c" / "a.tokens"
+    data.prepare_stream(source=source, vocab=V, out=out)
+    assert data.is_fresh(out, source, V)
+    raw = bytearray(out.read_bytes())
+    middle = 16 + 4 * ((len(raw) - 16) // 8)
+    old = struct.unpack_from("<I", raw, middle)[0]
+    struct.pack_into("<I", raw, middle, (old + 1) % V)  # head and tail still encode right
+    out.write_bytes(bytes(raw))
+    os.utime(out)  # the header, not the file's own mtime, names the source
+    assert not data.is_fresh(out, source, V)
+    status, stdout, err = run_cli("tokenize", source, "--vocab", V, "--out", out)
+    assert status == 0 and stdout.startswith(f"wrote {out}"), err
+    assert data.is_fresh(out, source, V)
+
+
+def test_stale_temporaries_of_a_killed_tokenize_are_removed(tmp_path):
+    from coppelius import data
+
+    source = source_text(tmp_path)
+    out = tmp_path / "c" / "a.tokens"
+    data.prepare_stream(source=source, vocab=V, out=out)
+    leftovers = [tmp_path / "c" / ".a.tokens.abcdefgh.coppelius.tmp",
+                 tmp_path / "c" / ".a.tokens.abcdefgh.staged",  # what earlier versions left
+                 tmp_path / "c" / ".tokenizer.json.abcdefgh.tmp"]
+    for p in leftovers:
+        p.write_bytes(b"half")
+    data.prepare_stream(source=source, vocab=V, out=out)  # up to date: nothing republished
+    assert sorted(os.listdir(tmp_path / "c")) == ["a.tokens", "a.tokens.sha256", "tokenizer.json"]
