@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import Config
-from .errors import ResultFileError
+from .config import Config, config_from_identity
+from .errors import ConfigError, ResultFileError
+from .fsutil import open_regular
 
 MAGIC = b"CPLSRSLT"
 VERSION = 1
@@ -40,6 +41,7 @@ PREDICTIONS = struct.Struct("<6I")  # per prediction row: argmax token, validity
 
 HEADER_STRINGS = ("model", "learner", "data", "backend")
 HEADER_COUNTS = {"first_step": 0, "steps": 0, "batch": 1, "context": 1, "vocab": 1}  # key -> least
+MAX_STEP = 2**63 - 1  # step numbers are uint64 on disk, int64 wherever they are computed with
 
 
 def prediction_rows(T: int) -> list:
@@ -108,7 +110,17 @@ class ResultWriter:
         except OSError as e:
             raise ResultFileError(f"result file {self.path}: cannot create: {e}") from None
         start = PREFIX.pack(MAGIC, VERSION, len(raw)) + raw
-        self._write(start + bytes(-len(start) % ALIGN))
+        try:
+            self._write(start + bytes(-len(start) % ALIGN))
+        except BaseException:
+            # no header, no result file: the file is this writer's own (created
+            # exclusively above), so a full disk leaves nothing behind
+            self._f.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            raise
 
     def _write(self, data: bytes) -> None:
         try:
@@ -203,13 +215,27 @@ def _read_header(path, f, size: int) -> tuple:
         raise refuse(f"header is not UTF-8 JSON ({detail})") from None
     if not isinstance(header, dict):
         raise refuse(f"header is a JSON {type(header).__name__}, expected an object")
+    if json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8") != raw:
+        raise refuse("header is not in canonical form (keys sorted and unrepeated, "
+                     "no insignificant spaces)")
     for key in HEADER_STRINGS:
         if not isinstance(header.get(key), str):
             raise refuse(f"header key {key!r} is {header.get(key)!r}, expected a string")
     for key in HEADER_COUNTS:
         value, least = header.get(key), HEADER_COUNTS[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_STEP:
             raise refuse(f"header key {key!r} is {value!r}, expected an integer >= {least}")
+    if header["first_step"] + header["steps"] > MAX_STEP:
+        raise refuse(f"header: first_step {header['first_step']} + steps {header['steps']} "
+                     f"exceeds 2^63 - 1")
+    try:
+        config = config_from_identity(header["model"], f"result file {path}")
+    except ConfigError as e:
+        raise ResultFileError(str(e)) from None
+    for key in ("vocab", "context"):
+        if header[key] != getattr(config, key):
+            raise refuse(f"header key {key!r} is {header[key]}, the model identity's is "
+                         f"{getattr(config, key)}")
     if header.get("prediction_rows") != prediction_rows(header["context"]):
         raise refuse(f"header key 'prediction_rows' is {header.get('prediction_rows')!r}, "
                      f"expected {prediction_rows(header['context'])}")
@@ -226,7 +252,7 @@ def read_results(path) -> Results:
     bad CRC (the reason is in .stopped). A bad magic or header is refused."""
     path = os.fspath(path)
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except OSError as e:
         raise ResultFileError(f"result file {path}: cannot read: {e.strerror or e}") from None
     with f:
@@ -246,6 +272,9 @@ def read_results(path) -> Results:
             if sizes.get(kind) != n:  # checked before reading n bytes: n may be hostile
                 out.stopped = f"bad record header at offset {offset} (kind {kind}, {n} bytes)"
                 break
+            if offset + RECORD.size + n + CRC.size > size:  # nothing allocated for what is not there
+                out.stopped = f"truncated record at offset {offset}"
+                break
             body = f.read(n + CRC.size)
             if len(body) < n + CRC.size:
                 out.stopped = f"truncated record at offset {offset}"
@@ -258,10 +287,21 @@ def read_results(path) -> Results:
                 out.forward = np.frombuffer(payload, "<f4").reshape(3, V)
             elif kind == STEP:
                 (step,) = STEP_HEAD.unpack_from(payload)
+                # a writer numbers steps first_step, first_step + 1, ...: any
+                # other number (2^64 - 1, say) is not a record of this run
+                if step != header["first_step"] + len(out.steps):
+                    out.stopped = (f"step record at offset {offset} has step {step}, expected "
+                                   f"{header['first_step'] + len(out.steps)}")
+                    break
                 rows = np.frombuffer(payload, "<f4", offset=STEP_HEAD.size).reshape(B, T)
                 out.steps.append((step, rows))
             elif kind == TIMING:
-                out.timings.append(TIMING_BODY.unpack(payload))
+                timing = TIMING_BODY.unpack(payload)
+                if not out.steps or timing[0] != out.steps[-1][0]:
+                    out.stopped = f"timing record at offset {offset} has step {timing[0]}, " \
+                                  f"not the step before it"
+                    break
+                out.timings.append(timing)
             else:
                 block = np.frombuffer(payload, "<f4", count=4 * T).reshape(4, T)
                 logits = np.frombuffer(payload, "<f4", count=V, offset=16 * T)
