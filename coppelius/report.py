@@ -8,14 +8,16 @@ file's losses and throughput and can plot them.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numpy as np
 
 from coppelius.reference import checkpoint, results
-from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.fsutil import publish
+from coppelius.reference.errors import CoppeliusError, OutputError
+from coppelius.reference.fsutil import open_regular, output_target, path_argument, publish, same_file
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
 LAST_FRACTION = 0.1  # the by-position curve averages the last 10% of steps (at least one)
 
@@ -24,12 +26,14 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("inspect", help="check a checkpoint or result file and show its envelope",
                               description="Recognise a checkpoint or a result file by its magic, "
                                           "check it, and print its envelope.")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", type=path_argument)
     p.set_defaults(func=inspect_command)
     p = subparsers.add_parser("report", help="summarise a result file; optionally plot its losses",
                               description="Summarise the losses and throughput of a result file.")
-    p.add_argument("results", metavar="RESULTS")
-    p.add_argument("--plot", metavar="PNG", help="write a loss plot (PNG) to this path")
+    p.add_argument("results", metavar="RESULTS", type=path_argument)
+    p.add_argument("--plot", metavar="PNG", type=path_argument,
+                   help="write a loss plot (PNG) to this path (an existing PNG is replaced, "
+                        "nothing else is)")
     p.set_defaults(func=report_command)
 
 
@@ -41,7 +45,7 @@ def _line(key: str, value) -> None:
 
 def inspect_command(args) -> int:
     try:
-        with open(args.path, "rb") as f:
+        with open_regular(args.path) as f:  # a FIFO would block: never opened
             magic = f.read(8)
     except OSError as e:
         raise CoppeliusError(f"{args.path}: cannot read: {e.strerror or e}") from None
@@ -110,7 +114,28 @@ def summarize(r: results.Results) -> dict:
     }
 
 
+def check_plot_path(path, inputs=()) -> None:
+    """An explicit plot path: a regular file or absent, none of the command's
+    `inputs`, and if it exists, a PNG (a plot a run or report wrote): any
+    other file is not this command's to replace."""
+    output_target(path, "plot")
+    for other in inputs:
+        if same_file(path, other):
+            raise OutputError(f"plot {path}: is {other}, an input of this command")
+    try:
+        with open_regular(path) as f:
+            magic = f.read(len(PNG_MAGIC))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"plot {path}: cannot read what is there ({e.strerror or e})") from None
+    if magic != PNG_MAGIC:
+        raise OutputError(f"plot {path}: exists and is not a PNG; refusing to replace it")
+
+
 def report_command(args) -> int:
+    if args.plot is not None:
+        check_plot_path(args.plot, [args.results])  # before anything is read
     r = results.read_results(args.results)
     if not r.steps:
         raise CoppeliusError(f"result file {r.path}: no step records to report"
@@ -147,9 +172,10 @@ def ema(x: np.ndarray, beta: float = EMA_BETA) -> np.ndarray:
     return out
 
 
-def plot(r: results.Results, path) -> None:
+def plot(r: results.Results, path, replace: bool = True) -> None:
     """Mean loss per step (raw and smoothed) and mean loss by position in the
-    context over the last steps; published atomically as a PNG."""
+    context over the last steps; published atomically as a PNG. With
+    replace=False an existing file is never replaced (FileExistsError)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -177,6 +203,27 @@ def plot(r: results.Results, path) -> None:
     ax.grid(alpha=0.3)
     fig.suptitle(f"{r.header['backend']}: {r.header['model']}", fontsize=8)
     try:
-        publish(path, lambda f: fig.savefig(f, format="png", dpi=100))
+        publish(path, lambda f: fig.savefig(f, format="png", dpi=100), replace=replace)
+    except FileExistsError:
+        raise
     except OSError as e:
-        raise CoppeliusError(f"plot {path}: cannot write: {e}") from None
+        raise CoppeliusError(f"plot {path}: cannot write: {e.strerror or e}") from None
+
+
+def plot_beside(r: results.Results, results_path) -> str:
+    """A run's loss plot beside its result file: `<stem>.png`, or
+    `<stem>-1.png`, `-2`, ... when that name is taken (by the checkpoint, a
+    plot of another run, anything): a derived output never replaces a file.
+    Returns the path written."""
+    stem = os.path.splitext(os.fspath(results_path))[0]
+    k = 0
+    while True:
+        path = f"{stem}.png" if k == 0 else f"{stem}-{k}.png"
+        if os.path.lexists(path):  # whatever it is (a FIFO too): taken
+            k += 1
+            continue
+        try:
+            plot(r, path, replace=False)
+            return path
+        except FileExistsError:
+            k += 1
