@@ -494,10 +494,11 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
         stream = os.fspath(stream)
         if os.path.isdir(stream):
             raise StreamError(f"stream {stream}: is a directory, not a token stream")
-        if not os.path.isfile(stream):
+        if not os.path.exists(stream):
             raise StreamError(f"stream {stream}: no such token stream")
         tokenizer_path = tokenizer_beside(stream)
-        return stream, tokenizer_path if os.path.isfile(tokenizer_path) else None
+        # whatever is there is the stream's tokenizer: checked (not ignored) by its reader
+        return stream, tokenizer_path if os.path.lexists(tokenizer_path) else None
     stream, tokenizer_path, _ = stream_for_source(source, vocab, out, cache_dir, progress)
     return stream, tokenizer_path
 
