@@ -33,9 +33,9 @@ and refuse to replace an existing file unless --force.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from fractions import Fraction
 
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
@@ -44,9 +44,10 @@ from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, Recipe
                                bind, bind_vectors, flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
 from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity, Hyper, data_identity,
-                              initialization_identity, preset, schema_identity)
+                              initialization_identity, parameter_count, parse_rational, preset,
+                              schema_identity, tensor_count)
 from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.fsutil import publish
+from coppelius.reference.fsutil import Lock, output_target, path_argument, publish, same_file
 from coppelius.reference.params import registry
 from coppelius.reference.sources import CheckpointFileSource, SafetensorsSource, moment_key
 from coppelius.reference.state import State
@@ -65,8 +66,8 @@ def register(subparsers) -> None:
         description="Write the parameters of CHECKPOINT (float32, SPEC names, no tied "
                     "lm_head.weight) to OUT with the checkpoint's identities, step and "
                     "contexts as metadata.")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("out", metavar="OUT.safetensors")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
+    p.add_argument("out", metavar="OUT.safetensors", type=path_argument)
     p.add_argument("--moments", action="store_true",
                    help="also write the AdamW moments as m/<name> and v/<name>")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -76,8 +77,8 @@ def register(subparsers) -> None:
         "import", help="make a checkpoint from a safetensors file",
         description="Bind the tensors of IN by their SPEC names and write CHECKPOINT with "
                     "fresh moments at step 0. Identities come from IN's metadata when present.")
-    p.add_argument("source", metavar="IN.safetensors")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("source", metavar="IN.safetensors", type=path_argument)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="the model, when IN's metadata has no model identity (else must agree)")
     p.add_argument("--precision", choices=PRECISIONS,
@@ -107,7 +108,10 @@ def run_import(args) -> int:
     return 0
 
 
-def _refuse_existing(path: str, force: bool) -> None:
+def _refuse_existing(path: str, force: bool, what: str = "output") -> None:
+    """An output must be a regular file or absent (never a FIFO or a device,
+    even with --force), and absent unless --force."""
+    output_target(path, what)
     if os.path.lexists(path) and not force:
         raise ExchangeError(f"{path}: exists (pass --force to replace it)")
 
@@ -117,7 +121,7 @@ def _refuse_existing(path: str, force: bool) -> None:
 def export(checkpoint, out, moments: bool = False, force: bool = False) -> None:
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     _refuse_existing(out, force)
-    if os.path.exists(out) and os.path.samefile(checkpoint, out):
+    if os.path.exists(out) and same_file(checkpoint, out):
         raise ExchangeError(f"{out}: is the checkpoint being exported")
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
@@ -146,11 +150,14 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
     """Write CHECKPOINT from a safetensors file; returns (config, moment
     tensors dropped)."""
     source_path, checkpoint = os.fspath(source_path), os.fspath(checkpoint)
-    _refuse_existing(checkpoint, force)
+    _refuse_existing(checkpoint, force, "checkpoint")
+    if same_file(source_path, checkpoint):
+        raise ExchangeError(f"{checkpoint}: is the file being imported")
     with SafetensorsSource(source_path) as source:
         where = source_path
         meta = source.metadata
         config = _import_config(meta, preset_name, where)
+        _check_size(source, config, where)  # before anything is built for the claimed model
         ids = _import_identities(meta, config, precision, batch, tokenizer_sha, where)
         reg = registry(config)
         tensors = source.tensors()
@@ -172,8 +179,25 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
         for spec in reg.specs:  # the tied head equals its owner bit for bit: checked with it
             _check_finite(values[spec.name], spec.name, where)
         P = flatten(reg, values)  # the one copy
-    write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    if os.path.isdir(os.path.dirname(os.path.abspath(checkpoint))):
+        with Lock(checkpoint, "checkpoint"):  # not under a run that trains it
+            write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    else:
+        write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)  # says why not
     return config, dropped
+
+
+def _check_size(source, config: Config, where: str) -> None:
+    """A model identity in the metadata claims a size; a file far smaller
+    than that (about half its values or tensors, or fewer) is refused here,
+    before a registry of, say, 10^8 layers is built for it. A file that
+    falls short by a few tensors goes on to binding, which names them."""
+    tensors = source.tensors()
+    held = sum(math.prod(info.shape) for info in tensors.values())
+    need = parameter_count(config)
+    if need > 2 * held + (1 << 20) or tensor_count(config) > 2 * len(tensors) + 16:
+        raise ExchangeError(f"{where}: its model ({config.identity()!r}) has {need} parameters, "
+                            f"the file holds {held} values")
 
 
 def _check_finite(a, name: str, where: str) -> None:
@@ -239,7 +263,7 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
     if "learner" in meta:
         f = _fields(meta["learner"])
         try:
-            hyper = Hyper(**{k: Fraction(f[k]) for k in
+            hyper = Hyper(**{k: parse_rational(f[k], k) for k in
                              ("lr", "beta1", "beta2", "weight_decay", "epsilon")})
             have = f["precision"]
             ok = hyper.identity(have) == meta["learner"]
@@ -258,7 +282,8 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         f = _fields(meta["data"])
         try:
             tok = None if f["tokenizer"] == "none" else f["tokenizer"]
-            ok = data_identity(config, int(f["batch"]), tok, f["stream"]) == meta["data"]
+            ok = int(f["batch"]) > 0 and len(f["batch"]) <= 40 and data_identity(
+                config, int(f["batch"]), tok, f["stream"]) == meta["data"]
         except (KeyError, ValueError):
             ok = False
         if not ok:
