@@ -27,6 +27,8 @@ from coppelius import accelerated
 from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity
 from coppelius.reference.config import preset as preset_config
 from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
+from coppelius.reference.fsutil import path_argument
+from coppelius.reference.limits import ID, check_fits, step_bytes
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -47,15 +49,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="contexts per step (default: 1, or the checkpoint's)")
     parser.add_argument("--steps", type=int, default=20, metavar="S",
                         help="length of the loss trajectory and the resume run (default: 20)")
-    parser.add_argument("--stream", metavar="PATH", help="token stream file for the inputs")
+    parser.add_argument("--stream", metavar="PATH", type=path_argument,
+                        help="token stream file for the inputs")
     parser.add_argument("--context", type=int, default=0, metavar="C",
                         help="first context of --stream to use (default: 0)")
-    parser.add_argument("--checkpoint", metavar="CK",
+    parser.add_argument("--checkpoint", metavar="CK", type=path_argument,
                         help="debug one step from this checkpoint (needs --stream)")
     parser.add_argument("--hypothesis", type=int, default=0, metavar="N",
                         help="also run N hypothesis-drawn small cases per backend and policy")
     parser.add_argument("--failures-only", action="store_true",
                         help="print only the failing rows of each table")
+
+
+def check_plan(config, batch: int, steps: int) -> None:
+    """Refuse a suite whose memory cannot exist here: its token windows
+    (steps, B, T+1) and one step of the reference, at the least."""
+    windows = steps * batch * (config.context + 1) * ID
+    check_fits(windows + step_bytes(config, batch), f"--steps={steps} --batch={batch}")
 
 
 def default_backends() -> list:
@@ -100,11 +110,17 @@ def run(args) -> int:
     config = preset_config(preset_name)
     batch = args.batch or 1
     precisions = args.precision or list(PRECISIONS)
+    check_plan(config, batch, args.steps)
     windows, inputs = None, None
     if args.stream:
         from coppelius.reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
+        need, K = args.context + args.steps * batch, stream.n_contexts(config.context)
+        if need > K:
+            raise RunError(f"stream {args.stream}: --context {args.context} and --steps "
+                           f"{args.steps} of --batch {batch} need {need} contexts, the stream "
+                           f"holds {K}")
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
         inputs = f"stream {args.stream}, contexts from {args.context}"
     if "reference" in backends:
@@ -185,6 +201,7 @@ def debug_checkpoint(args, backends: list) -> int:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
     config, hyper, precision, batch, state, header = load_checkpoint(args.checkpoint, args.preset)
     batch = args.batch or batch
+    check_plan(config, batch, 1)
     stream = open_stream(args.stream, config.vocab)
     tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
     precisions = args.precision or [precision]
