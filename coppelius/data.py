@@ -40,6 +40,7 @@ replaced only when it is a token stream.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -52,8 +53,8 @@ import time
 import numpy as np
 
 from coppelius.reference.config import PRESETS, preset
-from coppelius.reference.errors import ConfigError, StreamError
-from coppelius.reference.fsutil import (open_regular, output_target, path_argument, publish,
+from coppelius.reference.errors import ConfigError, InUseError, StreamError
+from coppelius.reference.fsutil import (Lock, open_regular, output_target, path_argument, publish,
                                         remove_stale, same_file, stage)
 from coppelius.reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
                               stream_body)
@@ -523,14 +524,32 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
     if source is None:
         source = materialise_default_corpus(cache_dir)
         check_stream_output(out, source)
-    for leftover in (out, tokenizer_beside(out), digest_beside(out)):
-        remove_stale(leftover)  # temporaries of a run killed while it published
-    rebuilt = not is_fresh(out, source, vocab)
-    if rebuilt:
-        check_folder_is_its_own(out)
-        check_replaceable(out)
-        tokenize_source(source, out, vocab, progress=progress)
+    with _cache_lock(out):
+        for leftover in (out, tokenizer_beside(out), digest_beside(out)):
+            remove_stale(leftover)  # temporaries of a run killed while it published
+        rebuilt = not is_fresh(out, source, vocab)
+        if rebuilt:
+            check_folder_is_its_own(out)
+            check_replaceable(out)
+            tokenize_source(source, out, vocab, progress=progress)
     return out, tokenizer_beside(out), rebuilt
+
+
+def _cache_lock(out: str):
+    """The stream's lock, held while it is checked and rebuilt, so that two
+    processes (two runs on the default corpus) never interleave the
+    publications of a pair: the second waits, then finds the stream fresh.
+    Where the folder does not exist yet, nothing is locked: there is
+    nothing to interleave with until it is made."""
+    lock = Lock(out, "stream")
+    if not os.path.isdir(os.path.dirname(lock.path)):
+        return contextlib.nullcontext()
+    try:
+        return lock.acquire()
+    except InUseError:
+        print(f"note: stream {out} is being made by another process; waiting for it",
+              file=sys.stderr, flush=True)
+        return lock.acquire(wait=True)
 
 
 def check_stream_output(out: str, source) -> None:

@@ -396,9 +396,10 @@ class Lock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> "Lock":
+    def acquire(self, wait: bool = False) -> "Lock":
         """Take the lock, or raise InUseError naming the file and the holder's
-        pid. The lock file's directory must exist."""
+        pid; with `wait`, wait for the holder to let it go instead. The lock
+        file's directory must exist."""
         if self._fd is not None:
             return self
         while True:
@@ -415,7 +416,7 @@ class Lock:
                     raise OutputError(f"{self.what} {self.file}: its lock {self.path} is "
                                       f"{kind(st.st_mode)}, not a regular file")
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
                 except BlockingIOError:
                     holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
                     by = f"process {holder}" if holder.isdigit() else "another process"
