@@ -917,3 +917,29 @@ def test_a_250_character_checkpoint_name_trains_and_a_300_one_is_refused(tmp_pat
                                          "--steps", "1"))
     one_line_error(status, err, "the name is 300 bytes, longer than the file system allows")
     assert not (tmp_path / "r2").exists()
+
+
+def test_a_stream_being_made_is_waited_for_not_interleaved(tmp_path):
+    from coppelius import data
+
+    source = source_text(tmp_path)
+    out = tmp_path / "c" / "a.tokens"
+    data.prepare_stream(source=source, vocab=V, out=out)
+    with fsutil.Lock(out, "stream"):  # another process making it, as far as tokenize can tell
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.Popen([sys.executable, "-m", "coppelius", "tokenize", str(source),
+                                 "--vocab", str(V), "--out", str(out)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stderr.readline()
+        assert f"note: stream {out} is being made by another process; waiting" in line
+        assert proc.poll() is None
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and stdout.startswith(f"up to date {out}"), err
+
+
+def test_output_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, trained):
+    odd = tmp_path / "\udcff.bin"  # the file name's byte 0xff, as Python holds it
+    odd.write_bytes(trained.read_bytes())
+    status, stdout, err = run_cli("inspect", odd)
+    assert status == 0 and "Traceback" not in err, err
+    assert "\\udcff.bin" in stdout
