@@ -35,6 +35,8 @@ from coppelius import accelerated
 from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
 from coppelius.reference.config import preset as preset_config
 from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
+from coppelius.reference.fsutil import path_argument
+from coppelius.reference.limits import ID, check_fits, step_bytes
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -58,10 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="contexts per step (default: 1, or the checkpoint's)")
     parser.add_argument("--steps", type=int, default=20, metavar="S",
                         help="length of the loss trajectory and the resume run (default: 20)")
-    parser.add_argument("--stream", metavar="PATH", help="token stream file for the inputs")
+    parser.add_argument("--stream", metavar="PATH", type=path_argument,
+                        help="token stream file for the inputs")
     parser.add_argument("--context", type=int, default=0, metavar="C",
                         help="first context of --stream to use (default: 0)")
-    parser.add_argument("--checkpoint", metavar="CK",
+    parser.add_argument("--checkpoint", metavar="CK", type=path_argument,
                         help="debug one step from this checkpoint (needs --stream)")
     parser.add_argument("--hypothesis", type=int, default=0, metavar="N",
                         help="also run N hypothesis-drawn small cases per backend and policy")
@@ -71,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare every intermediate of one step's forward and backward "
                              "with the reference's and name the first layer and tensor that "
                              "diverges")
+
+
+def check_plan(config, batch: int, steps: int) -> None:
+    """Refuse a suite whose memory cannot exist here: its token windows
+    (steps, B, T+1) and one step of the reference, at the least."""
+    windows = steps * batch * (config.context + 1) * ID
+    check_fits(windows + step_bytes(config, batch), f"--steps={steps} --batch={batch}")
 
 
 def default_backends() -> list:
@@ -120,11 +130,17 @@ def run(args) -> int:
         preset_name = config
     batch = args.batch or (defaults.get("batch", 1) if args.model else 1)
     precisions = args.precision or list(PRECISIONS)
+    check_plan(config, batch, args.steps)
     windows, inputs = None, None
     if args.stream:
         from coppelius.reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
+        need, K = args.context + args.steps * batch, stream.n_contexts(config.context)
+        if need > K:
+            raise RunError(f"stream {args.stream}: --context {args.context} and --steps "
+                           f"{args.steps} of --batch {batch} need {need} contexts, the stream "
+                           f"holds {K}")
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
         inputs = f"stream {args.stream}, contexts from {args.context}"
     if "reference" in backends:
@@ -212,6 +228,7 @@ def debug_checkpoint(args, backends: list) -> int:
                                    f"--model {args.model}: checkpoint has {header['model']!r}, "
                                    f"--model has {named.identity()!r}")
     batch = args.batch or batch
+    check_plan(config, batch, 1)
     stream = open_stream(args.stream, config.vocab)
     tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
     precisions = args.precision or [precision]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import signal
 import sys
 
 from coppelius.reference.errors import CoppeliusError
@@ -23,8 +25,38 @@ MODULES = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (the whole usage block hid
+    the reason) and negative numbers of every spelling read as values."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes only "-1" and "-.5" for numbers: "--lr -inf" or
+        # "--lr -3e-4" read the value as an unknown option. Values that look
+        # like numbers (decimal, exponent, fraction, inf, nan) are values;
+        # the value's own check then says what is wrong with it.
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?(/\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP outside the training loop: unwinds like Ctrl-C, so
+    that every publication in progress removes its temporary."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="coppelius",
         description="Train a small GPT-style language model with exact, checkable semantics.",
         epilog="The exact semantics (cited as SPEC §N in messages and help): docs/SPEC.md "
@@ -44,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # a path or a text that is not UTF-8 is printed with escapes, not refused
+    # by the printing (a traceback) after the work is done
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):
+            pass
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, _terminate)
+        except ValueError:  # not the main thread: the signals stay as they are
+            pass
     try:
         status = args.func(args)
     except CoppeliusError as e:
@@ -53,9 +98,19 @@ def main(argv=None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"coppelius {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"coppelius {args.command}: error: out of memory (a smaller batch, model or "
+              f"input may fit)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"coppelius {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"coppelius {args.command}: stopped by signal {e.signum}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     return int(status or 0)
 
 

@@ -30,32 +30,47 @@ is reused only when
   they were),
 - a tokenizer of V ids lies beside it and encodes the first and last pieces
   of the source text to the stream's first and last ids (so a stream is never
-  trusted beside another stream's tokenizer);
-otherwise it is rebuilt.
+  trusted beside another stream's tokenizer),
+- the SHA-256 of its ids is the one recorded beside it when it was written
+  (`<stream>.sha256`: an id changed anywhere in the middle is noticed);
+otherwise it is rebuilt. The stream is locked while it is checked and
+rebuilt: a second process waits for the first (with a note).
+
+Only regular files are read (a FIFO or a device given as a source, found in
+a folder, or put where a stream's tokenizer, digest or document list goes is
+refused or skipped, never opened), and an existing file at the stream's path
+is replaced only when it is a token stream. A stream is never written where
+it would replace or change its source (a file of it, or inside its folder).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import stat
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from coppelius.corpus import (EMBEDDED, FOLDER, Listing, file_listing,
+from coppelius.corpus import (EMBEDDED, FILE, FOLDER, Listing, file_listing,
                               list_source, summary)
 from coppelius.reference.config import PRESETS, preset
-from coppelius.reference.errors import ConfigError, StreamError
-from coppelius.reference.fsutil import fsync_directory, publish
+from coppelius.reference.errors import ConfigError, InUseError, StreamError
+from coppelius.reference.fsutil import (Lock, kind, open_regular, output_target, path_argument,
+                                        publish, remove_stale, same_file, stage)
 from coppelius.reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
                               stream_body)
 
 TOKENIZER_NAME = "tokenizer.json"
 STREAM_SUFFIX = ".tokens"
+DIGEST_SUFFIX = ".sha256"  # beside a cached stream: the SHA-256 of its ids
+# Ids are uint32 in the stream (SPEC 8), and the tokenizers library counts
+# its vocabulary in 32 bits too (it aborts the process at 2^32).
+MAX_VOCAB = 2**32 - 1
 BYTE_SYMBOLS = 256  # a byte-level BPE starts from one symbol per byte value
 PIECE_CHARS = 1 << 16  # the text is trained on and encoded in pieces of about 64 K characters
 ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Encoding objects
@@ -104,10 +119,20 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
-def check_vocab(vocab: int) -> None:
+def check_vocab(vocab: int, source_bytes: int | None = None) -> None:
+    """A vocabulary a byte-level BPE can have: at least one id per byte
+    value, ids that fit uint32, and (given the source's size) no more than
+    one merge per byte of the source can make: each merge joins a pair that
+    occurs in it."""
     if vocab < BYTE_SYMBOLS:
         raise ConfigError(f"vocab={vocab}: a byte-level BPE needs at least {BYTE_SYMBOLS} ids "
                           f"(one per byte value)")
+    if vocab > MAX_VOCAB:
+        raise ConfigError(f"vocab={vocab}: at most {MAX_VOCAB} (token ids are 32-bit)")
+    if source_bytes is not None and vocab > BYTE_SYMBOLS + source_bytes:
+        raise ConfigError(f"vocab={vocab}: a source of {source_bytes} bytes yields at most "
+                          f"{BYTE_SYMBOLS + source_bytes} ids; use a larger source or a "
+                          f"smaller --vocab")
 
 
 def train_tokenizer(source, vocab: int, name: str | None = None):
@@ -163,9 +188,26 @@ def load_tokenizer(path):
 
     path = os.fspath(path)
     try:
-        return Tokenizer.from_file(path)
+        with open_regular(path) as f:  # read here: the library would open a FIFO and block
+            text = f.read().decode("utf-8")
+    except OSError as e:
+        raise fs_error(f"tokenizer {path}: cannot read", path, e) from None
+    except UnicodeDecodeError as e:
+        raise StreamError(f"tokenizer {path}: not UTF-8 at byte offset {e.start}") from None
+    try:
+        return Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise StreamError(f"tokenizer {path}: cannot load ({e})") from None
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        raise StreamError(f"tokenizer {path}: cannot load ({detail})") from None
+
+
+def check_tokenizer(path, vocab: int):
+    """The tokenizer at `path`, refused unless it loads and has `vocab` ids."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.get_vocab_size() != vocab:
+        raise StreamError(f"tokenizer {os.fspath(path)}: has {tokenizer.get_vocab_size()} ids, "
+                          f"the model has V={vocab}")
+    return tokenizer
 
 
 def tokenizer_sha(path) -> str | None:
@@ -174,7 +216,7 @@ def tokenizer_sha(path) -> str | None:
         return None
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     except FileNotFoundError:
@@ -230,6 +272,21 @@ def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
     return True
 
 
+def digest_beside(stream_path) -> str:
+    """The digest of its ids published beside a stream: `a.tokens` -> `a.tokens.sha256`."""
+    return os.fspath(stream_path) + DIGEST_SUFFIX
+
+
+def read_digest(stream_path) -> str | None:
+    """The SHA-256 of its ids recorded beside a cached stream, or None."""
+    try:
+        with open_regular(digest_beside(stream_path)) as f:
+            text = f.read(100).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if len(text) == 64 else None
+
+
 DOCUMENTS_FORMAT = "coppelius-documents-v1"
 
 
@@ -246,11 +303,12 @@ def documents_record(listing: Listing) -> dict:
 
 
 def read_documents(stream_path) -> dict | None:
-    """The document list beside a stream, or None where there is none or it
-    is not one this version writes (a cache entry that is then rebuilt)."""
+    """The document list beside a stream, or None where there is none, it is
+    not a regular file (never opened then), or it is not one this version
+    writes (a cache entry that is then rebuilt)."""
     path = documents_beside(stream_path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO put there is refused, never opened
             record = json.loads(f.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
@@ -288,7 +346,12 @@ def is_fresh(stream_path, source, vocab: int) -> bool:
         if tokenizer.get_vocab_size() != vocab:
             return False
         stream = open_stream(stream_path, vocab)
-        return encodes_to(tokenizer, listing.text(), stream.ids)
+        try:
+            if stream.sha256 != read_digest(stream_path):
+                return False
+            return encodes_to(tokenizer, listing.text(), stream.ids)
+        finally:
+            stream.close()
     except StreamError:
         return False
 
@@ -336,57 +399,68 @@ def check_folder_is_its_own(stream_path) -> None:
                           f"be replaced; write each stream to a folder of its own")
 
 
+def ids_sha256(ids: np.ndarray) -> str:
+    """Hex SHA-256 of ids (N,) as a stream stores them (Stream.sha256)."""
+    body = np.ascontiguousarray(ids, dtype="<u4")
+    h = hashlib.sha256()
+    for start in range(0, body.size, 1 << 22):
+        h.update(body[start:start + (1 << 22)].tobytes())
+    return h.hexdigest()
+
+
 def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
                  tokenizer_json: str, listing: Listing | None = None) -> str:
-    """Publish a stream of `ids` (N,) and its tokenizer.json (and, given the
-    source's `listing`, its document list) -> the tokenizer path. Files
-    cannot be renamed at once, so the order is chosen for what any failure
-    or crash leaves behind:
+    """Publish a stream of `ids` (N,), its tokenizer.json, the digest of its
+    ids and (given the source's `listing`) its document list -> the
+    tokenizer path. Files cannot be renamed at once, so the order is chosen
+    for what any failure or crash leaves behind:
 
-      1. the whole stream is written and synced under a staged name;
+      1. the whole stream is written and synced to a temporary;
       2. the tokenizer is published (written, synced, renamed);
-      3. the staged stream is renamed over the stream;
-      4. the document list is published.
+      3. the temporary is renamed over the stream;
+      4. the document list is published;
+      5. the digest of the new ids is published.
 
     A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
     between 2 and 3 leaves the new tokenizer beside the old stream, and
     is_fresh turns that pair down, so the next run rebuilds it: the old
     header names an older source, or the new tokenizer does not encode the
-    source to the old ids. (It is accepted only where it is a true pair: the
-    same source and V train the same tokenizer, byte for byte.) At no point
-    is the old stream left without a tokenizer. The list comes last because
-    it is what tells a renamed document apart (the header does not move
-    then): a crash between 3 and 4 leaves the old list beside the new
-    stream, which is_fresh turns down; the other order could leave the new
-    list beside the old stream and have it accepted."""
+    source to the old ids.
+    (It is accepted only where it is a true pair: the same source and V
+    train the same tokenizer, byte for byte, and the same ids.) At no point
+    is the old stream left without a tokenizer. The list and the digest come
+    after the stream because each is what tells a changed stream apart (a
+    renamed document leaves the header as it was; an id changed in the
+    middle leaves the head and the tail): a crash after 3 leaves the old list
+    or the old digest beside the new stream, which is_fresh turns down; the
+    other order could leave the new ones beside the old stream and have it
+    accepted."""
     stream_path = os.fspath(stream_path)
     tokenizer_path = tokenizer_beside(stream_path)
+    digest_path = digest_beside(stream_path)
     directory = os.path.dirname(os.path.abspath(stream_path))
     staged = None
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, staged = tempfile.mkstemp(prefix="." + os.path.basename(stream_path) + ".",
-                                      suffix=".staged", dir=directory)
-        os.close(fd)
-        publish(staged, stream_body(ids, mtime_ns, size, stream_path))  # 1
+        staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
         payload = tokenizer_json.encode("utf-8")
         try:
             publish(tokenizer_path, lambda f: f.write(payload))  # 2
         except OSError as e:
             raise fs_error(f"tokenizer {tokenizer_path}: cannot write", tokenizer_path, e) from None
-        os.replace(staged, stream_path)  # 3
-        staged = None
-        fsync_directory(directory)
+        staged.commit()  # 3
     except OSError as e:
         raise fs_error(f"stream {stream_path}: cannot write", stream_path, e) from None
     finally:
         if staged is not None:
-            try:
-                os.unlink(staged)
-            except OSError:
-                pass  # a hidden leftover; the published files are what matter
+            staged.discard()
     if listing is not None:
         publish_documents(stream_path, listing)  # 4
+    digest = (ids_sha256(ids) + "\n").encode("ascii")
+    try:
+        publish(digest_path, lambda f: f.write(digest))  # 5
+    except OSError as e:
+        raise fs_error(f"stream digest {digest_path}: cannot write", digest_path, e) from None
     return tokenizer_path
 
 
@@ -403,6 +477,8 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
     was written."""
     started = time.perf_counter()
     text = listing.text()
+    # a vocabulary the source text cannot yield: refused before the library sees it
+    check_vocab(vocab, len(text.encode("utf-8")))
     if progress:
         print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
               f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
@@ -429,10 +505,11 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
         stream = os.fspath(stream)
         if os.path.isdir(stream):
             raise StreamError(f"stream {stream}: is a directory, not a token stream")
-        if not os.path.isfile(stream):
+        if not os.path.exists(stream):
             raise StreamError(f"stream {stream}: no such token stream")
         tokenizer_path = tokenizer_beside(stream)
-        return stream, tokenizer_path if os.path.isfile(tokenizer_path) else None
+        # whatever is there is the stream's tokenizer: checked (not ignored) by its reader
+        return stream, tokenizer_path if os.path.lexists(tokenizer_path) else None
     stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress)
     return stream, tokenizer_path
 
@@ -443,11 +520,26 @@ def cache_stem(listing: Listing, vocab: int) -> str:
     return f"{listing.name}{'-dir' if listing.kind == FOLDER else ''}-v{vocab}"
 
 
+def check_source_kind(source) -> None:
+    """Refuse a named source that is neither a folder nor a regular file (a
+    FIFO, a device, a socket), saying what it is, without opening it."""
+    if source is None:
+        return
+    path = os.fspath(source)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # list_source says why
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise StreamError(f"source {path}: is {kind(st.st_mode)}, not a regular file or a folder")
+
+
 def stream_for_source(source, vocab: int, out=None, cache_dir=None,
                       progress: bool = False) -> tuple:
     """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?, Listing)."""
     check_vocab(vocab)
     cache_dir = os.fspath(default_cache_dir() if cache_dir is None else cache_dir)
+    check_source_kind(source)
     listing = list_source(source)  # a missing or empty source is refused before anything is written
     if out is None:
         stem = cache_stem(listing, vocab)
@@ -455,16 +547,87 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
     out = os.fspath(out)
     if os.path.isdir(out):
         raise StreamError(f"stream {out}: is a directory, not a token stream file")
-    rebuilt = not is_fresh(out, listing, vocab)
-    if rebuilt:
-        check_folder_is_its_own(out)
-        check_can_write(out)
-        tokenize_source(listing, out, vocab, progress=progress)
-    elif read_documents(out) != documents_record(listing):
-        # the same documents, other files skipped (a binary file added, say):
-        # the stream stands, the list's counts are brought up to date
-        publish_documents(out, listing)
+    check_stream_output(out, listing)
+    with _cache_lock(out):
+        for leftover in (out, tokenizer_beside(out), digest_beside(out), documents_beside(out)):
+            remove_stale(leftover)  # temporaries of a run killed while it published
+        rebuilt = not is_fresh(out, listing, vocab)
+        if rebuilt:
+            check_folder_is_its_own(out)
+            check_can_write(out)
+            check_replaceable(out)
+            tokenize_source(listing, out, vocab, progress=progress)
+        elif read_documents(out) != documents_record(listing):
+            # the same documents, other files skipped (a binary file added, say):
+            # the stream stands, the list's counts are brought up to date
+            publish_documents(out, listing)
     return out, tokenizer_beside(out), rebuilt, listing
+
+
+def _cache_lock(out: str):
+    """The stream's lock, held while it is checked and rebuilt, so that two
+    processes (two runs on the default corpus) never interleave the
+    publications of a pair: the second waits, then finds the stream fresh.
+    Where the folder does not exist yet, nothing is locked: there is
+    nothing to interleave with until it is made."""
+    lock = Lock(out, "stream")
+    if not os.path.isdir(os.path.dirname(lock.path)):
+        return contextlib.nullcontext()
+    try:
+        return lock.acquire()
+    except InUseError:
+        print(f"note: stream {out} is being made by another process; waiting for it",
+              file=sys.stderr, flush=True)
+        return lock.acquire(wait=True)
+
+
+def check_stream_output(out: str, listing: Listing) -> None:
+    """A stream's path (and those of its tokenizer, digest and document list
+    beside it) must be a regular file or absent, and none may be the
+    source's file or a document of its folder (writing it would change the
+    source it is made of)."""
+    output_target(out, "stream")
+    tokenizer = tokenizer_beside(out)
+    if os.path.basename(out) == TOKENIZER_NAME or same_file(out, tokenizer):
+        raise StreamError(f"stream {out}: is where its own {TOKENIZER_NAME} goes; "
+                          f"name the stream otherwise")
+    output_target(tokenizer, "tokenizer")
+    output_target(digest_beside(out), "stream digest")
+    output_target(documents_beside(out), "document list")
+    outputs = (out, tokenizer, digest_beside(out), documents_beside(out))
+    if listing.kind == FILE:
+        for path in outputs:
+            if same_file(path, listing.root):
+                raise StreamError(f"stream {out}: writing it would replace the source "
+                                  f"{listing.root}")
+    elif listing.kind == FOLDER:
+        root = os.path.realpath(listing.root)
+        for path in outputs:
+            rel = os.path.relpath(os.path.realpath(path), root)
+            parts = rel.split(os.sep)
+            if rel != os.curdir and parts[0] != os.pardir and not any(
+                    part.startswith(".") for part in parts):
+                raise StreamError(f"stream {out}: writing it would add {path} to the source "
+                                  f"folder {listing.root}; write the stream outside it (or "
+                                  f"under a hidden folder of it)")
+
+
+def check_replaceable(out: str) -> None:
+    """Refuse to replace a file at the stream's path that is not a token
+    stream (header, then whole ids), or a tokenizer.json beside it that is
+    no stream's: neither was written here, so neither is ours to replace."""
+    try:
+        size = os.stat(out).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        size = None  # writing says why a missing folder cannot be made
+    if size is not None and (size < HEADER_BYTES or (size - HEADER_BYTES) % TOKEN_BYTES):
+        raise StreamError(f"stream {out}: exists and is not a token stream ({size} bytes); "
+                          f"refusing to replace it")
+    tokenizer = tokenizer_beside(out)
+    if size is None and os.path.lexists(tokenizer) and not os.path.lexists(digest_beside(out)):
+        raise StreamError(f"stream {out}: {tokenizer} exists beside it and belongs to no stream "
+                          f"written here; refusing to replace it (move it, or write the stream "
+                          f"to a folder of its own)")
 
 
 # ---------------------------------------------------------------------------
@@ -485,16 +648,16 @@ def register(subparsers) -> None:
                     "A folder's text files are documents, concatenated in a fixed shuffled "
                     "order (binary files skipped and counted). A stream that is up to date "
                     "with its source is reused.")
-    p.add_argument("source", nargs="?", metavar="SOURCE",
+    p.add_argument("source", nargs="?", metavar="SOURCE", type=path_argument,
                    help="a UTF-8 text file, or a folder of them (default: the embedded "
                         "standard-library corpus; SPEC §8)")
-    p.add_argument("--out", metavar="STREAM",
+    p.add_argument("--out", metavar="STREAM", type=path_argument,
                    help="the stream file (default: in the cache directory)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="the preset whose vocabulary and context to use "
                         "(default: coppelius with a GPU, else tiny)")
     p.add_argument("--vocab", type=int, metavar="N", help="vocabulary size V (default: the preset's)")
-    p.add_argument("--cache-dir", metavar="DIR",
+    p.add_argument("--cache-dir", metavar="DIR", type=path_argument,
                    help="where cached corpora and streams live (default: runs/data, the "
                         "cache `coppelius train` uses)")
     p.set_defaults(func=run_tokenize)

@@ -54,6 +54,7 @@ output is refused unless --force (for a directory: only a previous export).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 
@@ -67,10 +68,10 @@ from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, Recipe
                                          flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
 from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity,
-                                        Hyper, data_identity, initialization_identity, preset,
-                                        schema_identity)
+                                        Hyper, data_identity, initialization_identity,
+                                        parameter_count, preset, schema_identity, tensor_count)
 from coppelius.reference.errors import ConfigError, CoppeliusError
-from coppelius.reference.fsutil import publish
+from coppelius.reference.fsutil import Lock, output_target, path_argument, publish, same_file
 from coppelius.reference.params import registry
 from coppelius.reference.precision import round_bf16
 from coppelius.reference.schedule import learner_from_identity
@@ -94,8 +95,8 @@ def register(subparsers) -> None:
                     "to the safetensors file OUT with the checkpoint's identities, step and "
                     "contexts as metadata; with --format hf, write the directory OUT that "
                     "transformers' AutoModelForCausalLM and AutoTokenizer load.")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("out", metavar="OUT")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
+    p.add_argument("out", metavar="OUT", type=path_argument)
     p.add_argument("--format", choices=FORMATS, default="safetensors",
                    help="safetensors: one file with SPEC names (default); hf: a Hugging Face "
                         "model directory (StableLmForCausalLM)")
@@ -106,7 +107,7 @@ def register(subparsers) -> None:
                    help="also write the AdamW moments as m/<name> and v/<name> "
                         "(--format safetensors, float32)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--tokenizer", metavar="FILE",
+    which.add_argument("--tokenizer", metavar="FILE", type=path_argument,
                        help="--format hf: the run's tokenizer.json (default: the one whose "
                             "SHA-256 the checkpoint names, found where `coppelius sample` looks)")
     which.add_argument("--no-tokenizer", action="store_true",
@@ -120,8 +121,8 @@ def register(subparsers) -> None:
         description="Bind the tensors of IN (a safetensors file with SPEC names, or a directory "
                     "that `export --format hf` wrote) by name and write CHECKPOINT with fresh "
                     "moments at step 0. Identities come from IN's metadata when present.")
-    p.add_argument("source", metavar="IN")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("source", metavar="IN", type=path_argument)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="the model, when IN has no config.json and no model identity in its "
                         "metadata (else must agree)")
@@ -155,7 +156,10 @@ def run_import(args) -> int:
     return 0
 
 
-def _refuse_existing(path: str, force: bool) -> None:
+def _refuse_existing(path: str, force: bool, what: str = "output") -> None:
+    """An output must be a regular file or absent (never a FIFO or a device,
+    even with --force), and absent unless --force."""
+    output_target(path, what)
     if os.path.lexists(path) and not force:
         raise ExchangeError(f"{path}: exists (pass --force to replace it)")
 
@@ -177,10 +181,13 @@ def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str
         raise ExchangeError("--tokenizer and --no-tokenizer apply to --format hf only")
     if fmt == "hf":
         out = out.rstrip(os.sep) or out  # the directory itself, not what a link points to
-        replace = hf.check_target(out, force)
+        replace = hf.check_target(out, force)  # a special file or a link is never replaced
+        if replace and any(same_file(checkpoint, os.path.join(out, name))
+                           for name in hf.EXPORT_FILES if os.path.lexists(os.path.join(out, name))):
+            raise ExchangeError(f"{out}: holds the checkpoint being exported")
     else:
         _refuse_existing(out, force)
-        if os.path.exists(out) and os.path.samefile(checkpoint, out):
+        if os.path.exists(out) and same_file(checkpoint, out):
             raise ExchangeError(f"{out}: is the checkpoint being exported")
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
@@ -269,17 +276,20 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
     """Write CHECKPOINT from a safetensors file with SPEC names; returns
     (config, moment tensors dropped)."""
     source_path, checkpoint = os.fspath(source_path), os.fspath(checkpoint)
-    _refuse_existing(checkpoint, force)
+    _refuse_existing(checkpoint, force, "checkpoint")
+    if same_file(source_path, checkpoint):
+        raise ExchangeError(f"{checkpoint}: is the file being imported")
     with SafetensorsSource(source_path) as source:
         meta = source.metadata
         if hf.OUTER_NAMES["tok_embedding.weight"] in source.tensors():
             raise ExchangeError(f"{source_path}: has transformers' names (model.embed_tokens."
                                 f"weight): import the directory that holds it and its config.json")
         config = _import_config(meta, preset_name, source_path)
+        _check_size(source, config, source_path)  # before anything is built for the claimed model
         ids = _import_identities(meta, config, precision, batch, tokenizer_sha, source_path)
         names = {name: name for name in hf.hf_names(config)}
         P, dropped = _bind_parameters(source, config, names, source_path, moments=True)
-    write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    _write_checkpoint(checkpoint, config, ids, P)
     return config, dropped
 
 
@@ -289,19 +299,32 @@ def import_hf(directory, checkpoint, preset_name: str | None = None,
     """Write CHECKPOINT from a Hugging Face directory (coppelius.hf); returns
     (config, 0)."""
     directory, checkpoint = os.fspath(directory), os.fspath(checkpoint)
-    _refuse_existing(checkpoint, force)
+    _refuse_existing(checkpoint, force, "checkpoint")
+    if any(same_file(os.path.join(directory, name), checkpoint) for name in hf.EXPORT_FILES):
+        raise ExchangeError(f"{checkpoint}: is a file of the directory being imported")
     config = hf.read_config(directory)  # another architecture is refused before any tensor
     weights = hf.weights_path(directory)
-    beside = hf.directory_tokenizer(directory, config)
     with SafetensorsSource(weights) as source:
+        _check_size(source, config, weights)  # before anything is built for the claimed model
+        beside = hf.directory_tokenizer(directory, config)
         meta = source.metadata
         _import_config(meta, preset_name, weights, described=config)
         if tokenizer_sha is None and "data" not in meta:
             tokenizer_sha = beside
         ids = _import_identities(meta, config, precision, batch, tokenizer_sha, weights)
         P, _ = _bind_parameters(source, config, hf.hf_names(config), weights, moments=False)
-    write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    _write_checkpoint(checkpoint, config, ids, P)
     return config, 0
+
+
+def _write_checkpoint(checkpoint: str, config: Config, ids: dict, P) -> None:
+    """The imported checkpoint: fresh moments, step 0, written under the
+    checkpoint's lock (not under a run that trains it)."""
+    if os.path.isdir(os.path.dirname(os.path.abspath(checkpoint))):
+        with Lock(checkpoint, "checkpoint"):
+            write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)
+    else:
+        write_checkpoint(checkpoint, config, ids, State.fresh(P), contexts=0)  # says why not
 
 
 def import_plan(config: Config, names: dict, tensors, moments: bool) -> tuple:
@@ -351,6 +374,19 @@ def _bind_parameters(source, config: Config, names: dict, where: str, moments: b
         _check_finite(values[names[spec.name]], names[spec.name], where)
     P = flatten(reg, {spec.name: values[names[spec.name]] for spec in reg.specs})  # the one copy
     return P, len(dropped)
+
+
+def _check_size(source, config: Config, where: str) -> None:
+    """A model identity (metadata, config.json) claims a size; a file far smaller
+    than that (about half its values or tensors, or fewer) is refused here,
+    before a registry of, say, 10^8 layers is built for it. A file that
+    falls short by a few tensors goes on to binding, which names them."""
+    tensors = source.tensors()
+    held = sum(math.prod(info.shape) for info in tensors.values())
+    need = parameter_count(config)
+    if need > 2 * held + (1 << 20) or tensor_count(config) > 2 * len(tensors) + 16:
+        raise ExchangeError(f"{where}: its model ({config.identity()!r}) has {need} parameters, "
+                            f"the file holds {held} values")
 
 
 def _check_finite(a, name: str, where: str) -> None:
@@ -425,7 +461,7 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
     if "learner" in meta:
         try:  # with SPEC 7's schedule and clipping parts when it has them
             hyper, have = learner_from_identity(meta["learner"], f"{where} metadata")
-        except ConfigError:
+        except ConfigError:  # not one this version writes, or a rational out of bounds
             raise refuse("learner", "not a learner identity this version writes") from None
         ids["learner"] = hyper.identity(precision or have)
     else:
@@ -439,7 +475,10 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
         try:
             tok = None if f["tokenizer"] == "none" else f["tokenizer"]
             heldout = int(f.get("heldout", 0))  # SPEC 18: written only when K > 0
-            ok = data_identity(config, int(f["batch"]), tok, f["stream"], heldout) == meta["data"]
+            ok = (0 < len(f["batch"]) <= 40 and int(f["batch"]) > 0
+                  and len(f.get("heldout", "0")) <= 40
+                  and data_identity(config, int(f["batch"]), tok, f["stream"], heldout)
+                  == meta["data"])
         except (KeyError, ValueError):
             ok = False
         if not ok:
@@ -478,7 +517,7 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
 def _describe(config: Config) -> str:
     name = hf.preset_of(config)
     return (f"{config.identity()} ({f'preset {name}, ' if name else ''}"
-            f"{registry(config).total:,} parameters)")
+            f"{parameter_count(config):,} parameters)")  # counted, no registry built
 
 
 def _list_tensors(source, line) -> None:
@@ -517,6 +556,7 @@ def inspect_safetensors(path: str, line) -> None:
             return
         config = _import_config(meta, None, path)
         line("describes", _describe(config))
+        _check_size(source, config, path)  # before a registry is built for the claimed model
         check_binds(source, config, {name: name for name in hf.hf_names(config)}, moments=True)
         line("binds", "yes: every parameter of the model (lm_head.weight tied)")
 
@@ -537,6 +577,7 @@ def inspect_hf(directory: str, line) -> None:
             line(key, meta[key])
         _list_tensors(source, line)
         _import_config(meta, None, weights, described=config)
+        _check_size(source, config, weights)  # before a registry is built for the claimed model
         check_binds(source, config, hf.hf_names(config), moments=False)
     sha = hf.directory_tokenizer(directory, config)
     line("tokenizer", f"{hf.TOKENIZER}: {config.vocab} ids, sha256 {sha}" if sha else

@@ -18,11 +18,12 @@ import numpy as np
 
 from coppelius.reference import checkpoint, results
 from coppelius.reference.config import rational_text
-from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.fsutil import publish
+from coppelius.reference.errors import CoppeliusError, OutputError
+from coppelius.reference.fsutil import open_regular, output_target, path_argument, publish, same_file
 from coppelius.reference.schedule import learner_from_identity
 from coppelius.stitch import CSV_COLUMNS, Run, read_run_dir, step_ranges, stitch, write_csv
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
 LAST_FRACTION = 0.1  # the by-position curve averages the last 10% of steps (at least one)
 RUN_PLOT = "run.png"  # the plot of `report RUN_DIR`, in the directory, unless --plot says
@@ -35,7 +36,7 @@ def register(subparsers) -> None:
                                           "file by its magic, or a Hugging Face model directory, "
                                           "check it, and print its envelope or its tensors and "
                                           "the model they describe.")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", type=path_argument)
     p.set_defaults(func=inspect_command)
     p = subparsers.add_parser(
         "report", help="summarise a result file or a whole run directory; plot, CSV",
@@ -44,11 +45,12 @@ def register(subparsers) -> None:
                     "of a run directory stitched in step order: a file written later replaces "
                     "the steps an earlier one recorded from its first step on (a run resumed "
                     "from an older checkpoint re-trains them).")
-    p.add_argument("results", metavar="RESULTS|RUN_DIR")
-    p.add_argument("--plot", metavar="PNG",
+    p.add_argument("results", metavar="RESULTS|RUN_DIR", type=path_argument)
+    p.add_argument("--plot", metavar="PNG", type=path_argument,
                    help=f"write the plot (PNG) to this path (a run directory's default: "
-                        f"{RUN_PLOT} in it; a file's: none)")
-    p.add_argument("--csv", metavar="FILE",
+                        f"{RUN_PLOT} in it; a file's: none); an existing PNG is replaced, "
+                        f"nothing else is")
+    p.add_argument("--csv", metavar="FILE", type=path_argument,
                    help="write one row per step: " + ", ".join(CSV_COLUMNS))
     p.set_defaults(func=report_command)
 
@@ -66,7 +68,7 @@ def inspect_command(args) -> int:
         exchange.inspect_hf(args.path, _line)
         return 0
     try:
-        with open(args.path, "rb") as f:
+        with open_regular(args.path) as f:  # a FIFO would block: never opened
             magic = f.read(9)
     except OSError as e:
         raise CoppeliusError(f"{args.path}: cannot read: {e.strerror or e}") from None
@@ -167,14 +169,52 @@ def _schedule_text(learner: str) -> str:
     return text + (f"; clip {rational_text(hyper.clip)}" if hyper.clip is not None else "")
 
 
+def check_plot_path(path, inputs=()) -> None:
+    """An explicit plot path: a regular file or absent, none of the command's
+    `inputs`, and if it exists, a PNG (a plot a run or report wrote): any
+    other file is not this command's to replace."""
+    output_target(path, "plot")
+    for other in inputs:
+        if same_file(path, other):
+            raise OutputError(f"plot {path}: is {other}, an input of this command")
+    try:
+        with open_regular(path) as f:
+            magic = f.read(len(PNG_MAGIC))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"plot {path}: cannot read what is there ({e.strerror or e})") from None
+    if magic != PNG_MAGIC:
+        raise OutputError(f"plot {path}: exists and is not a PNG; refusing to replace it "
+                          f"(give --plot another path)")
+
+
+def check_csv_path(path, inputs=()) -> None:
+    """The --csv path: a regular file or absent, none of the command's
+    `inputs` (its result files, its plot)."""
+    output_target(path, "csv")
+    for other in inputs:
+        if same_file(path, other):
+            raise OutputError(f"csv {path}: is {other}, an input or output of this command")
+
+
 def report_command(args) -> int:
     whole_run = os.path.isdir(args.results)
+    inputs = [] if whole_run else [args.results]
+    if args.plot is not None:  # before anything is read
+        check_plot_path(args.plot, inputs)
+    if args.csv is not None:
+        check_csv_path(args.csv, inputs + ([args.plot] if args.plot is not None else []))
     if whole_run:
         files = read_run_dir(args.results)
         png = args.plot or os.path.join(args.results, RUN_PLOT)
     else:
         files = [results.read_results(args.results)]
         png = args.plot
+    if png:  # the run directory's default plot too: a PNG or nothing is replaced
+        check_plot_path(png, [r.path for r in files])
+    if args.csv is not None:
+        check_csv_path(args.csv, [r.path for r in files] + ([png] if png else []))
     run = stitch(files)
     if not len(run.steps):
         where = (f"run directory {args.results}: no step records in its {len(files)} result "
@@ -279,16 +319,18 @@ def _plot_summary(run: Run) -> list:
     return out
 
 
-def plot(r: results.Results, path) -> None:
-    """The plot of one result file (train draws it when a run ends)."""
-    plot_run(stitch([r]), path)
+def plot(r: results.Results, path, replace: bool = True) -> None:
+    """The plot of one result file (train draws it when a run ends). With
+    replace=False an existing file is never replaced (FileExistsError)."""
+    plot_run(stitch([r]), path, replace=replace)
 
 
-def plot_run(run: Run, path) -> None:
+def plot_run(run: Run, path, replace: bool = True) -> None:
     """Training loss (raw, faint, and smoothed) with the held-out loss on the
     same axes, the loss by position in the context over the last steps, and
     below, on the same step axis, the gradient norm and the learning rate
-    where the files have them; published atomically as a PNG."""
+    where the files have them; published atomically as a PNG. With
+    replace=False an existing file is never replaced (FileExistsError)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -354,6 +396,27 @@ def plot_run(run: Run, path) -> None:
     backends = ", ".join(dict.fromkeys(r.header["backend"] for r in run.files))
     fig.suptitle(f"{backends}: {run.files[-1].header['model']}", fontsize=8)
     try:
-        publish(path, lambda f: fig.savefig(f, format="png", dpi=100))
+        publish(path, lambda f: fig.savefig(f, format="png", dpi=100), replace=replace)
+    except FileExistsError:
+        raise
     except OSError as e:
-        raise CoppeliusError(f"plot {path}: cannot write: {e}") from None
+        raise CoppeliusError(f"plot {path}: cannot write: {e.strerror or e}") from None
+
+
+def plot_beside(r: results.Results, results_path) -> str:
+    """A run's loss plot beside its result file: `<stem>.png`, or
+    `<stem>-1.png`, `-2`, ... when that name is taken (by the checkpoint, a
+    plot of another run, anything): a derived output never replaces a file.
+    Returns the path written."""
+    stem = os.path.splitext(os.fspath(results_path))[0]
+    k = 0
+    while True:
+        path = f"{stem}.png" if k == 0 else f"{stem}-{k}.png"
+        if os.path.lexists(path):  # whatever it is (a FIFO too): taken
+            k += 1
+            continue
+        try:
+            plot(r, path, replace=False)
+            return path
+        except FileExistsError:
+            k += 1

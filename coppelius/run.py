@@ -9,6 +9,7 @@ row losses for the result file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,11 +25,12 @@ import numpy as np
 from coppelius import accelerated
 from coppelius import report, sample
 from coppelius.evaluate import held_out_losses
-from coppelius.reference import checkpoint, fsutil, results
+from coppelius.reference import checkpoint, fsutil, limits, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
                                         config_from_toml, parse_rational, preset, rational_text)
-from coppelius.reference.errors import IdentityMismatch, NonFiniteError, ResultFileError, RunError
+from coppelius.reference.errors import (IdentityMismatch, NonFiniteError, ResultFileError,
+                                        RunError, StreamError)
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
 from coppelius.reference.stream import open_stream
@@ -66,14 +68,16 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="precision policy (default: bf16 on cupy, else fp32)")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--source", metavar="PATH",
+    path = fsutil.path_argument  # an empty path is refused, not taken for "not given"
+    data.add_argument("--source", metavar="PATH", type=path,
                       help="a text file, or a folder of text files, to tokenize and train on")
-    data.add_argument("--stream", metavar="STREAM", help="a token stream file to train on")
-    p.add_argument("--checkpoint", metavar="PATH",
-                   help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin)")
-    p.add_argument("--results", metavar="PATH",
+    data.add_argument("--stream", metavar="STREAM", type=path, help="a token stream file to train on")
+    p.add_argument("--checkpoint", metavar="PATH", type=path,
+                   help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin); "
+                        "locked while the run uses it")
+    p.add_argument("--results", metavar="PATH", type=path,
                    help="result file to write; must not exist (default: RUN_DIR/results-<step>.bin)")
-    p.add_argument("--run-dir", metavar="DIR",
+    p.add_argument("--run-dir", metavar="DIR", type=path,
                    help="output directory (default: runs/<preset>, or runs/<model file stem>)")
     how_far = p.add_mutually_exclusive_group()
     how_far.add_argument("--steps", type=int, metavar="S", help="take S more steps")
@@ -244,7 +248,9 @@ def heldout_count(options: dict, K_stream: int, path) -> int:
     return K
 
 
-def make_plan(args) -> Plan:
+def make_plan(args, resources: contextlib.ExitStack) -> Plan:
+    """Everything decided and checked before the first step. What the run
+    holds (the checkpoint's lock, the open stream) is left to `resources`."""
     from coppelius import data  # tokenizers is imported only when a run needs it
 
     run_dir, options = resolve_options(args)
@@ -268,24 +274,39 @@ def make_plan(args) -> Plan:
         raise RunError(f"--seed={seed}: must be in [0, 2^64)")
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
+    limits.check_fits(limits.step_bytes(config, batch, on_host=backend != "cupy"),
+                      f"--batch={batch} on the {options.get('model') or name} model")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
-    if args.results and os.path.abspath(args.results) == os.path.abspath(ckpt):
+    fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
+    if args.results and fsutil.same_file(args.results, ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
     if args.results and os.path.lexists(args.results):
         raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
+    if args.results:
+        fsutil.output_target(args.results, "result file")
 
     stream_path, tokenizer = data.prepare_stream(
         source=options.get("source"), stream=options.get("stream"),
         vocab=config.vocab)  # cached under runs/data
     stream = open_stream(stream_path, config.vocab)
+    resources.callback(stream.close)
+    if tokenizer:
+        data.check_tokenizer(tokenizer, config.vocab)  # not found bad after training
     K_stream = stream.n_contexts(config.context)
     if K_stream == 0:
         raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
     heldout = heldout_count(options, K_stream, stream_path)
-    t0, c0, state = 0, 0, None
+    # The checkpoint is locked before it is read (or, when its folder does
+    # not exist yet, as soon as the folder is made: a refused plan leaves no
+    # folder), and stays locked until the run ends: no other run publishes
+    # it between this run's reading and its publishing.
+    lock = fsutil.Lock(ckpt, "checkpoint")
+    resources.callback(lock.release)
+    if os.path.isdir(os.path.dirname(lock.path)):
+        lock.acquire()
+    t0 = 0
     if not checkpoint.is_fresh(ckpt):
-        header = checkpoint.validate(ckpt).header  # the update count decides the steps
-        t0 = header["step"]
+        t0 = checkpoint.validate(ckpt).header["step"]  # the update count decides the steps
 
     # How far (SPEC 9): --steps S more, --until N, else the remembered final step,
     # else the preset's step count; the run's final step is remembered.
@@ -303,10 +324,10 @@ def make_plan(args) -> Plan:
     hyper = make_learner(options, final_step)
     ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
                                 stream.sha256, seed, heldout)
-    if t0 or not checkpoint.is_fresh(ckpt):
-        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner)
+    if checkpoint.is_fresh(ckpt):
+        state, c0 = State.fresh(initialize(config, seed)), 0
     else:
-        state = State.fresh(initialize(config, seed))
+        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner)
     steps = max(final_step - state.t, 0)
 
     default_data = options.get("source") is None and options.get("stream") is None
@@ -326,6 +347,12 @@ def make_plan(args) -> Plan:
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
+        if not lock.held:
+            lock.acquire()
+            if not checkpoint.is_fresh(ckpt):
+                raise RunError(f"checkpoint {ckpt}: another run published it while this one "
+                               f"started; start this one again")
+        fsutil.remove_stale(ckpt)  # temporaries of a run killed while it published
     return Plan(config=config, backend=backend, precision=precision, hyper=hyper, batch=batch,
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
@@ -346,20 +373,29 @@ def writable_directory(directory) -> None:
 
 def publish_tokenizer(tokenizer, checkpoint_path) -> None:
     """Keep the stream's tokenizer.json beside the checkpoint (where `coppelius
-    sample` looks first), unless an identical one is there already."""
+    sample` looks first) when nothing is there yet. A file already there is
+    never replaced: an identical one is this run's already, any other one
+    (another run's tokenizer, a checkpoint named tokenizer.json) is not this
+    run's to replace; `sample` then finds the tokenizer by its digest in the
+    stream cache, or is given it with --tokenizer."""
     if not tokenizer:
         return
     target = os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), "tokenizer.json")
-    if os.path.abspath(tokenizer) == target:
+    if fsutil.same_file(tokenizer, target) or fsutil.same_file(checkpoint_path, target):
         return
-    with open(tokenizer, "rb") as f:
-        body = f.read()
-    if os.path.exists(target):
-        with open(target, "rb") as f:
-            if f.read() == body:
-                return
     try:
-        fsutil.publish(target, lambda f: f.write(body))
+        with fsutil.open_regular(tokenizer) as f:
+            body = f.read()
+        fsutil.publish(target, lambda f: f.write(body), replace=False)
+    except FileExistsError:
+        try:
+            with fsutil.open_regular(target) as f:
+                same = f.read(len(body) + 1) == body
+        except OSError:
+            same = False
+        if not same:
+            print(f"note: {target} is another file; left as it is (`coppelius sample` finds "
+                  f"this run's tokenizer by its digest)", file=sys.stderr)
     except OSError as e:
         raise RunError(f"{target}: cannot publish the tokenizer ({e.strerror or e})") from None
 
@@ -532,10 +568,11 @@ def train(plan: Plan, quiet=False) -> dict:
     results_path = plan.results or results.default_results_path(plan.run_dir, first_step)
     header = results.result_header(config, plan.identities, first_step, plan.steps, B,
                                    plan.backend, plan.repeat)
+    module = accelerated.backend_module(plan.backend)
+    # captured first: a step that cannot be built (out of memory) leaves no result file
+    program = module.capture(config, plan.hyper, plan.precision, B, plan.state)
     publish_tokenizer(plan.tokenizer, plan.checkpoint)
     writer = results.ResultWriter(results_path, header)  # refuses an existing path
-    module = accelerated.backend_module(plan.backend)
-    program = module.capture(config, plan.hyper, plan.precision, B, plan.state)
 
     K_train = plan.stream.n_contexts(T) - plan.heldout
 
@@ -553,7 +590,13 @@ def train(plan: Plan, quiet=False) -> dict:
     try:
         with Stopper() as stopper:
             for s in range(plan.steps):
-                tokens = batch_at(s)
+                try:
+                    tokens = batch_at(s)
+                except StreamError:
+                    # the stream changed under the run (truncated, say): keep what is trained
+                    if done % plan.interval:
+                        publish(plan, program.state(), c0 + done * B)
+                    raise
                 t0 = time.perf_counter()
                 program.upload_input(tokens)
                 loss, device_s = program.replay_timed_and_wait()
@@ -623,9 +666,13 @@ def _final_record(writer, program, config, last_tokens):
 
 
 def main(args) -> int:
-    t0 = time.perf_counter()
-    plan = make_plan(args)
-    prepared = time.perf_counter() - t0
+    with contextlib.ExitStack() as resources:  # the checkpoint's lock, held to the end
+        t0 = time.perf_counter()
+        plan = make_plan(args, resources)
+        return _run(args, plan, time.perf_counter() - t0)
+
+
+def _run(args, plan: Plan, prepared: float) -> int:
     K = plan.stream.n_contexts(plan.config.context)
     if plan.steps == 0:
         print(f"coppelius train: nothing to do: {plan.checkpoint} is at step {plan.state.t}, "
@@ -663,8 +710,7 @@ def main(args) -> int:
     print_safely(f"stream:     {plan.stream.path}{f' ({documents})' if documents else ''}", out)
     print_safely(f"checkpoint: {plan.checkpoint}", out)
     print_safely(f"results:    {summary['results']}", out)
-    png = os.path.splitext(summary["results"])[0] + ".png"
-    report.plot(results.read_results(summary["results"]), png)
+    png = report.plot_beside(results.read_results(summary["results"]), summary["results"])
     print_safely(f"loss plot:  {png}", out)
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()

@@ -16,6 +16,7 @@ import numpy as np
 
 from coppelius.reference.config import Config, config_from_identity
 from coppelius.reference.errors import CheckpointError, ConfigError, NonFiniteError, StreamError
+from coppelius.reference.fsutil import path_argument
 
 # "def" rather than "def ": the byte-level BPE makes " name" one token, so a
 # prompt ending in a space leaves a lone-space token the model rarely saw
@@ -134,7 +135,7 @@ def find_tokenizer(checkpoint_path, header: dict, override=None) -> str:
         override = os.fspath(override)
         if os.path.isdir(override):
             raise StreamError(f"tokenizer {override}: is a directory, not a tokenizer.json")
-        if not os.path.isfile(override):
+        if not os.path.exists(override):
             raise StreamError(f"tokenizer {override}: no such file")
         return override
     sha = named_tokenizer(header)
@@ -194,6 +195,17 @@ def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float
     return out
 
 
+def check_prompt(prompt: str) -> None:
+    """A prompt must be text: an argument that is not valid UTF-8 reaches
+    Python with its bad bytes as lone surrogates, which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
+        raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {e.start})") from None
+
+
 def check_options(tokens: int, temperature: float, top_k: int, seed: int = 0) -> None:
     if tokens < 0:
         raise ConfigError(f"--tokens={tokens}: must be >= 0")
@@ -212,6 +224,7 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
     from coppelius.data import load_tokenizer
 
     check_options(tokens, temperature, top_k, seed)
+    check_prompt(prompt)
     config, P, header = load_parameters(checkpoint_path)
     tokenizer_path = find_tokenizer(checkpoint_path, header, tokenizer)
     tok = load_tokenizer(tokenizer_path)
@@ -229,7 +242,7 @@ def register(subparsers) -> None:
         "sample", help="generate text from a checkpoint",
         description="Continue a prompt with a checkpoint's model (reference forward, fp32, "
                     "a sliding window of the model's context).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
                    help=f"text to continue (default {DEFAULT_PROMPT!r})")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
@@ -239,7 +252,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=40, metavar="K",
                    help="draw from the K most likely tokens; 0 for all (default 40)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
-    p.add_argument("--tokenizer", metavar="PATH",
+    p.add_argument("--tokenizer", metavar="PATH", type=path_argument,
                    help="tokenizer.json to use (default: the one whose SHA-256 the checkpoint names)")
     p.set_defaults(func=run_sample)
 

@@ -19,16 +19,18 @@ import hashlib
 import json
 import math
 import os
-import stat
 import struct
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
-from .config import (SEED, Config, data_identity, initialization_identity, schema_identity)
-from .errors import CheckpointError, IdentityMismatch
-from .fsutil import publish
+from .schedule import learner_from_identity
+from .config import (SEED, Config, config_from_identity, data_from_identity, data_identity,
+                     initialization_identity, parameter_count,
+                     schema_identity, seed_from_identity, tensor_count)
+from .errors import CheckpointError, ConfigError, IdentityMismatch
+from .fsutil import open_regular, publish, regular_or_absent
 from .params import registry
 from .state import State
 
@@ -84,11 +86,11 @@ def identities(config: Config, hyper, precision: str, batch: int, tokenizer_sha:
 
 
 def is_fresh(path) -> bool:
-    """A missing or zero-byte checkpoint path selects fresh initialization (SPEC 9)."""
-    try:
-        return os.stat(path).st_size == 0
-    except FileNotFoundError:
-        return True
+    """A missing or zero-byte checkpoint path selects fresh initialization
+    (SPEC 9). Only a regular file counts: a FIFO or a device (size 0 too)
+    is refused with NotRegularFile (an OSError), never taken for fresh."""
+    st = regular_or_absent(path)
+    return st is None or st.st_size == 0
 
 
 def _align(n: int) -> int:
@@ -117,7 +119,8 @@ def write_checkpoint(path, config: Config, identities: dict, state: State, conte
         arrays.append(np.ascontiguousarray(a, dtype="<f4"))  # no copy on little-endian hosts
     header = {key: identities[key] for key in IDENTITY_KEYS}
     header.update(step=int(state.t), contexts=int(contexts), parameters=reg.describe())
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    check_envelope(path, header, 12 * reg.total)  # never write what no reader would take
+    raw = canonical_json(header)
     payload_offset = _align(PREFIX.size + len(raw))
     payload_bytes = 12 * reg.total
 
@@ -145,6 +148,45 @@ def write_checkpoint(path, config: Config, identities: dict, state: State, conte
 
 # ------------------------------------------------------------------- reading
 
+def canonical_json(header: dict) -> bytes:
+    """The one spelling of a header (SPEC 10: keys sorted, no insignificant spaces)."""
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def check_envelope(path, header: dict, payload_bytes: int) -> Config:
+    """Check that a header's identities are ones this version writes and agree
+    with each other and with the payload's size; returns the model. Cheap (no
+    payload byte is read, nothing is allocated for the claimed model) and
+    done before the SHA-256 pass: a header that claims 10^8 layers, or a
+    sparse file of many GiB whose claims do not add up, is refused at once.
+
+    The model identity gives the parameter count (config.parameter_count),
+    which must be the payload's; the schema, learner, data and
+    initialization identities must rebuild to themselves; `contexts` must be
+    `step * batch` (SPEC 9: step s reads contexts c0 + s*B + b)."""
+    where = f"checkpoint {os.fspath(path)}"
+    try:
+        config = config_from_identity(header["model"], where)
+        count = parameter_count(config)
+        listed = len(header["parameters"])
+        if listed != tensor_count(config) or 12 * count != payload_bytes:
+            raise _error(path, f"the model identity {header['model']!r} has {tensor_count(config)} "
+                               f"tensors of {count} parameters, the header lists {listed} tensors "
+                               f"of {payload_bytes // 12}")
+        if header["schema"] != schema_identity(config):
+            raise _error(path, f"schema identity {header['schema']!r} is not "
+                               f"{schema_identity(config)!r}, this model's")
+        learner_from_identity(header["learner"], where)
+        batch = data_from_identity(header["data"], config, where)["batch"]
+        seed_from_identity(header["initialization"], where)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if header["contexts"] != header["step"] * batch:
+        raise _error(path, f"contexts {header['contexts']} is not step {header['step']} times "
+                           f"the batch {batch}")
+    return config
+
+
 def _parse_header(path, raw: bytes) -> dict:
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -153,6 +195,11 @@ def _parse_header(path, raw: bytes) -> dict:
         raise _error(path, f"header is not UTF-8 JSON ({detail})") from None
     if not isinstance(header, dict):
         raise _error(path, f"header is a JSON {type(header).__name__}, expected an object")
+    if canonical_json(header) != raw:
+        # a repeated key ({"step":0,"step":3}: JSON keeps the last) or another
+        # spelling of the same object: not what any writer of this format wrote
+        raise _error(path, "header is not in canonical form (keys sorted and unrepeated, "
+                           "no insignificant spaces)")
     for key in STRING_KEYS:
         if key not in header:
             raise _error(path, f"header lacks key {key!r}")
@@ -205,12 +252,10 @@ def _read_exact_into(f, view) -> None:
 
 def open_checkpoint(path):
     """The checkpoint file open for reading (binary); CheckpointError if it is
-    not a readable regular file (stat first: opening a FIFO would block)."""
+    not a readable regular file (fsutil.open_regular: a FIFO is never opened)."""
     path = os.fspath(path)
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise _error(path, "not a regular file")
-        return open(path, "rb")
+        return open_regular(path)
     except OSError as e:
         raise _error(path, f"cannot read: {e.strerror or e}") from None
 
@@ -248,6 +293,7 @@ def _scan(path, refuse_digest: bool = True, file=None) -> CheckpointInfo:
         if size != expected:
             raise _error(path, f"file is {size} bytes, expected {expected} for {count} parameters "
                                "(truncated or extended)")
+        check_envelope(path, header, payload_bytes)  # before any payload byte is read
         padding = f.read(payload_offset - PREFIX.size - hn)
         if padding.count(0) != len(padding):
             raise _error(path, "nonzero bytes in the padding after the header")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 from dataclasses import dataclass
 from fractions import Fraction
@@ -77,10 +78,28 @@ def preset(name: str) -> Config:
         raise ConfigError(f"preset {name!r}: unknown (choose from {', '.join(PRESETS)})") from None
 
 
+# An exact rational is built from its text: "1e999999999" would be the
+# integer 10**999999999, hours of arithmetic and gigabytes of digits. Every
+# value a learner can use is far inside these bounds (float32 spans about
+# 1e-45 to 3e38), so a longer text or a larger exponent is refused unbuilt.
+MAX_RATIONAL_CHARS = 400
+MAX_DECIMAL_EXPONENT = 4000
+_EXPONENT = re.compile(r"[eE]([-+]?)([0-9_]+)$")  # Fraction's syntax: the exponent ends the text
+
+
 def parse_rational(text, field: str) -> Fraction:
     """'3/10000', '0.0003' or '3e-4' -> an exact Fraction; the error names the field."""
+    text = str(text).strip()
+    if len(text) > MAX_RATIONAL_CHARS:
+        raise ConfigError(f"{field}: a number of {len(text)} characters; at most "
+                          f"{MAX_RATIONAL_CHARS} are read")
+    m = _EXPONENT.search(text)
+    digits = m.group(2).replace("_", "") if m else ""
+    if digits and int(digits) > MAX_DECIMAL_EXPONENT:
+        raise ConfigError(f"{field}={text!r}: the exponent is out of range (at most "
+                          f"{MAX_DECIMAL_EXPONENT} in magnitude)")
     try:
-        value = Fraction(str(text).strip())
+        value = Fraction(text)
     except (ValueError, ZeroDivisionError):
         raise ConfigError(f"{field}={text!r}: not a number (write e.g. 3/10000 or 0.0003)") from None
     return value
@@ -333,6 +352,70 @@ def initialization_identity(seed: int = SEED) -> str:
 
 
 def parameter_count(config: Config) -> int:
-    from .params import registry
+    """N of SPEC section 2 from the shape alone: the embedding (V, D); per
+    layer two norms (2 D each), q, k, v, o (D^2 each) and gate, up, down
+    (D F each); the final norm (2 D). Equal to registry(config).total (a test
+    checks it), but computed without building the registry, so a file that
+    claims a model of 10^8 layers is sized, and refused, in no time."""
+    V, D, F, L = config.vocab, config.d_model, config.d_ff, config.n_layer
+    return V * D + L * (4 * D + 4 * D * D + 3 * D * F) + 2 * D
 
-    return registry(config).total
+
+def tensor_count(config: Config) -> int:
+    """How many named tensors the registry lists: 11 per layer, 3 more."""
+    return 11 * config.n_layer + 3
+
+
+# ---------------------------------------------------------------- identities read back
+# A file's identity strings are parsed back and must rebuild to themselves:
+# an identity this version did not write (empty, reordered, a value spelled
+# another way) is refused rather than half understood.
+
+def identity_fields(identity) -> dict:
+    """'a=1|b=2|flag' -> {'a': '1', 'b': '2'}; parts without '=' are dropped."""
+    return dict(part.split("=", 1) for part in str(identity).split("|") if "=" in part)
+
+
+def _count_text(text, least: int = 0) -> int | None:
+    """A canonical decimal integer >= least (no sign, no leading zero), else None."""
+    if not isinstance(text, str) or not text.isdigit() or not text.isascii() or \
+            (len(text) > 1 and text[0] == "0") or len(text) > 40:
+        return None
+    value = int(text)
+    return value if value >= least else None
+
+
+def data_from_identity(data, config: Config, where: str) -> dict:
+    """A data identity (SPEC 10) of a model -> {batch, tokenizer, stream}
+    (tokenizer None for `none`; stream a digest, or "none" for an imported
+    checkpoint that names no stream). The batch is a positive integer."""
+    f = identity_fields(data)
+    batch = _count_text(f.get("batch"), least=1)
+    tokenizer = f.get("tokenizer")
+    stream = f.get("stream")
+    heldout = _count_text(f.get("heldout"), least=1) if "heldout" in f else 0  # SPEC 18
+    ok = (batch is not None and heldout is not None and isinstance(tokenizer, str)
+          and isinstance(stream, str)
+          and (tokenizer == "none" or _is_sha256(tokenizer))
+          and (stream == "none" or _is_sha256(stream))
+          and data_identity(config, batch, None if tokenizer == "none" else tokenizer,
+                            stream, heldout) == data)
+    if not ok:
+        raise ConfigError(f"{where}: data identity {data!r} is not one this version writes "
+                          f"for this model (vocabulary={config.vocab}, context={config.context}, "
+                          f"a positive batch)")
+    return {"batch": batch, "tokenizer": None if tokenizer == "none" else tokenizer,
+            "stream": stream, "heldout": heldout}
+
+
+def seed_from_identity(initialization, where: str) -> int:
+    """An initialization identity (SPEC 10) -> its seed, in [0, 2^64)."""
+    seed = _count_text(identity_fields(initialization).get("seed"))
+    if seed is None or seed >= 2**64 or initialization_identity(seed) != initialization:
+        raise ConfigError(f"{where}: initialization identity {initialization!r} is not one this "
+                          f"version writes")
+    return seed
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -37,3 +37,21 @@ class NonFiniteError(CoppeliusError):
     """A row loss or parameter became non-finite: the run stops, exit status 3."""
 
     exit_status = 3
+
+
+class OutputError(CoppeliusError):
+    """An output path cannot be written as asked: it names a FIFO, a device or
+    a directory, a file that is not this command's to replace, or a name the
+    file system cannot hold (names the path)."""
+
+
+class InUseError(CoppeliusError):
+    """Another process holds the lock on a file this command would write
+    (names the file and, where known, the holder's pid)."""
+
+
+class NotRegularFile(OSError):
+    """A path that is read or published names a FIFO, a device, a socket or a
+    directory. An OSError, so that every reader and writer reports it in its
+    own words (`checkpoint X: cannot read: is a FIFO ...`), as it reports any
+    other file-system failure."""

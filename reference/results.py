@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import Config
-from .errors import ResultFileError
+from .config import Config, config_from_identity
+from .errors import ConfigError, ResultFileError
+from .fsutil import open_regular
 
 MAGIC = b"CPLSRSLT"
 VERSION = 2  # what the writer writes
@@ -55,6 +56,7 @@ NORM_BODY = struct.Struct("<Qf")  # step, gradient norm before clipping
 HEADER_STRINGS = ("model", "learner", "data", "backend")
 HEADER_STRINGS_V2 = ("initialization",)  # version 2 also names the initialization (SPEC 11)
 HEADER_COUNTS = {"first_step": 0, "steps": 0, "batch": 1, "context": 1, "vocab": 1}  # key -> least
+MAX_STEP = 2**63 - 1  # step numbers are uint64 on disk, int64 wherever they are computed with
 
 
 def prediction_rows(T: int) -> list:
@@ -151,7 +153,17 @@ class ResultWriter:
         except OSError as e:
             raise ResultFileError(f"result file {self.path}: cannot create: {e}") from None
         start = PREFIX.pack(MAGIC, VERSION, len(raw)) + raw
-        self._write(start + bytes(-len(start) % ALIGN))
+        try:
+            self._write(start + bytes(-len(start) % ALIGN))
+        except BaseException:
+            # no header, no result file: the file is this writer's own (created
+            # exclusively above), so a full disk leaves nothing behind
+            self._f.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            raise
 
     def _write(self, data: bytes) -> None:
         try:
@@ -295,13 +307,27 @@ def _read_header(path, f, size: int) -> tuple:
         raise refuse(f"header is not UTF-8 JSON ({detail})") from None
     if not isinstance(header, dict):
         raise refuse(f"header is a JSON {type(header).__name__}, expected an object")
+    if json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8") != raw:
+        raise refuse("header is not in canonical form (keys sorted and unrepeated, "
+                     "no insignificant spaces)")
     for key in HEADER_STRINGS + (HEADER_STRINGS_V2 if version >= 2 else ()):
         if not isinstance(header.get(key), str):
             raise refuse(f"header key {key!r} is {header.get(key)!r}, expected a string")
     for key in HEADER_COUNTS:
         value, least = header.get(key), HEADER_COUNTS[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_STEP:
             raise refuse(f"header key {key!r} is {value!r}, expected an integer >= {least}")
+    if header["first_step"] + header["steps"] > MAX_STEP:
+        raise refuse(f"header: first_step {header['first_step']} + steps {header['steps']} "
+                     f"exceeds 2^63 - 1")
+    try:
+        config = config_from_identity(header["model"], f"result file {path}")
+    except ConfigError as e:
+        raise ResultFileError(str(e)) from None
+    for key in ("vocab", "context"):
+        if header[key] != getattr(config, key):
+            raise refuse(f"header key {key!r} is {header[key]}, the model identity's is "
+                         f"{getattr(config, key)}")
     if header.get("prediction_rows") != prediction_rows(header["context"]):
         raise refuse(f"header key 'prediction_rows' is {header.get('prediction_rows')!r}, "
                      f"expected {prediction_rows(header['context'])}")
@@ -319,7 +345,7 @@ def read_results(path) -> Results:
     that is whole but not one this version writes, are refused."""
     path = os.fspath(path)
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except OSError as e:
         raise ResultFileError(f"result file {path}: cannot read: {e.strerror or e}") from None
     with f:
@@ -379,11 +405,23 @@ def _read_records(path, f, size: int, offset: int, out: Results) -> None:
         if kind == FORWARD:
             out.forward = np.frombuffer(payload, "<f4").reshape(3, V)
         elif kind == STEP:
+            (step,) = STEP_HEAD.unpack_from(payload)
+            # a writer numbers steps first_step, first_step + 1, ...: any
+            # other number (2^64 - 1, say) is not a record of this run
+            expected = out.header["first_step"] + len(out.steps)
+            if step != expected:
+                out.stopped = (f"step record at offset {offset} has step {step}, expected "
+                               f"{expected}")
+                return
             rows = np.frombuffer(payload, "<f4", offset=STEP_HEAD.size).reshape(B, T)
             out.steps.append((step_number(payload), rows))
         elif kind == TIMING:
-            step_number(payload)
-            out.timings.append(TIMING_BODY.unpack(payload))
+            timing = TIMING_BODY.unpack(payload)
+            if not out.steps or timing[0] != out.steps[-1][0]:
+                out.stopped = (f"timing record at offset {offset} has step {timing[0]}, not the "
+                               f"step before it")
+                return
+            out.timings.append(timing)
         elif kind == FINAL:
             block = np.frombuffer(payload, "<f4", count=4 * T).reshape(4, T)
             logits = np.frombuffer(payload, "<f4", count=V, offset=16 * T)

@@ -32,6 +32,7 @@ import safetensors
 
 from .checkpoint import open_checkpoint, validate
 from .errors import CoppeliusError
+from .fsutil import open_regular
 
 # The largest single read a source grants by default. The largest tensor of
 # the production model is the embedding, 12288 x 512 float32 = 24 MiB; the
@@ -272,8 +273,8 @@ class SafetensorsSource(CheckpointSource):
     def _check_header(self) -> dict:
         name = self.path
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
+            with open_regular(self.path) as f:  # a FIFO is never opened (it would block)
+                size = os.fstat(f.fileno()).st_size
                 prefix = f.read(8)
                 if len(prefix) < 8:
                     raise SourceError(f"{name}: {size} bytes, too short for a safetensors header")

@@ -579,7 +579,7 @@ def _state(seed=4):
     P = initialize(CONFIG)
     rng = np.random.default_rng(seed)
     return State(P, rng.standard_normal(P.shape).astype(np.float32),
-                 rng.random(P.shape).astype(np.float32), t=6)
+                 rng.random(P.shape).astype(np.float32), t=9)  # batch 1: contexts = step
 
 
 IDS = identities(CONFIG, Hyper(), "fp32", 1, None, "a" * 64)
@@ -590,11 +590,11 @@ def test_load_state_equals_load_state(tmp_path):
     state = _state()
     write_checkpoint(path, CONFIG, IDS, state, contexts=9)
     got = load_state(path, CONFIG, expect=IDS)
-    assert (got.step, got.contexts, got.state.t) == (6, 9, 6)
+    assert (got.step, got.contexts, got.state.t) == (9, 9, 9)
     for name in "PMV":
         assert getattr(got.state, name).tobytes() == getattr(state, name).tobytes(), name
         assert getattr(got.state, name).flags.writeable
-    assert got.header["step"] == 6 and got.header["contexts"] == 9
+    assert got.header["step"] == 9 and got.header["contexts"] == 9
 
 
 def test_load_state_checks_identities(tmp_path):
@@ -623,7 +623,7 @@ def _republish(path, state):
     """Publish another valid checkpoint over `path` the way a run does: a
     rename over it (the old file lives on for whoever holds it open)."""
     other = path.with_name("republished.ckpt")
-    write_checkpoint(other, CONFIG, IDS, state, contexts=1)
+    write_checkpoint(other, CONFIG, IDS, state, contexts=state.t)
     os.replace(other, path)
 
 
@@ -761,7 +761,7 @@ def test_checkpoint_binds_by_name_whatever_its_order(tmp_path):
         offset += spec.size
         for name in "PMV":
             parts[name].append(getattr(state, name)[spec.slice])
-    header = dict(IDS, step=state.t, contexts=2, parameters=params)
+    header = dict(IDS, step=state.t, contexts=state.t, parameters=params)
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     pad = -(16 + len(raw)) % 4096
     payload = b"".join(np.concatenate(parts[n]).astype("<f4").tobytes() for n in "PMV")

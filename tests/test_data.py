@@ -362,7 +362,8 @@ def test_a_second_stream_in_a_folder_is_refused_naming_both(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("coppelius tokenize: error: stream ")
     assert str(folder / "b.tokens") in err and str(folder / "a.tokens") in err
     assert tok.read_bytes() == before
-    assert sorted(os.listdir(folder)) == ["a.documents.json", "a.tokens", "tokenizer.json"]
+    assert sorted(os.listdir(folder)) == ["a.documents.json", "a.tokens", "a.tokens.sha256",
+                                          "tokenizer.json"]
     assert main(["tokenize", str(a_src), "--out", str(folder / "a.tokens")] + args) == 0
     assert f"up to date {folder / 'a.tokens'}" in capsys.readouterr().out
     assert decodes_to(folder / "a.tokens", tok, sample_text())
@@ -401,7 +402,8 @@ def folder_bytes(folder):
 
 
 # publish_pair writes the staged stream first (publication 1), then the
-# tokenizer (publication 2), then renames the staged stream.
+# tokenizer (publication 2), then renames the staged stream (then publishes
+# the document list and the digest of the ids).
 @pytest.mark.parametrize("publication", [1, 2])
 def test_a_failed_rebuild_leaves_the_old_pair_as_it_was(tmp_path, monkeypatch, publication):
     source = tmp_path / "a.txt"
@@ -437,8 +439,8 @@ def test_a_crash_between_the_two_renames_is_rebuilt(tmp_path, monkeypatch, count
         source.write_text(other_text(), encoding="utf-8")
     else:
         vocab = V + 16  # same source and header: only the ids tell the pair apart
-    # the tokenizer is renamed, the stream is not
-    monkeypatch.setattr(fsutil, "_hook", failing_at("renamed", 2, Crash()))
+    # the tokenizer is renamed (the first rename), the stream is not
+    monkeypatch.setattr(fsutil, "_hook", failing_at("renamed", 1, Crash()))
     with pytest.raises(Crash):
         data.prepare_stream(source=source, vocab=vocab, out=out)
     monkeypatch.setattr(fsutil, "_hook", None)

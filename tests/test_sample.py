@@ -315,12 +315,19 @@ def test_the_tokenizer_beside_the_checkpoint_is_found_first(run, capsys, monkeyp
 # The prompt of the sample `coppelius train` prints: from a held-out context
 
 class Ids:
-    """A stream stand-in: ids (N,) and the batch method corpus_prompt reads."""
+    """A stream of ids (N,), written to a stream file and opened as a run
+    opens one; the batch method is what corpus_prompt reads."""
 
     def __init__(self, ids):
-        from coppelius.reference.stream import Stream
+        import tempfile
 
-        self.stream = Stream("ids", np.asarray(ids, dtype=np.uint32), 0, 0, 0)
+        from coppelius.reference.stream import open_stream, write_stream
+
+        ids = np.asarray(ids, dtype=np.uint32)
+        self._folder = tempfile.TemporaryDirectory()  # removed with this object
+        path = os.path.join(self._folder.name, "ids.tokens")
+        write_stream(path, ids, source_mtime_ns=0, source_size=0)
+        self.stream = open_stream(path, int(ids.max()) + 1)
 
     def batch(self, c0, B, T):
         return self.stream.batch(c0, B, T)
