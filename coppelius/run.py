@@ -17,6 +17,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -553,6 +554,44 @@ def publish(plan: Plan, state: State, contexts: int) -> None:
     checkpoint.write_checkpoint(plan.checkpoint, plan.config, plan.identities, state, contexts)
 
 
+class Publisher:
+    """Checkpoint publication off the training loop. The state is copied off
+    the device on the loop's thread (the next replay changes it: this is the
+    one stall, a device-to-host copy); the finiteness check, the file, its
+    fsync and the rename run on one background thread while training goes
+    on. The file is still published atomically and durably (SPEC 10), a
+    second publication waits for the first, and an error (a full disk, a
+    non-finite parameter) surfaces at the next publication or at finish().
+    The thread is not a daemon: a process told to stop ends only after the
+    publication in flight, so the path holds the old or the new checkpoint."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._thread = None
+        self._error = None
+
+    def submit(self, state: State, contexts: int) -> None:
+        self.finish()
+        self._thread = threading.Thread(target=self._publish, args=(state, contexts),
+                                        name="coppelius-publish")
+        self._thread.start()
+
+    def _publish(self, state: State, contexts: int) -> None:
+        try:
+            publish(self.plan, state, contexts)
+        except BaseException as e:  # handed to the training thread
+            self._error = e
+
+    def finish(self) -> None:
+        """Wait for the publication in flight; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 def _param_at(config, offset):
     for spec in registry(config):
         if spec.offset <= offset < spec.offset + spec.size:
@@ -584,6 +623,7 @@ def train(plan: Plan, quiet=False) -> dict:
     writer.forward(program.logits(first[:1, :T])[0, rows])  # (3, V) before the first step
 
     losses, held_out = [], []
+    publisher = Publisher(plan)
     done = 0
     t_start = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
@@ -595,7 +635,8 @@ def train(plan: Plan, quiet=False) -> dict:
                 except StreamError:
                     # the stream changed under the run (truncated, say): keep what is trained
                     if done % plan.interval:
-                        publish(plan, program.state(), c0 + done * B)
+                        publisher.submit(program.state(), c0 + done * B)
+                        publisher.finish()
                     raise
                 t0 = time.perf_counter()
                 program.upload_input(tokens)
@@ -611,7 +652,8 @@ def train(plan: Plan, quiet=False) -> dict:
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     if np.isfinite(row_losses).all():
-                        publish(plan, program.state(), c0 + (s + 1) * B)
+                        publisher.submit(program.state(), c0 + (s + 1) * B)
+                        publisher.finish()
                     raise
                 if not np.isfinite(row_losses).all():
                     raise NonFiniteError(f"step {step_no}: non-finite row loss; "
@@ -630,15 +672,18 @@ def train(plan: Plan, quiet=False) -> dict:
                 if progress:
                     progress.update(s, loss, evaluated)
                 if last or done % plan.interval == 0 or stop:
-                    publish(plan, program.state(), c0 + done * B)
+                    publisher.submit(program.state(), c0 + done * B)  # written in the background
                 if stop and not last:
                     break
             if done == plan.steps:
                 _final_record(writer, program, config, batch_at(plan.steps - 1))
+            publisher.finish()  # the run's last checkpoint is published when train() returns
     finally:
         if progress:
             progress.close()
         writer.close()
+        if publisher._thread is not None:  # leaving by an error: the publication still ends
+            publisher._thread.join()
     elapsed = time.perf_counter() - t_start
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,
             "first_step": first_step, "losses": losses, "held_out": held_out,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from coppelius.cli import main
-from coppelius.reference import results
+from coppelius.reference import checkpoint, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import PRESETS
 from coppelius.reference.stream import write_stream
@@ -395,3 +395,42 @@ def test_eval_command_gives_the_runs_last_held_out_loss(tmp_path, stream, capsys
     assert "the last 4 of 40 contexts" in out
     assert main(["eval", str(ck), "--stream", stream, "--contexts", "41"]) == 2
     assert "--contexts=41" in capsys.readouterr().err
+
+
+def test_checkpoints_are_written_in_the_background_one_at_a_time(tmp_path, stream, monkeypatch):
+    """Publication runs on its own thread while training goes on; a second
+    publication waits for the first; the run ends with the last one done."""
+    import threading
+
+    real = checkpoint.write_checkpoint
+    seen, active = [], []
+
+    def slow_write(path, config, ids, state, contexts):
+        active.append(1)
+        assert len(active) == 1, "two publications at once"
+        seen.append((threading.current_thread().name, state.t))
+        time.sleep(0.05)
+        real(path, config, ids, state, contexts)
+        active.pop()
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", slow_write)
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "6", "--interval", "2")) == 0
+    assert seen == [("coppelius-publish", 2), ("coppelius-publish", 4), ("coppelius-publish", 6)]
+    assert load_state(str(ck), CFG).step == 6
+
+
+def test_a_failed_background_publication_stops_the_run_and_keeps_the_old_checkpoint(
+        tmp_path, stream, monkeypatch, capsys):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "2")) == 0
+    before = ck.read_bytes()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device", str(ck))
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", full_disk)
+    assert main(train_args(stream, tmp_path, ck, "--steps", "4", "--interval", "1")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "No space left on device" in err[-1] and len(err[-1]) < 300
+    assert ck.read_bytes() == before
