@@ -699,6 +699,18 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
             note = "zeros above the diagonal written once, at allocation, and kept"
         buffers.append(Buffer(name, nbytes, "activation", not note, note))
     touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
+    if accumulate > 1:
+        # SPEC 19: each micro-batch's pass repeats micro-batch 0's commands on
+        # the same activations, and no activation a placement may share
+        # (every candidate) carries a value from one pass into the next or
+        # past the last: lifetimes are those of the first pass, the commands
+        # before the first that reads micro-batch 1's rows of the input slot
+        second = s.ids[acts.B:2 * acts.B].ptr
+        n_pass = next(c.index for c in log.commands if second in c.pointers)
+        for i in range(n_state, len(buffers)):
+            used = [c for c in range(n_pass) if i in touches[c]]
+            if buffers[i].candidate:
+                buffers[i].first, buffers[i].last = (used[0], used[-1]) if used else (None, None)
     products = [c.index for c in log.commands if c.kind == "product"]
     ws = buffers[[b.name for b in buffers].index("workspace")]
     ws.first, ws.last = (products[0], products[-1]) if products else (None, None)

@@ -695,6 +695,32 @@ def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, monkeypa
     assert not off["materialized"] and "COPPELIUS_NO_MEMORY_PLAN" in off["fallback_reason"]
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_holds_the_activations_of_a_micro_batch_and_plans_them(k, monkeypatch):
+    """SPEC 19: activations of B/k contexts (fewer bytes than the step of B),
+    laid out by the plan by the first pass's lifetimes: the same bits as
+    every buffer in its own storage."""
+    state = random_state(CONFIG, seed=36, t=2)
+    inputs = windows(3, seed=37, batch=4)
+    whole = cupy_backend.capture(CONFIG, Hyper(), "bf16", 4, state.copy())
+    planned = cupy_backend.capture(CONFIG, Hyper(), "bf16", 4, state.copy(), accumulate=k)
+    assert planned.acts.B == 4 // k and planned.micro_batch == 4 // k
+    assert planned.memory_planned and planned.plan.savings > 0
+    assert planned.plan.arena_bytes < whole.plan.arena_bytes
+    monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
+    unplanned = cupy_backend.capture(CONFIG, Hyper(), "bf16", 4, state.copy(), accumulate=k)
+    assert not unplanned.memory_planned
+    rows1, G1, s1 = run_steps(planned, inputs)
+    rows2, G2, s2 = run_steps(unplanned, inputs)
+    check_bitwise("row losses", rows1, rows2)
+    check_bitwise("G", G1, G2)
+    for name in "PMV":
+        check_bitwise(name, getattr(s1, name), getattr(s2, name))
+    held_out = windows(1, seed=38, batch=4)[0]
+    check_bitwise("evaluate", planned.evaluate(held_out), unplanned.evaluate(held_out))
+    check_bitwise("row losses after evaluate", planned.row_losses(), rows1[-1])
+
+
 def test_a_plan_that_ignores_lifetimes_is_caught(monkeypatch):
     """The check above can fail: every buffer at offset 0 of a small arena
     (storage shared whatever the lifetimes) changes the results."""
