@@ -86,7 +86,7 @@ KERNELS = ("round_bf16", "embedding_forward", "embedding_backward", "layernorm_f
            "swiglu_forward",
            "swiglu_backward", "crossentropy_forward_backward", "mean_loss",
            "adamw_bias_corrections", "adamw_bias_corrections_table", "gradient_sum_squares",
-           "gradient_norm_clip", "adamw_update")
+           "gradient_norm_clip", "adamw_update", "accumulate_gradient")
 
 ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (attention_fused.cu)
 # From this batch on the step's attention is fused. The fused kernels' grid
@@ -167,7 +167,8 @@ class Kernels:
         self._launch(name, (_cdiv(cols, THREADS), min(rows, 65535)), THREADS, args)
 
     def _elementwise(self, name, n, args):
-        assert n < 2**31 or name in ("round_bf16", "adamw_update"), (name, n)  # int indices
+        assert n < 2**31 or name in ("round_bf16", "adamw_update", "accumulate_gradient"), \
+            (name, n)  # int indices
         self._launch(name, _cdiv(n, THREADS), THREADS, args)
 
     # -- precision
@@ -309,6 +310,11 @@ class Kernels:
         self._elementwise("adamw_update", n, (P, M, V, G, decay, _opt(Pb), c, norm, i64(n),
                                               f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2),
                                               f32(k.eps)))
+
+    def accumulate_gradient(self, G, Gm):
+        # G, Gm (N) float32: G += Gm (a micro-batch's gradient, SPEC 19)
+        n = G.size
+        self._elementwise("accumulate_gradient", n, (G, Gm, i64(n)))
 
 
 def attention_scale(E: int) -> np.float32:

@@ -401,17 +401,23 @@ class Model:
 
     # -- loss and backward --------------------------------------------------------
 
-    def backward(self, a: Activations, ids, ids_stride: int) -> None:
-        """Row losses, mean loss and every parameter's gradient into G."""
+    def backward(self, a: Activations, ids, ids_stride: int, rows: int | None = None,
+                 ce=None) -> None:
+        """Row losses, mean loss and every parameter's gradient into G. A
+        micro-batch of an accumulated step (SPEC 19) passes `rows`, the
+        whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
+        slice of the whole batch's row losses; it computes no mean loss."""
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T, BT = a.T, a.B * a.T
-        dce = np.float32(1.0 / BT)  # d mean / d ce, as the reference's float32 1/n
+        dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
         self.at("loss", "loss.backward")
-        k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce, a.dlogits, dce)
+        k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce if ce is None else ce,
+                                        a.dlogits, dce)
         self._tap("dlogits", a.dlogits)
-        self.at("loss.mean")
-        k.mean_loss(a.ce, a.loss)
+        if rows is None:
+            self.at("loss.mean")
+            k.mean_loss(a.ce, a.loss)
         # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
         self.at("lm_head.backward")
         self.linear_backward(a.dlogits, a.hf, self.emb, a.dh, V, D)
@@ -576,11 +582,17 @@ class StepBuffers:
     clip: float  # float32(clip), 0: off
     adamw: AdamWConstants
     betas: tuple  # the float64 betas of the bias corrections
+    accumulate: int = 1  # k micro-batches of B/k (SPEC 19)
+    Gmicro: object = None  # (N,) float32, k > 1: micro-batch 1.. gradient, added into G
+    rows: object = None  # (B*T,) float32, k > 1: the whole batch's row losses
 
 
-def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int) -> StepBuffers:
+def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int,
+                   accumulate: int = 1) -> StepBuffers:
     """Every buffer but the activations, from `alloc` (Buffers, or the
-    memory plan's VirtualBuffers: the same allocations in the same order)."""
+    memory plan's VirtualBuffers: the same allocations in the same order).
+    With accumulate k > 1 also the micro-batches' gradient and the whole
+    batch's row losses (SPEC 19)."""
     reg = registry(config)
     N, T, E = reg.total, config.context, config.head_dim
     P, M, V, G = (alloc((N,), np.float32) for _ in range(4))
@@ -596,9 +608,11 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
     norms = alloc.upload(norm_offsets(config))
     clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))
+    Gmicro = alloc((N,), np.float32) if accumulate > 1 else None
+    rows = alloc((batch * T,), np.float32) if accumulate > 1 else None
     return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
                        norms, clip, AdamWConstants.of(hyper),
-                       (float(hyper.beta1), float(hyper.beta2)))
+                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, rows)
 
 
 def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=None) -> Model:
@@ -607,11 +621,31 @@ def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=N
                  s.G if G is None else G, s.cos, s.sin, s.norms)
 
 
-def run_step(model: Model, kernels, a: Activations, s: StepBuffers) -> None:
-    """Forward, backward and AdamW on the input slot: the captured work."""
+def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model = None) -> None:
+    """Forward, backward and AdamW on the input slot: the captured work.
+    With s.accumulate k > 1 (SPEC 19) the activations hold one micro-batch
+    of b = B/k contexts: k forward and backward passes over the slot's rows
+    [i*b, (i+1)*b), micro-batch 0's gradient into G, each later one's into
+    s.Gmicro (by `micro`, the model over it) and added into G; each pass's
+    row losses into its slice of s.rows, their mean over all B*T rows into
+    the loss; then the norm, clipping and AdamW on G, as without."""
     T = model.config.context
-    model.forward(a, s.ids, T + 1)
-    model.backward(a, s.ids, T + 1)
+    k = s.accumulate
+    if k == 1:
+        model.forward(a, s.ids, T + 1)
+        model.backward(a, s.ids, T + 1)
+    else:
+        b, rows = a.B, a.B * k * T
+        for i in range(k):
+            ids = s.ids[i * b:(i + 1) * b]
+            m = model if i == 0 else micro
+            m.forward(a, ids, T + 1)
+            m.backward(a, ids, T + 1, rows=rows, ce=s.rows[i * b * T:(i + 1) * b * T])
+            if i:
+                model.at()  # the sum of the gradients: no operation of its own
+                kernels.accumulate_gradient(s.G, s.Gmicro)
+        model.at("loss.mean")
+        kernels.mean_loss(s.rows, a.loss)
     model.at("gradient_norm", "clip")
     kernels.gradient_norm(s.G, s.partial, s.norm, s.clip)  # and the clip scale
     model.at("adamw")
@@ -623,19 +657,21 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers) -> None:
 HOST_READ = {"ce": "row losses: read by the host after a replay",
              "loss": "the loss: read by the host after a replay"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
-         "ids": "input", "workspace": "workspace"}
+         "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state"}
 
 
-def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int) -> MemoryPlan:
+def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
+                accumulate: int = 1) -> MemoryPlan:
     """The step's dry run (accelerated/memory_plan.py): every buffer, the
     commands in order with what they touch, each activation's lifetime, and
-    the activations laid out in one arena. Allocates nothing; needs no GPU."""
+    the activations laid out in one arena. Allocates nothing; needs no GPU.
+    With accumulate k the activations are those of a micro-batch of B/k."""
     v = VirtualBuffers()
-    s = allocate_state(v, config, hyper, precision, batch)
+    s = allocate_state(v, config, hyper, precision, batch, accumulate)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
              if isinstance(getattr(s, f.name), VirtualArray)}
     n_state = len(v.requests)
-    acts = Activations(config, batch, config.context,
+    acts = Activations(config, batch // accumulate, config.context,
                        np.uint16 if precision == "bf16" else np.float32, v, train=True)
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
@@ -647,7 +683,8 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int) -> Mem
     kernels = cuda_kernels.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)
     kernels.log = blas.log = log
-    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s)
+    micro = model_for(config, precision, kernels, blas, s, G=s.Gmicro) if accumulate > 1 else None
+    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s, micro)
 
     buffers = []
     for i, (shape, dtype, zeros, ptr, nbytes) in enumerate(v.requests):
@@ -662,6 +699,18 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int) -> Mem
             note = "zeros above the diagonal written once, at allocation, and kept"
         buffers.append(Buffer(name, nbytes, "activation", not note, note))
     touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
+    if accumulate > 1:
+        # SPEC 19: each micro-batch's pass repeats micro-batch 0's commands on
+        # the same activations, and no activation a placement may share
+        # (every candidate) carries a value from one pass into the next or
+        # past the last: lifetimes are those of the first pass, the commands
+        # before the first that reads micro-batch 1's rows of the input slot
+        second = s.ids[acts.B:2 * acts.B].ptr
+        n_pass = next(c.index for c in log.commands if second in c.pointers)
+        for i in range(n_state, len(buffers)):
+            used = [c for c in range(n_pass) if i in touches[c]]
+            if buffers[i].candidate:
+                buffers[i].first, buffers[i].last = (used[0], used[-1]) if used else (None, None)
     products = [c.index for c in log.commands if c.kind == "product"]
     ws = buffers[[b.name for b in buffers].index("workspace")]
     ws.first, ws.last = (products[0], products[-1]) if products else (None, None)
@@ -677,8 +726,11 @@ class CupyProgram(CapturedProgram):
 
     backend = BACKEND
 
-    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_capture(config, precision, batch, state)
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+                 accumulate: int | None = None):
+        k = hyper.accumulate if accumulate is None else accumulate
+        check_capture(config, precision, batch, state, k)
+        self.accumulate, self.micro_batch = k, batch // k
         if config.d_model > cuda_kernels.MAX_D:
             raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
                            f"a row in registers, at most {cuda_kernels.MAX_D} features")
@@ -690,7 +742,7 @@ class CupyProgram(CapturedProgram):
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.alloc = alloc = Buffers(self.stream)
-        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch)
+        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k)
         # the names the rest of the program, its tests and dev/cuda/bench_step.py use
         self.P, self.M, self.V, self.G, self.Pb, self.t = s.P, s.M, s.V, s.G, s.Pb, s.t
         self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
@@ -701,13 +753,15 @@ class CupyProgram(CapturedProgram):
         self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
         weakref.finalize(self, self.blas.close)
         self.model = model_for(config, precision, self.kernels, self.blas, s)
+        self.micro_model = (model_for(config, precision, self.kernels, self.blas, s, G=s.Gmicro)
+                            if k > 1 else None)
         # the memory plan, made by a dry run of this very step before any
         # activation exists (accelerated/memory_plan.py)
-        self.plan = memory_plan(config, hyper, precision, batch)
+        self.plan = memory_plan(config, hyper, precision, batch, k)
         self.memory_planned = planning_enabled() and self.plan.savings > 0
         acts_alloc = PlannedBuffers(alloc, self.plan, self.stream) if self.memory_planned \
             else alloc
-        self.acts = Activations(config, batch, T, op_dtype, acts_alloc, train=True)
+        self.acts = Activations(config, self.micro_batch, T, op_dtype, acts_alloc, train=True)
         self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
         self._eager = None  # (B', T', Activations) of the last logits() shape
         self._uploaded = False
@@ -765,7 +819,7 @@ class CupyProgram(CapturedProgram):
                 "kernels": sorted({c.name for c in log.commands if c.kind == "kernel"})}
 
     def _step(self) -> None:
-        run_step(self.model, self.kernels, self.acts, self.buffers)
+        run_step(self.model, self.kernels, self.acts, self.buffers, self.micro_model)
 
     def _evaluate(self) -> None:
         """Forward and row losses of the evaluation slot: the captured
@@ -776,10 +830,19 @@ class CupyProgram(CapturedProgram):
         buffer of its own, so the last step's row losses, loss and gradient
         stay readable."""
         a, T = self.acts, self.config.context
-        self.model.forward(a, self.eval_ids, T + 1)
-        dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
-        self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
-                                                   self.eval_ce, a.dlogits, dce)
+        if self.accumulate == 1:
+            self.model.forward(a, self.eval_ids, T + 1)
+            dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
+            self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
+                                                       self.eval_ce, a.dlogits, dce)
+            return
+        b, dce = a.B, np.float32(1.0 / (a.B * T))  # the activations hold B/k contexts
+        for i in range(self.accumulate):
+            ids = self.eval_ids[i * b:(i + 1) * b]
+            self.model.forward(a, ids, T + 1)
+            self.kernels.crossentropy_forward_backward(a.logits, ids, T + 1, T,
+                                                       self.eval_ce[i * b * T:(i + 1) * b * T],
+                                                       a.dlogits, dce)
 
     # -- the TrainingProgram interface -------------------------------------------------
 
@@ -866,7 +929,8 @@ class CupyProgram(CapturedProgram):
         self._done.synchronize()
     def row_losses(self) -> np.ndarray:
         self._last("row_losses")
-        return self.acts.ce.get(stream=self.stream).reshape(self.batch, self.config.context)
+        ce = self.acts.ce if self.accumulate == 1 else self.buffers.rows
+        return ce.get(stream=self.stream).reshape(self.batch, self.config.context)
 
     def gradients(self) -> np.ndarray:
         self._last("gradients")
@@ -1015,11 +1079,14 @@ class CupyProgram(CapturedProgram):
         return report
 
 
-def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> CupyProgram:
-    """Allocate, warm up and capture the step once; performs no training update."""
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+            accumulate: int | None = None) -> CupyProgram:
+    """Allocate, warm up and capture the step once; performs no training update.
+    `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches, the
+    activations sized for B/k."""
     if not available():
         raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
-    return CupyProgram(config, hyper, precision, batch, state)
+    return CupyProgram(config, hyper, precision, batch, state, accumulate)
 
 
 # ---------------------------------------------------------------- binding
@@ -1147,7 +1214,8 @@ def _report(program: CupyProgram) -> dict:
         BACKEND, stages, kernels=len(rec["kernels"]),
         graph_nodes=nodes if nodes is not None else (commands if on else 0),
         device_bytes=program.alloc.bytes, replays=program.replays, precision=program.precision,
-        batch=B, captured=on, capture_refused=program.capture_refused or "",
+        batch=B, accumulate=program.accumulate, captured=on,
+        capture_refused=program.capture_refused or "",
         kernel_names=rec["kernels"], kernel_launches=launches, products=products,
         memory_planned=program.memory_planned, memory_saved_bytes=(
             plan.savings if program.memory_planned else 0),
@@ -1166,7 +1234,7 @@ def _plan_off_reason(program: CupyProgram) -> str:
 
 def _partition_outcomes(program: CupyProgram) -> list:
     """The step's fusion candidates as the CUDA step has them (Model)."""
-    c, B = program.config, program.batch
+    c, B = program.config, program.micro_batch  # the activations' batch (B/k, SPEC 19)
     fused = program.acts.fused
     if fused:
         attention = PartitionOutcome("applied", "fused kernels (flash-attention style): the "

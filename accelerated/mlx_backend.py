@@ -210,6 +210,13 @@ class Model:
         ce = self.row_losses(params, inputs, targets)
         return mx.mean(ce), ce
 
+    def scaled_loss(self, params, inputs, targets, scale):
+        # a micro-batch of an accumulated step (SPEC 19): the sum of its row
+        # losses times 1/(B*T) of the whole batch, so the summed gradients
+        # are the whole batch's mean-loss gradient
+        ce = self.row_losses(params, inputs, targets)
+        return mx.sum(ce) * scale, ce
+
 
 # ---------------------------------------------------------------- AdamW
 
@@ -314,12 +321,15 @@ class MLXProgram(CapturedProgram):
 
     backend = BACKEND
 
-    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_capture(config, precision, batch, state)
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+                 accumulate: int | None = None):
+        check_capture(config, precision, batch, state, accumulate)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
+        self.accumulate = hyper.accumulate if accumulate is None else accumulate
         self.model = Model(config, precision)
         self.adamw = AdamW(config, hyper)
         self.value_and_grad = mx.value_and_grad(self.model.loss)  # d loss / d params
+        self.micro_value_and_grad = mx.value_and_grad(self.model.scaled_loss)
         self.traces = 0  # times the step function was traced (1 when compiled)
         self.replays = 0
         self._step = self._traced_step  # replaced by the compiled step when captured
@@ -339,11 +349,28 @@ class MLXProgram(CapturedProgram):
     def _step_fn(self, params, m, v, t, tokens):
         # tokens (B,T+1): inputs the first T ids, targets the same window one on
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        (loss, rows), grads = self.value_and_grad(params, inputs, targets)
+        if self.accumulate == 1:
+            (loss, rows), grads = self.value_and_grad(params, inputs, targets)
+        else:
+            loss, rows, grads = self._accumulated(params, inputs, targets)
         norm = self.adamw.gradient_norm(grads)  # before clipping: recorded every step
         t = t + 1  # this update's number, 1-based
         params, m, v = self.adamw.update(params, m, v, self.adamw.clip_grads(grads, norm), t)
         return params, m, v, t, loss, rows, grads, norm
+
+    def _accumulated(self, params, inputs, targets):
+        # SPEC 19: k micro-batches of B/k rows in order, each gradient scaled
+        # by 1/(B*T), added left to right into G; the loss is the mean of all rows
+        k, (B, T) = self.accumulate, inputs.shape
+        b, scale = B // k, mx.array(np.float32(1.0) / np.float32(B * T))
+        rows, grads = [], None
+        for i in range(k):
+            (_, ce), g = self.micro_value_and_grad(params, inputs[i * b:(i + 1) * b],
+                                                   targets[i * b:(i + 1) * b], scale)
+            rows.append(ce)
+            grads = g if grads is None else {name: grads[name] + g[name] for name in grads}
+        rows = mx.concatenate(rows, axis=0)
+        return mx.mean(rows), rows, grads
 
     def _traced_step(self, params, m, v, t, tokens):
         self.traces += 1  # Python runs only while tracing: counts compilations
@@ -357,7 +384,14 @@ class MLXProgram(CapturedProgram):
         Nothing is evaluated, so no update happens."""
         compiled = mx.compile(self._traced_step)
         s = self.device_state
-        compiled(s.params, s.m, s.v, s.t, self._placeholder())  # traces; errors surface here
+        try:
+            compiled(s.params, s.m, s.v, s.t, self._placeholder())  # traces; errors surface here
+        except IndexError as e:
+            # MLX 0.32's compile fails so (`_Map_base::at`) on three or more
+            # value_and_grad calls in one function (accumulate k >= 3): a
+            # refused capture, the step then runs uncaptured, same results
+            raise RuntimeError(f"mx.compile failed ({e}) with accumulate={self.accumulate}") \
+                from None
         self._step = compiled
 
     def _count_graph(self) -> dict:
@@ -535,11 +569,13 @@ class MLXProgram(CapturedProgram):
         return report
 
 
-def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> MLXProgram:
-    """Build and compile the step once; performs no training update."""
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+            accumulate: int | None = None) -> MLXProgram:
+    """Build and compile the step once; performs no training update.
+    `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches."""
     if not available():
         raise RunError("backend 'mlx': mlx is not installed here")
-    return MLXProgram(config, hyper, precision, batch, state)
+    return MLXProgram(config, hyper, precision, batch, state, accumulate)
 
 
 # ---------------------------------------------------------------- the report

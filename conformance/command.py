@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="precision policy; repeatable (default: fp32 and bf16)")
     parser.add_argument("--batch", type=int, default=None, metavar="B",
                         help="contexts per step (default: 1, or the checkpoint's)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="also check K micro-batches of B/K per step against the "
+                             "unaccumulated reference, and their exact resume (SPEC 19)")
     parser.add_argument("--steps", type=int, default=20, metavar="S",
                         help="length of the loss trajectory and the resume run (default: 20)")
     parser.add_argument("--stream", metavar="PATH", type=path_argument,
@@ -129,6 +132,9 @@ def run(args) -> int:
         config, defaults = config_from_toml(args.model, config if args.preset else None)
         preset_name = config
     batch = args.batch or (defaults.get("batch", 1) if args.model else 1)
+    if args.accumulate < 1 or batch % args.accumulate:
+        raise ConfigError(f"--accumulate={args.accumulate}: must be a positive integer dividing "
+                          f"--batch={batch}")
     precisions = args.precision or list(PRECISIONS)
     check_plan(config, batch, args.steps)
     windows, inputs = None, None
@@ -150,7 +156,7 @@ def run(args) -> int:
     for name in backends:
         for precision in precisions:
             report = run_suite(name, preset_name, precision, batch=batch, steps=args.steps,
-                               windows=windows, inputs=inputs)
+                               windows=windows, inputs=inputs, accumulate=args.accumulate)
             _print(report, args.failures_only)
             status = status or (0 if report.passed else FAILED)
             if args.hypothesis:

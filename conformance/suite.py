@@ -24,7 +24,7 @@ Checks, in order, each producing one row per tensor:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import numpy as np
@@ -35,6 +35,7 @@ from coppelius.reference.config import Config, Hyper, check_precision
 from coppelius.reference.config import preset as preset_config
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
+from coppelius.reference.step import check_accumulate
 
 from . import cases
 from .tolerances import passes, relative_error, tolerance
@@ -279,13 +280,14 @@ def warm_state(config: Config, hyper: Hyper, precision: str, state: State, batch
 def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: int = 20,
               resume_at: int | None = None, windows: np.ndarray | None = None,
               hyper: Hyper | None = None, state: State | None = None,
-              inputs: str | None = None) -> Report:
+              inputs: str | None = None, accumulate: int = 1) -> Report:
     """Every check of the module docstring for one backend, preset and policy.
 
     windows: (steps, B, T+1) token ids; by default `cases.random_windows`
     (seed cases.TOKEN_SEED). state: the starting state; by default the
     preset's fresh initialization. resume_at: S1 of the resume check (by
-    default steps // 3, so the split is not at a checkpoint interval)."""
+    default steps // 3, so the split is not at a checkpoint interval).
+    accumulate: k > 1 adds the `accumulate` rows (accumulate_rows, SPEC 19)."""
     check_precision(precision)
     name, module = _backend(backend)
     preset_name, config = _config(preset)
@@ -339,7 +341,47 @@ def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: i
                                        np.concatenate([rows1, rows2]), row_losses))
     report.rows += resume_rows(config, resumed, final)
     report.rows += learner_rows(module, config, precision, batch, state0, one, windows, report)
+    if accumulate > 1:
+        report.rows += accumulate_rows(module, config, hyper, precision, batch, accumulate,
+                                       state0, one, windows, S1, report)
     return report
+
+
+def accumulate_rows(module, config: Config, hyper: Hyper, precision: str, batch: int, k: int,
+                    state0: State, one: State, windows: np.ndarray, S1: int, report) -> list:
+    """SPEC 19: a program of k micro-batches against the unaccumulated
+    reference -- one step (every tensor) and the trajectory -- within the
+    usual tolerances; then its exact resume with the same k (bitwise)."""
+    check_accumulate(batch, k)
+    hyper = replace(hyper, accumulate=1)  # the reference side: the unaccumulated step
+    rows = []
+    program = module.capture(config, hyper, precision, batch, one.copy(), accumulate=k)
+    for r in step_rows(program, config, hyper, precision, one, windows[0], report.notes):
+        rows.append(Row("accumulate", f"k={k} {r.check} {r.tensor}", r.error, r.tolerance,
+                        r.passed, r.worst, r.got, r.want))
+    del program
+    steps = len(windows)
+    program = module.capture(config, hyper, precision, batch, state0.copy(), accumulate=k)
+    losses, row_losses = trajectory(program, windows)
+    final = program.state()
+    del program
+    want = reference_trajectory(config, hyper, precision, state0, windows)
+    rows.append(compare("accumulate", f"k={k} mean loss, {steps} steps", losses, want,
+                        tolerance("trajectory", precision)))
+    first = module.capture(config, hyper, precision, batch, state0.copy(), accumulate=k)
+    _, rows1 = trajectory(first, windows[:S1])
+    middle = first.state()
+    del first
+    second = module.capture(config, hyper, precision, batch, middle.copy(), accumulate=k)
+    _, rows2 = trajectory(second, windows[S1:])
+    resumed = second.state()
+    del second
+    rows.append(compare_bitwise("resume", f"k={k} row losses, {S1}+{steps - S1} steps",
+                                np.concatenate([rows1, rows2]), row_losses))
+    for r in resume_rows(config, resumed, final):
+        r.tensor = f"k={k} {r.tensor}"
+        rows.append(r)
+    return rows
 
 
 def production_learner(config: Config, precision: str, state: State, tokens, steps: int) -> Hyper:

@@ -42,7 +42,8 @@ from coppelius.reference.stream import open_stream
 # command line gives them. Not remembered: how far to go this time (--steps,
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
-REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "interval",
+REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "accumulate",
+              "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
               "final_step")
@@ -88,6 +89,9 @@ def register(sub) -> None:
     p.add_argument("--interval", type=int, metavar="N",
                    help="publish a checkpoint every N steps (default: the preset's)")
     p.add_argument("--batch", type=int, metavar="B", help="contexts per step (default 1)")
+    p.add_argument("--accumulate", type=int, metavar="K",
+                   help="process each step's B contexts as K micro-batches of B/K, one update "
+                        "(default 1; K must divide B; SPEC §19)")
     hyper = Hyper()
     for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
@@ -235,6 +239,8 @@ def make_learner(options: dict, final_step: int) -> Hyper:
                        "(add --schedule cosine)")
     if options.get("clip") is not None:
         kwargs["clip"] = parse_rational(options["clip"], "clip")
+    if options.get("accumulate") is not None:
+        kwargs["accumulate"] = options["accumulate"]
     return Hyper(**kwargs)
 
 
@@ -267,6 +273,10 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
     precision = check_precision(options.get("precision")
                                 or ("bf16" if backend == "cupy" else "fp32"))
     batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")
+    accumulate = _positive(options.get("accumulate", 1), "accumulate")
+    if batch % accumulate:
+        raise RunError(f"--accumulate={accumulate}: must divide --batch={batch} (micro-batches of "
+                       f"B/K contexts)")
     interval = _positive(options.get("interval"), "interval") or config.interval
     eval_every = _nonnegative(options.get("eval_every"), "eval-every")
     eval_every = interval if eval_every is None else eval_every
@@ -275,7 +285,7 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
         raise RunError(f"--seed={seed}: must be in [0, 2^64)")
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
-    limits.check_fits(limits.step_bytes(config, batch, on_host=backend != "cupy"),
+    limits.check_fits(limits.step_bytes(config, batch // accumulate, on_host=backend != "cupy"),
                       f"--batch={batch} on the {options.get('model') or name} model")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
     fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
@@ -417,7 +427,8 @@ def load_checkpoint(path, config, identities, new_data=False, new_learner=False)
 # identity part -> the option that sets it (SPEC 10's identities, SPEC 7, 18)
 _OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "beta1": "--beta1",
               "beta2": "--beta2", "weight_decay": "--weight-decay", "epsilon": "--epsilon",
-              "clip": "--clip", "heldout": "--eval-contexts", "seed": "--seed"}
+              "clip": "--clip", "heldout": "--eval-contexts", "seed": "--seed",
+              "accumulate": "--accumulate"}
 
 
 def identity_hint(header: dict, run: dict) -> str:
@@ -442,13 +453,14 @@ def identity_hint(header: dict, run: dict) -> str:
             elif part in _OPTION_OF:
                 value = have.get(part)
                 if value is None:  # the run adds a part the checkpoint lacks
-                    value = {"clip": "(off)", "heldout": "0"}.get(part, "(none)")
+                    value = {"clip": "(off)", "heldout": "0", "accumulate": "1"}.get(part, "(none)")
                 said.append(f"{_OPTION_OF[part]} {value}")
     if not said:
         return ""
     text = "the checkpoint was trained with " + ", ".join(said)
     learner_only = all(o.split()[0] in ("--lr", "--beta1", "--beta2", "--weight-decay",
-                                        "--epsilon", "--clip", "--schedule") for o in said)
+                                        "--epsilon", "--clip", "--schedule", "--accumulate")
+                       for o in said)
     return text + (" (or pass --new-learner to change the learner)" if learner_only else "")
 
 

@@ -350,7 +350,7 @@ def _without(identity: str, prefixes: tuple) -> list:
 # the precision policy (SPEC 6: a run resumes only under its policy).
 LIFTED = {"data": ("stream=", "heldout="),
           "learner": ("lr=", "beta1=", "beta2=", "weight_decay=", "epsilon=", "schedule=",
-                      "clip=")}
+                      "clip=", "accumulate=")}
 
 
 def check_identities(header: dict, path, expect: dict, new_data: bool = False,

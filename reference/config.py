@@ -246,8 +246,12 @@ class Hyper:
     total: int | None = None  # N, cosine only (the run loop's default: the run's final step)
     floor: Fraction = Fraction(0)  # f in [0, 1], cosine only
     clip: Fraction | None = None  # c > 0, or None
+    accumulate: int = 1  # k micro-batches per step (SPEC 19); k must divide the batch
 
     def __post_init__(self):
+        k = self.accumulate
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < 2**31:
+            raise ConfigError(f"accumulate={k!r}: must be a positive integer")
         for name in RATIONAL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, Fraction):
@@ -323,6 +327,8 @@ class Hyper:
                      f"floor={rational_text(self.floor)})")
         if self.clip is not None:
             text += f"|clip={rational_text(self.clip)}"
+        if self.accumulate > 1:  # resume exactness needs the same k (SPEC 19)
+            text += f"|accumulate={self.accumulate}"
         return text
 
 

@@ -6,7 +6,8 @@ recorded plan: the bound configuration, policy and buffers, replayed by
 calling `reference.step`.
 
 A backend is a module with `available() -> bool` and
-`capture(config, hyper, precision, batch, state) -> TrainingProgram`
+`capture(config, hyper, precision, batch, state, accumulate=None) -> TrainingProgram`
+(accumulate k: SPEC 19's micro-batches; None takes hyper.accumulate)
 (coppelius.accelerated.BACKENDS lists them). tests/test_program_contract.py
 checks every available backend against this contract.
 """
@@ -26,7 +27,7 @@ from .errors import CoppeliusError, RunError
 from .params import registry
 from .semantic import SemanticGraph, partitions, report_json, semantic_graph
 from .state import State
-from .step import forward, row_losses, step, step_activations
+from .step import check_accumulate, forward, row_losses, step, step_activations
 
 SCHEMA = "coppelius.training_compilation.v1"
 DEBUG_SCHEMA = "coppelius.training_compilation.v2"  # compilation_debug_report_json
@@ -105,13 +106,17 @@ def capture_enabled() -> bool:
     return os.environ.get("COPPELIUS_NO_CAPTURE", "") in ("", "0")
 
 
-def check_capture(config: Config, precision: str, batch: int, state: State) -> None:
+def check_capture(config: Config, precision: str, batch: int, state: State,
+                  accumulate: int | None = 1) -> None:
     """What every backend's capture checks before it allocates anything: the
-    policy, the batch, the state's vectors and its update count (kept on a
-    device as int32 and advanced in the step, so t + 1 must fit)."""
+    policy, the batch, the accumulation k (None: not checked here; it must
+    divide the batch, SPEC 19), the state's vectors and its update count
+    (kept on a device as int32 and advanced in the step, so t + 1 must fit)."""
     check_precision(precision)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise RunError(f"batch={batch!r}: must be a positive integer")
+    if accumulate is not None:
+        check_accumulate(batch, accumulate)
     check_state(config, state)
     t = state.t
     if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31 - 1:
@@ -389,6 +394,7 @@ class TrainingProgram(Protocol):
     hyper: Hyper
     precision: str  # "fp32" or "bf16" (SPEC 6)
     batch: int  # B, contexts per step
+    accumulate: int  # k micro-batches of B/k per step (SPEC 19)
 
     def upload_input(self, tokens) -> None:
         """(B, T+1) integer ids in [0, V) into the captured input slot,
@@ -520,9 +526,11 @@ class ReferenceProgram(CapturedProgram):
 
     backend = "reference"
 
-    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State):
-        check_capture(config, precision, batch, state)
+    def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+                 accumulate: int | None = None):
+        check_capture(config, precision, batch, state, accumulate)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
+        self.accumulate = hyper.accumulate if accumulate is None else accumulate
         self._state = state.copy()  # the program owns its buffers, like a device backend
         self._tokens = None
         self._last = None
@@ -535,12 +543,13 @@ class ReferenceProgram(CapturedProgram):
 
     def _record(self) -> None:
         self._plan = functools.partial(step, self.config, policy=self.precision,
-                                       hyper=self.hyper, grads=True)
+                                       hyper=self.hyper, grads=True, accumulate=self.accumulate)
 
     def _step(self, state, tokens):
         if self._plan is not None:
             return self._plan(state, tokens)
-        return step(self.config, state, tokens, self.precision, self.hyper, grads=True)
+        return step(self.config, state, tokens, self.precision, self.hyper, grads=True,
+                    accumulate=self.accumulate)
 
     def upload_input(self, tokens) -> None:
         self._tokens = check_tokens(self.config, self.batch, tokens)
@@ -663,6 +672,8 @@ def available() -> bool:
     return True
 
 
-def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State) -> TrainingProgram:
-    """Record the reference's plan; performs no training update."""
-    return ReferenceProgram(config, hyper, precision, batch, state)
+def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
+            accumulate: int | None = None) -> TrainingProgram:
+    """Record the reference's plan; performs no training update. `accumulate`
+    k (default: hyper.accumulate) splits each step into k micro-batches."""
+    return ReferenceProgram(config, hyper, precision, batch, state, accumulate)

@@ -44,6 +44,11 @@ def learner_from_identity(learner: str, where: str = "result file") -> tuple:
                           floor=parse_rational(match[3], "floor"))
         if "clip" in parts:
             kwargs["clip"] = parse_rational(parts["clip"], "clip")
+        if "accumulate" in parts:
+            text = parts["accumulate"]
+            if not (text.isascii() and text.isdigit()) or len(text) > 10:
+                raise refuse()
+            kwargs["accumulate"] = int(text)  # a non-canonical form fails `same` below
         precision = parts["precision"]
         hyper = Hyper(**kwargs)
         same = hyper.identity(precision) == learner

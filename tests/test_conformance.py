@@ -100,6 +100,40 @@ def test_suite_passes_on_mlx(precision):
     assert any(r.error > 0 for r in report.rows if r.check == "gradient")
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("mlx", marks=pytest.mark.mlx),
+                                     pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_accumulation_rows_pass_and_an_unscaled_micro_batch_fails_them(backend):
+    """SPEC 19: k = 2 against the unaccumulated reference, and its exact
+    resume; a backend scaling each micro-batch by 1/((B/k)*T) fails them."""
+    if backend not in accelerated.available_backends():
+        pytest.skip(f"the {backend} backend is not available here")
+    report = run_suite(backend, "test", "fp32", batch=4, steps=3, accumulate=2)
+    assert report.passed, report.table(report.failures)
+    rows = [r for r in report.rows if "k=2" in r.tensor]
+    assert {r.check for r in rows} == {"accumulate", "resume"}
+    assert report.row("accumulate", "k=2 mean loss, 3 steps")
+    ref = accelerated.backend_module("reference")
+
+    def capture(config, hyper, precision, batch, state, accumulate=None):
+        program = Wrapped(ref.capture(config, hyper, precision, batch, state, accumulate))
+        if program.inner.accumulate > 1:  # each micro-batch's mean: twice the gradient
+            program.gradients = lambda: program.inner.gradients() * np.float32(2)
+        return program
+
+    broken = types.SimpleNamespace(NAME="broken:unscaled", capture=capture, available=lambda: True)
+    report = run_suite(broken, "test", "fp32", batch=4, steps=3, accumulate=2)
+    assert {r.check for r in report.failures} == {"accumulate"}
+
+
+def test_cli_accumulate_must_divide_the_batch(capsys):
+    status, out, err = cli(["conformance", "--backend", "reference", "--batch", "4",
+                            "--accumulate", "3"], capsys)
+    assert status == 2 and "--accumulate=3" in err and "--batch=4" in err
+    status, out, _ = cli(["conformance", "--backend", "reference", "--precision", "fp32",
+                          "--batch", "2", "--accumulate", "2", "--steps", "2"], capsys)
+    assert status == 0 and "k=2" in out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_suite_passes_on_cupy(precision):

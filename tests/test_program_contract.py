@@ -196,6 +196,61 @@ def test_exact_resume(backend, precision):
     check_same_state(resumed, whole)
 
 
+# ------------------------------------------------------------------ accumulation (SPEC 19)
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulated_step_matches_the_unaccumulated_reference(backend, precision, k):
+    """k micro-batches of B/k, one update: logits, loss, row losses, every
+    gradient, the norm, P, M, V and t within SPEC 14's tolerances of the
+    unaccumulated reference step (float32 sums in another order)."""
+    state = random_state(CONFIG, seed=3, t=41)
+    program = backend.capture(CONFIG, Hyper(), precision, 4, state.copy(), accumulate=k)
+    assert program.accumulate == k and program.batch == 4
+    rows = step_rows(program, CONFIG, Hyper(), precision, state, windows(1, seed=4, batch=4)[0])
+    assert not failures(rows), failures(rows)
+
+
+def test_accumulated_steps_are_bit_reproducible_and_clip_the_sum(backend):
+    state = random_state(CONFIG, seed=11, t=5)
+    inputs = windows(3, seed=12, batch=4)
+    norm = reference.step(CONFIG, state.copy(), inputs[0], "fp32").grad_norm
+    hyper = Hyper(clip=float(norm) / 2)  # the first step clips the accumulated G
+    one = backend.capture(CONFIG, hyper, "fp32", 4, state.copy(), accumulate=2)
+    check_same_state(one.state(), state)
+    two = backend.capture(CONFIG, hyper, "fp32", 4, state.copy(), accumulate=2)
+    rows1, s1 = run(one, inputs)
+    rows2, s2 = run(two, inputs)
+    assert np.array_equal(bits(rows1), bits(rows2))
+    check_same_state(s1, s2)
+    assert np.array_equal(bits(one.gradients()), bits(two.gradients()))
+    want = reference.step(CONFIG, state.copy(), inputs[0], "fp32", hyper, accumulate=2)
+    got = backend.capture(CONFIG, hyper, "fp32", 4, state.copy(), accumulate=2)
+    got.upload_input(inputs[0])
+    got.replay_and_wait()
+    assert relative_error(got.state().P, want.state.P) <= tolerance("update", "fp32")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_exact_resume_with_accumulation(backend, precision):
+    inputs = windows(5, seed=13, batch=4)
+
+    def capture(state):
+        return backend.capture(CONFIG, Hyper(), precision, 4, state, accumulate=2)
+
+    rows, whole = run(capture(fresh()), inputs)
+    rows1, middle = run(capture(fresh()), inputs[:2])
+    rows2, resumed = run(capture(middle), inputs[2:])
+    assert np.array_equal(bits(np.concatenate([rows1, rows2])), bits(rows))
+    check_same_state(resumed, whole)
+
+
+@pytest.mark.parametrize("k", [0, 3, -1])
+def test_an_accumulation_that_does_not_divide_the_batch_is_refused(backend, k):
+    with pytest.raises(CoppeliusError, match=f"accumulate={k}"):
+        backend.capture(CONFIG, Hyper(), "fp32", 4, fresh(), accumulate=k)
+
+
 def test_queued_replays_equal_waited_ones_and_timed_replay(backend):
     """replay() submits without waiting; replays queued back to back give the
     bits of replays waited for one by one."""

@@ -316,3 +316,30 @@ def test_named_intermediates_are_the_step_itself():
         -1, CONFIG.d_model)
     gather = embedding_backward(acts["embedding.dout"], tokens[:, :-1], CONFIG.vocab)
     assert np.allclose(d_head + gather, G[spec.slice].reshape(spec.shape), rtol=1e-5, atol=1e-7)
+
+
+def test_accumulated_gradient_is_the_sum_of_micro_batch_gradients():
+    """SPEC 19: G of the whole batch (loss_and_grads, mean over B*T rows)
+    against the sum of the micro-batches' gradients, each scaled by
+    1/(B*T), computed independently in float64; and the step's order."""
+    from coppelius.reference.step import accumulated_loss_and_grads, loss_and_grads
+
+    config = reference.preset("test")
+    P = reference.initialize(config)
+    tokens = np.random.default_rng(21).integers(0, config.vocab, (4, config.context + 1))
+    ce, G = loss_and_grads(config, P, tokens)
+    rows = tokens.shape[0] * config.context
+    P64 = P.astype(np.float64)
+    parts = [loss_and_grads(config, P64, tokens[i:i + 2], rows=rows) for i in (0, 2)]
+    G64 = parts[0][1] + parts[1][1]
+    assert np.linalg.norm(G - G64) / np.linalg.norm(G64) <= 1e-6
+    ce2, G2 = accumulated_loss_and_grads(config, P, tokens, accumulate=2)
+    assert np.array_equal(ce2, ce)  # the same row losses, in batch order
+    g0 = loss_and_grads(config, P, tokens[:2], rows=rows)[1]
+    g1 = loss_and_grads(config, P, tokens[2:], rows=rows)[1]
+    assert np.array_equal(G2, g0 + g1)  # micro-batch 0 first, float32, left to right
+    state = reference.State.fresh(P)
+    one = reference.step(config, state, tokens, accumulate=2)
+    assert one.loss == ce.mean(dtype=np.float32)
+    with pytest.raises(Exception, match="accumulate=3: must divide the batch 4"):
+        accumulated_loss_and_grads(config, P, tokens, accumulate=3)

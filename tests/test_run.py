@@ -214,6 +214,8 @@ def test_unwritable_checkpoint_directory_is_refused_before_training(tmp_path, st
     ("--eval-contexts", "40", "--eval-contexts=40: the stream"),
     ("--eval-contexts", "-1", "--eval-contexts=-1"),
     ("--eval-every", "-1", "--eval-every=-1"),
+    ("--accumulate", "0", "--accumulate=0"),
+    ("--accumulate", "3", "--accumulate=3: must divide --batch=1"),
 ])
 def test_bad_options_get_one_line_and_exit_2(tmp_path, stream, capsys, option, value, words):
     ck = tmp_path / "ck.bin"
@@ -434,3 +436,27 @@ def test_a_failed_background_publication_stops_the_run_and_keeps_the_old_checkpo
     err = capsys.readouterr().err.strip().splitlines()
     assert "No space left on device" in err[-1] and len(err[-1]) < 300
     assert ck.read_bytes() == before
+
+
+def test_accumulate_must_divide_the_batch_and_is_remembered_in_the_learner(tmp_path, stream,
+                                                                         capsys):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--batch", "4", "--accumulate", "3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--accumulate=3" in err and "--batch=4" in err, err
+    assert not ck.exists()
+    # k = 2: exact resume across invocations; run.json remembers k, the learner identity holds it
+    a, b = tmp_path / "a", tmp_path / "b"
+    acc = ["--batch", "4", "--accumulate", "2"]
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "2", *acc)) == 0
+    assert json.loads((a / "run.json").read_text())["options"]["accumulate"] == 2
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 0
+    assert main(train_args(stream, b, b / "ck.bin", "--steps", "3", *acc)) == 0
+    assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
+    header = load_state(str(a / "ck.bin"), CFG).header
+    assert header["learner"].endswith("|accumulate=2")
+    # another k is another learner: refused, naming the option
+    capsys.readouterr()
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "1", "--accumulate", "1")) == 2
+    err = capsys.readouterr().err
+    assert "--accumulate 2" in err, err

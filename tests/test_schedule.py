@@ -145,3 +145,16 @@ def test_step_with_schedule_and_clipping_by_hand(t0, clip):
     for name, got, w in zip("PMV", (result.state.P, result.state.M, result.state.V), want):
         bad = np.flatnonzero(got.view(np.uint32) != w.view(np.uint32))
         assert bad.size == 0, f"{name}[{bad[0]}]: {got[bad[0]]!r} != {w[bad[0]]!r}"
+
+
+def test_accumulation_is_part_of_the_learner_identity_and_parsed_back():
+    from coppelius.reference.config import ConfigError
+    from coppelius.reference.schedule import learner_from_identity
+
+    assert "accumulate" not in Hyper().identity("fp32")  # k = 1: the identity of before
+    text = Hyper(accumulate=4).identity("bf16")
+    assert text.endswith("|accumulate=4")
+    assert learner_from_identity(text) == (Hyper(accumulate=4), "bf16")
+    for bad in ("|accumulate=1", "|accumulate=04", "|accumulate=x", "|accumulate=0"):
+        with pytest.raises(ConfigError):
+            learner_from_identity(Hyper().identity("fp32") + bad)

@@ -97,3 +97,10 @@ extern "C" __global__ void adamw_update(float* P, float* M, float* Vm, const flo
     Vm[i] = v;
     if (Pb != 0) Pb[i] = bf16_bits(p);
 }
+
+// Gradient accumulation (SPEC 19): G += Gm, elementwise, one float32 add
+// (the reference's G = G + g, left to right over the micro-batches).
+extern "C" __global__ void accumulate_gradient(float* G, const float* Gm, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) G[i] = __fadd_rn(G[i], Gm[i]);
+}

@@ -478,6 +478,11 @@ def k_mean_loss(bf16, ce, loss, n):
     _a(loss)[0] = _a(ce)[:int(n)].mean(dtype=np.float32)
 
 
+def k_accumulate_gradient(bf16, G, Gm, n):
+    n = int(n)
+    _a(G)[:n] = _a(G)[:n] + _a(Gm)[:n]  # one float32 add per element
+
+
 def k_adamw_bias_corrections(bf16, t, c, beta1, beta2, rates, rows):
     _a(t)[0] += 1
     tn = int(_a(t)[0])
@@ -662,10 +667,12 @@ def main():
     status = 0
     preset = sys.argv[1] if len(sys.argv) > 1 else "test"
     for precision in ("fp32", "bf16"):
-        report = run_suite(backend, preset, precision, steps=6)
-        print(report.table(report.failures) if report.failures else "", end="")
-        print(report.summary())
-        status |= not report.passed
+        # one context per step, then two in two micro-batches (SPEC 19)
+        for batch, k in ((1, 1), (2, 2)):
+            report = run_suite(backend, preset, precision, batch=batch, steps=6, accumulate=k)
+            print(report.table(report.failures) if report.failures else "", end="")
+            print(report.summary())
+            status |= not report.passed
     sys.exit(status)
 
 
