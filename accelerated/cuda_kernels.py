@@ -13,13 +13,21 @@ are concatenated into one module (module_source), compiled once per policy
 (`-DOPERAND_BF16` selects bf16); no system header is included, so NVRTC
 compiles it as is.
 
-Determinism: no kernel uses atomics. Every reduction runs in a fixed order
-(warp shuffles in a fixed tree, then shared memory in warp order), so a
-replay gives the same bits every time and resume is exact (SPEC 9).
-Layernorm's weight gradients reduce in two passes (per-block partials, then
-the blocks in order); the embedding gradient of an id is summed by one
-block over the positions holding it, in position order, as the reference's
-np.add.at does.
+Determinism: no kernel uses floating-point atomics. Every reduction runs
+in a fixed order (warp shuffles in a fixed tree, then shared memory in warp
+order), so a replay gives the same bits every time and resume is exact
+(SPEC 9). Layernorm's weight gradients reduce in two passes (per-block
+partials, then the blocks in order); the embedding gradient of an id is
+summed by one block over the positions holding it, in position order, as
+the reference's np.add.at does (integer atomics find each id's first
+position and count: a minimum and a sum, the same in any order).
+
+Bandwidth. The memory-bound kernels move 16 bytes per load and store (a
+float4, or 4 bfloat16 operands in 8 bytes) where every pointer is 16-byte
+aligned and the row length is a multiple of 4: the launcher decides (`vec`,
+_vector) and passes the decision, with the matching number of items; else
+the same kernel takes one element at a time, the same values in the same
+order.
 
 Elementwise formulas that the reference writes as separate float32
 operations use the _rn intrinsics (no fused multiply-add) where that makes
@@ -78,8 +86,12 @@ def module_source(replace: dict | None = None) -> str:
     return "\n".join(parts)
 
 
-KERNELS = ("round_bf16", "embedding_forward", "embedding_backward", "layernorm_forward",
-           "layernorm_backward", "layernorm_param_grads", "rope_forward", "rope_backward",
+LAYERNORM_VARIANTS = (1, 2, 4, 8)  # float4 chunks per lane of the layernorm kernels (_c<NC>)
+KERNELS = ("round_bf16", "embedding_forward", "embedding_index_reset", "embedding_index",
+           "embedding_backward",
+           *(f"layernorm_{part}_c{nc}" for nc in LAYERNORM_VARIANTS
+             for part in ("forward", "backward")),
+           "layernorm_param_grads", "rope_forward", "rope_backward",
            "attention_softmax_forward", "attention_softmax_backward",
            *(f"attention_{part}_e{E}" for E in (16, 32, 64)
              for part in ("forward", "backward_dq", "backward_dkdv")),
@@ -97,10 +109,12 @@ ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (at
 ATTENTION_FUSED_MIN_BATCH = 4
 NORM_BLOCKS = 1056  # blocks of the norm's first pass: 8 per SM of an H200, a fixed order
 ATTENTION_TILE = 64  # ATT_TILE: query rows per block of the fused kernels, keys per tile
-EMBEDDING_TILE = 1024  # ids staged in shared memory per pass (as in embedding.cu)
-LN_LANE = 32  # features per lane of the layernorm kernels (as in layernorm.cu)
-MAX_D = 32 * LN_LANE  # the widest row the layernorm kernels hold in registers
-LAYERNORM_CHUNK = 4  # LN_WARPS: rows per block of layernorm_backward, its partials' partition
+EMBEDDING_THREADS = 256  # EMB_THREADS: positions per pass of embedding_backward (embedding.cu)
+LN_CHUNKS = 8  # the most float4 chunks per lane of the layernorm kernels (layernorm.cu)
+MAX_D = 32 * 4 * LN_CHUNKS  # the widest row the layernorm kernels hold in registers
+LAYERNORM_WARPS = 8  # LN_WARPS: warps (rows at once) per block of the layernorm kernels
+LAYERNORM_GROUPS = 8  # LN_GROUPS: threads summing one column of the partials
+CE_THREADS = 512  # threads per row of crossentropy_forward_backward
 THREADS = 256  # elementwise kernels
 WARPS = 8  # warp-per-row kernels: rows per block
 
@@ -124,6 +138,32 @@ def _threads_over(n: int, cap: int = 256) -> int:
 def _opt(a):
     """An optional pointer argument: the array, or null."""
     return NULL if a is None else a
+
+
+def _vector(*arrays, lengths=()) -> int:
+    """1 when the kernels may move 16 bytes at a time: every array (None:
+    absent) 16-byte aligned and every row length a multiple of 4."""
+    aligned = all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+    return int(aligned and all(n % 4 == 0 for n in lengths))
+
+
+def layernorm_variant(D: int) -> int:
+    """NC of the layernorm kernels for rows of D features: the fewest float4
+    chunks per lane (of LAYERNORM_VARIANTS) that hold a row."""
+    assert D <= MAX_D, D
+    return next(nc for nc in LAYERNORM_VARIANTS if D <= 128 * nc)
+
+
+def layernorm_chunk(rows: int) -> int:
+    """Rows per block of layernorm_backward: the partition of its weight
+    gradients' partial sums (one per block, added in order). About 256
+    blocks or more to fill the GPU, each warp taking 1 to 8 rows."""
+    return min(8 * LAYERNORM_WARPS, max(LAYERNORM_WARPS, LAYERNORM_WARPS * _cdiv(rows, 8 * 256)))
+
+
+def layernorm_chunks(rows: int) -> int:
+    """Blocks of layernorm_backward over `rows` rows: the partials' rows."""
+    return _cdiv(rows, layernorm_chunk(rows))
 
 
 # ---------------------------------------------------------------------------
@@ -162,70 +202,95 @@ class Kernels:
                                           "shared_mem": int(shared_mem)}, pointers)
         self.functions[name](grid, (int(block),), args, shared_mem=int(shared_mem))
 
-    def _rowwise(self, name, rows, cols, args):
-        # 2-D grid: x over the columns, y over the rows (the kernel strides by gridDim.y)
-        self._launch(name, (_cdiv(cols, THREADS), min(rows, 65535)), THREADS, args)
+    def _rowwise(self, name, rows, items, args):
+        # 2-D grid: x over a row's items, y over the rows (the kernel strides
+        # by gridDim.y); the fewest blocks of at most THREADS per row, evened
+        # out (352 items: 2 x 192 threads, not 2 x 256)
+        blocks = _cdiv(items, THREADS)
+        threads = _threads_over(_cdiv(items, blocks), THREADS)
+        self._launch(name, (blocks, min(rows, 65535)), threads, args)
 
     def _elementwise(self, name, n, args):
-        assert n < 2**31 or name in ("round_bf16", "adamw_update", "accumulate_gradient"), \
-            (name, n)  # int indices
+        assert n < 2**31, (name, n)  # int indices
         self._launch(name, _cdiv(n, THREADS), THREADS, args)
+
+    def _flat(self, name, n, args, *arrays):
+        # the flat kernels' items: n4 = n // 4 chunks (vec), then the n % 4
+        # elements left one by one; n4 = 0: n elements one by one
+        n4 = n // 4 if _vector(*arrays) else 0
+        self._launch(name, max(1, _cdiv(n4 + n - 4 * n4, THREADS)), THREADS,
+                     (*args, i64(n), i64(n4)))
 
     # -- precision
     def round_bf16(self, x, out):
         # x (n) float32 -> out (n) bfloat16 bits (uint16)
-        self._elementwise("round_bf16", x.size, (x, out, i64(x.size)))
+        self._flat("round_bf16", x.size, (x, out), x, out)
 
     # -- embedding
     def embedding_forward(self, ids, ids_stride, T, W, x):
         # ids (B, ids_stride), W (V,D) -> x (BT,D)
         BT, D = x.shape
-        self._elementwise("embedding_forward", BT * D, (ids, i32(ids_stride), i32(T), W, x,
-                                                        i32(BT), i32(D)))
+        vec = _vector(W, x, lengths=(D,))
+        self._elementwise("embedding_forward", BT * D // 4 if vec else BT * D,
+                          (ids, i32(ids_stride), i32(T), W, x, i32(BT), i32(D), i32(vec)))
 
-    def embedding_backward(self, dx, ids, ids_stride, T, dW):
-        # dx (BT,D), dW (V,D) holding the unembedding gradient: dW += gather gradient
+    def embedding_backward(self, dx, ids, ids_stride, T, dW, index):
+        # dx (BT,D), dW (V,D) holding the unembedding gradient: dW += gather
+        # gradient; index (V,2) int32 scratch: each id's first position and count
         BT, D = dx.shape
-        assert D <= 1024, D  # one thread per feature
-        self._launch("embedding_backward", BT, _threads_over(D, 1024),
-                     (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D)))
+        V = dW.shape[0]
+        assert index.shape == (V, 2) and index.dtype == np.int32, (index.shape, index.dtype)
+        vec = _vector(dx, dW, lengths=(D,))
+        assert D <= 4 * EMBEDDING_THREADS, D  # a thread holds 4 features
+        self._elementwise("embedding_index_reset", V, (index, i32(V)))
+        self._elementwise("embedding_index", BT, (ids, i32(ids_stride), i32(T), i32(BT), index))
+        self._launch("embedding_backward", BT, EMBEDDING_THREADS,
+                     (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D), index, i32(vec)))
 
     # -- layernorm
     def layernorm_forward(self, x_prev, add, x_out, h, mean, rstd, w, b, eps):
         # x_prev (+ add -> x_out) (rows,D) -> h (rows,D) operand, mean, rstd (rows)
         rows, D = x_prev.shape
-        assert D <= MAX_D, D
-        self._launch("layernorm_forward", _cdiv(rows, WARPS), 32 * WARPS,
+        vec = _vector(x_prev, add, x_out, h, w, b, lengths=(D,))
+        self._launch(f"layernorm_forward_c{layernorm_variant(D)}",
+                     _cdiv(rows, LAYERNORM_WARPS), 32 * LAYERNORM_WARPS,
                      (x_prev, _opt(add), _opt(x_out), h, mean, rstd, w, b, i32(rows), i32(D),
-                      f32(eps)))
+                      f32(eps), i32(vec)))
 
     def layernorm_backward(self, dout, dres, x, mean, rstd, w, dx, dx_op, partials):
-        # dout (rows,D) -> dx (rows,D) (+ dres), dx_op, partials (chunks, 2D)
+        # dout (rows,D) -> dx (rows,D) (+ dres), dx_op, partials (chunks, 2D):
+        # chunks = layernorm_chunks(rows), each the sums over layernorm_chunk(rows) rows
         rows, D = dout.shape
-        chunks = _cdiv(rows, LAYERNORM_CHUNK)
-        assert D <= MAX_D and partials.shape == (chunks, 2 * D), (partials.shape, chunks, D)
-        self._launch("layernorm_backward", chunks, 32 * LAYERNORM_CHUNK,
+        chunks = layernorm_chunks(rows)
+        assert partials.shape == (chunks, 2 * D), (partials.shape, chunks, D)
+        vec = _vector(dout, dres, x, w, dx, dx_op, lengths=(D,))
+        self._launch(f"layernorm_backward_c{layernorm_variant(D)}", chunks,
+                     32 * LAYERNORM_WARPS,
                      (dout, _opt(dres), x, mean, rstd, w, dx, _opt(dx_op), partials, i32(rows),
-                      i32(D)), 4 * LAYERNORM_CHUNK * 2 * D)
+                      i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
     def layernorm_param_grads(self, partials, offsets, G):
         # partials (norms, chunks, 2D), offsets (norms) int64 -> G[offset : offset + 2D]
         norms, chunks, twoD = partials.shape
-        self._elementwise("layernorm_param_grads", norms * twoD,
-                          (partials, offsets, G, i32(norms), i32(chunks), i32(twoD // 2)))
+        self._launch("layernorm_param_grads", norms * _cdiv(twoD, 32), 32 * LAYERNORM_GROUPS,
+                     (partials, offsets, G, i32(norms), i32(chunks), i32(twoD // 2)))
 
     # -- rope
     def rope_forward(self, qkv, out, cos, sin, T, H):
         # qkv (BT,3D) float32 -> out (BT,3D) operands
         BT, D3 = qkv.shape
-        self._rowwise("rope_forward", BT, D3, (qkv, out, cos, sin, i32(BT), i32(T), i32(D3 // 3),
-                                               i32(H)))
+        D = D3 // 3
+        vec = _vector(qkv, out, cos, sin, lengths=(D // H // 2,))
+        self._rowwise("rope_forward", BT, D // 2 if vec else D3,
+                      (qkv, out, cos, sin, i32(BT), i32(T), i32(D), i32(H), i32(vec)))
 
     def rope_backward(self, dqk, dqkv, cos, sin, T, H):
         # dqk (BT,2D) float32 -> dqkv[:, :2D] (BT,3D) operands
         BT, D2 = dqk.shape
-        self._rowwise("rope_backward", BT, D2, (dqk, dqkv, cos, sin, i32(BT), i32(T),
-                                                i32(D2 // 2), i32(H)))
+        D = D2 // 2
+        vec = _vector(dqk, dqkv, cos, sin, lengths=(D // H // 2,))
+        self._rowwise("rope_backward", BT, D // 4 if vec else D2,
+                      (dqk, dqkv, cos, sin, i32(BT), i32(T), i32(D), i32(H), i32(vec)))
 
     # -- attention
     def attention_softmax_forward(self, s, p_op, scale):
@@ -268,19 +333,25 @@ class Kernels:
     def swiglu_forward(self, gu, a):
         # gu (BT,2F) -> a (BT,F) operand
         BT, F = a.shape
-        self._rowwise("swiglu_forward", BT, F, (gu, a, i32(BT), i32(F)))
+        vec = _vector(gu, a, lengths=(F,))
+        self._rowwise("swiglu_forward", BT, F // 4 if vec else F, (gu, a, i32(BT), i32(F),
+                                                                   i32(vec)))
 
     def swiglu_backward(self, da, gu, dgu):
         # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands
         BT, F = da.shape
-        self._rowwise("swiglu_backward", BT, F, (da, gu, dgu, i32(BT), i32(F)))
+        vec = _vector(da, gu, dgu, lengths=(F,))
+        self._rowwise("swiglu_backward", BT, F // 4 if vec else F,
+                      (da, gu, dgu, i32(BT), i32(F), i32(vec)))
 
     # -- loss
     def crossentropy_forward_backward(self, logits, ids, ids_stride, T, ce, dlogits, dce):
         # logits (BT,V) -> ce (BT), dlogits (BT,V) operands for the mean's gradient dce
         BT, V = logits.shape
-        self._launch("crossentropy_forward_backward", BT, _threads_over(V, 512),
-                     (logits, ids, i32(ids_stride), i32(T), ce, dlogits, i32(V), f32(dce)))
+        vec = _vector(logits, dlogits, lengths=(V,))
+        self._launch("crossentropy_forward_backward", BT, _threads_over(_cdiv(V, 4), CE_THREADS),
+                     (logits, ids, i32(ids_stride), i32(T), ce, dlogits, i32(V), f32(dce),
+                      i32(vec)))
 
     def mean_loss(self, ce, loss):
         self._launch("mean_loss", 1, 1024, (ce, loss, i32(ce.size)))
@@ -307,14 +378,14 @@ class Kernels:
         # c (4) c1, c2, a_t, b_t; norm (2) with the clip scale norm[1];
         # k: reference.adamw.AdamWConstants (the betas and epsilon)
         n = P.size
-        self._elementwise("adamw_update", n, (P, M, V, G, decay, _opt(Pb), c, norm, i64(n),
-                                              f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2),
-                                              f32(k.eps)))
+        n4 = n // 4 if _vector(P, M, V, G, decay, Pb) else 0
+        self._launch("adamw_update", max(1, _cdiv(n4 + n - 4 * n4, THREADS)), THREADS,
+                     (P, M, V, G, decay, _opt(Pb), c, norm, i64(n), i64(n4), f32(k.b1),
+                      f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
 
     def accumulate_gradient(self, G, Gm):
         # G, Gm (N) float32: G += Gm (a micro-batch's gradient, SPEC 19)
-        n = G.size
-        self._elementwise("accumulate_gradient", n, (G, Gm, i64(n)))
+        self._flat("accumulate_gradient", G.size, (G, Gm), G, Gm)
 
 
 def attention_scale(E: int) -> np.float32:

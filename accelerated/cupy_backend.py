@@ -264,8 +264,8 @@ class Activations:
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
         self.dqk = alloc((BT, 2 * D), f32)  # gradients of the rotated q, k
         self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
-        chunks = -(-BT // cuda_kernels.LAYERNORM_CHUNK)
-        self.ln_partials = alloc((2 * L + 1, chunks, 2 * D), f32)
+        self.ln_partials = alloc((2 * L + 1, cuda_kernels.layernorm_chunks(BT), 2 * D), f32)
+        self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
 
 
 class Model:
@@ -468,7 +468,7 @@ class Model:
         self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
         self.at("embedding.backward", "tok_embedding.dweight_sum")
-        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb)
+        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb, a.emb_index)
         # every norm's weight and bias gradients, reduced from their partials at once
         self.at("final_norm.backward", *(f"layers.{l}.{norm}.backward" for l in range(L)
                                          for norm in ("attn_norm", "mlp_norm")))

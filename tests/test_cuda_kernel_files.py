@@ -52,17 +52,20 @@ def test_each_line_of_the_module_is_its_file_line_after_the_directive():
 
 
 def kernel_definitions(source):
-    """Names of extern "C" kernels defined in source, the fused attention's
-    macro-made entry points included (one set per ATTENTION_KERNELS(E))."""
-    # the macro: its #define line, the lines continued by a backslash, the last one
-    macro = re.search(r"#define ATTENTION_KERNELS\(E\)(?:.*\\\n)*.*", source)
-    parts = re.findall(r"attention_(\w+)_e##E\(", macro.group(0)) if macro else []
-    if macro:
+    """Names of extern "C" kernels defined in source, the macro-made entry
+    points included: one set per use of a `#define <NAME>_KERNELS(<P>)` macro
+    (the fused attention's per head dim, the layernorm's per row width),
+    each kernel named `<prefix>##<P>` in the macro."""
+    names = []
+    # a macro: its #define line, the lines continued by a backslash, the last one
+    for macro in re.finditer(r"#define (\w+_KERNELS)\((\w+)\)(?:.*\\\n)*.*", source):
+        name, param = macro.group(1), macro.group(2)
+        prefixes = re.findall(rf"(\w+)##{param}\(", macro.group(0))
+        for value in re.findall(rf"^{name}\((\d+)\)$", source, re.M):
+            names += [f"{prefix}{value}" for prefix in prefixes]
         source = source.replace(macro.group(0), "")
-    names = re.findall(r'extern "C" __global__ void\s+(\w+)\(', source)
-    for E in re.findall(r"^ATTENTION_KERNELS\((\d+)\)$", source, re.M):
-        names += [f"attention_{part}_e{E}" for part in parts]
-    return names
+    return names + re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
+                              r'(\w+)\(', source)
 
 
 def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
@@ -73,9 +76,11 @@ def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
 
 
 @pytest.mark.parametrize("constant,file,define", [
-    ("EMBEDDING_TILE", "embedding.cu", "EMBEDDING_TILE"),
-    ("LN_LANE", "layernorm.cu", "LN_LANE"),
-    ("LAYERNORM_CHUNK", "layernorm.cu", "LN_WARPS"),
+    ("EMBEDDING_THREADS", "embedding.cu", "EMB_THREADS"),
+    ("LN_CHUNKS", "layernorm.cu", "LN_CHUNKS"),
+    ("LAYERNORM_WARPS", "layernorm.cu", "LN_WARPS"),
+    ("LAYERNORM_GROUPS", "layernorm.cu", "LN_GROUPS"),
+    ("CE_THREADS", "crossentropy.cu", "CE_THREADS"),
     ("ATTENTION_TILE", "attention_fused.cu", "ATT_TILE"),
 ])
 def test_launcher_constants_are_the_sources(constant, file, define):

@@ -62,7 +62,26 @@ def host(x):
 
 def empty(shape, dtype=np.float32):
     # poisoned, so an element a kernel does not write fails the comparison
-    return cupy.full(shape, 0xFFFF if dtype == np.uint16 else np.nan, dtype=dtype)
+    kind = np.dtype(dtype)
+    fill = 0xFFFF if kind == np.uint16 else -1 if kind.kind == "i" else np.nan
+    return cupy.full(shape, fill, dtype=dtype)
+
+
+def placed(x, aligned=True, dtype=None):
+    """x on the device; aligned=False: one element past a 16-byte boundary,
+    so the kernels take their element-by-element path whatever the shape."""
+    x = np.ascontiguousarray(x, dtype=dtype)
+    if aligned:
+        return dev(x)
+    buffer = dev(np.concatenate([np.zeros(1, x.dtype), x.reshape(-1)]))
+    return buffer[1:].reshape(x.shape)
+
+
+def empty_placed(shape, dtype=np.float32, aligned=True):
+    """empty(), placed as placed() places."""
+    if aligned:
+        return empty(shape, dtype)
+    return empty((int(np.prod(shape)) + 1,), dtype)[1:].reshape(shape)
 
 
 def op_dtype(precision):
@@ -196,13 +215,16 @@ def test_fp32_products_are_not_tf32():
 
 # ------------------------------------------------------------------ layer kernels
 
-dims = st.tuples(st.integers(1, 3), st.integers(1, 40), st.sampled_from([1, 4, 6, 32, 40, 130]),
+# D: each register variant (128, 256, 512, 1024 features per row), rows of
+# 4k and of other lengths (the element-by-element path)
+dims = st.tuples(st.integers(1, 3), st.integers(1, 40),
+                 st.sampled_from([1, 4, 6, 32, 40, 130, 256, 300, 512, 1000, 1024]),
                  st.integers(0, 2**31 - 1))
 
 
 @small
-@given(dims, st.sampled_from(PRECISIONS), st.booleans())
-def test_layernorm_forward(shape, precision, residual):
+@given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())
+def test_layernorm_forward(shape, precision, residual, aligned):
     Bn, T, D, seed = shape
     rng = np.random.default_rng(seed)
     rows = Bn * T
@@ -210,8 +232,8 @@ def test_layernorm_forward(shape, precision, residual):
     add = rng.standard_normal((rows, D)).astype(np.float32)
     w, b = rng.standard_normal((2, D)).astype(np.float32)
     h, mean, rstd = empty((rows, D), op_dtype(precision)), empty((rows,)), empty((rows,))
-    x_out = empty((rows, D))
-    kernels(precision).layernorm_forward(dev(x), dev(add) if residual else None,
+    x_out = empty_placed((rows, D), aligned=aligned)
+    kernels(precision).layernorm_forward(placed(x, aligned), dev(add) if residual else None,
                                          x_out if residual else None, h, mean, rstd, dev(w),
                                          dev(b), cupy_backend.EPS)
     xin = x + add if residual else x
@@ -224,8 +246,8 @@ def test_layernorm_forward(shape, precision, residual):
 
 
 @small
-@given(dims, st.sampled_from(PRECISIONS), st.booleans())
-def test_layernorm_backward_and_param_grads(shape, precision, residual):
+@given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())
+def test_layernorm_backward_and_param_grads(shape, precision, residual, aligned):
     Bn, T, D, seed = shape
     rng = np.random.default_rng(seed)
     rows = Bn * T
@@ -240,9 +262,10 @@ def test_layernorm_backward_and_param_grads(shape, precision, residual):
     h, mean, rstd = empty((rows, D), op_dtype(precision)), empty((rows,)), empty((rows,))
     dx_x = dev(x)
     k.layernorm_forward(dx_x, None, None, h, mean, rstd, dev(w), dev(b), cupy_backend.EPS)
-    dx = dev(dres) if residual else empty((rows, D))  # in place over dres, as the step does
+    # in place over dres, as the step does
+    dx = placed(dres, aligned) if residual else empty_placed((rows, D), aligned=aligned)
     dx_op = empty((rows, D), np.uint16) if precision == "bf16" else None
-    chunks = -(-rows // cuda_kernels.LAYERNORM_CHUNK)
+    chunks = cuda_kernels.layernorm_chunks(rows)
     partials = empty((2, chunks, 2 * D))  # two norms: this one, and a copy at another offset
     k.layernorm_backward(dev(dout), dx if residual else None, dx_x, mean, rstd, dev(w), dx, dx_op,
                          partials[0])
@@ -264,10 +287,13 @@ def test_layernorm_backward_and_param_grads(shape, precision, residual):
 
 
 @small
-@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([(1, 2), (2, 4), (3, 6), (8, 64)]),
-       st.integers(0, 2**31 - 1))
-def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
-    """Half-split pairs; the same float32 operations as the reference."""
+@given(st.integers(1, 3), st.integers(1, 20),
+       st.sampled_from([(1, 2), (2, 4), (3, 6), (8, 64), (2, 8), (3, 16), (2, 24), (1, 12)]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_rope_forward_backward_bitwise(Bn, T, HE, aligned, seed):
+    """Half-split pairs; the same float32 operations as the reference. Head
+    dims of 8k take 4 pairs at a time (16-byte loads), others and misaligned
+    rows one element at a time."""
     H, E = HE
     D = H * E
     rng = np.random.default_rng(seed)
@@ -276,7 +302,7 @@ def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
     cos, sin = rope_tables(Tmax, E)
     k = kernels("fp32")
     out = empty((Bn * T, 3 * D))
-    k.rope_forward(dev(qkv), out, dev(cos), dev(sin), T, H)
+    k.rope_forward(placed(qkv, aligned), out, dev(cos), dev(sin), T, H)
     got = host(out).reshape(Bn, T, 3, H, E)
     x = qkv.reshape(Bn, T, 3, H, E)
     c, s = cos[:T], sin[:T]
@@ -286,7 +312,7 @@ def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
 
     dqk = rng.standard_normal((Bn * T, 2 * D)).astype(np.float32)
     dqkv = empty((Bn * T, 3 * D))
-    k.rope_backward(dev(dqk), dqkv, dev(cos), dev(sin), T, H)
+    k.rope_backward(placed(dqk, aligned), dqkv, dev(cos), dev(sin), T, H)
     got = host(dqkv).reshape(Bn, T, 3, H, E)
     d = dqk.reshape(Bn, T, 2, H, E)
     check_bitwise("dq", got[:, :, 0], rope_backward(d[:, :, 0], c, s))
@@ -369,9 +395,9 @@ def test_attention_matches_reference_layer(Bn, H, T, E, precision, seed):
 
 
 @small
-@given(st.integers(1, 50), st.integers(1, 70), st.sampled_from(PRECISIONS),
+@given(st.integers(1, 50), st.integers(1, 70), st.sampled_from(PRECISIONS), st.booleans(),
        st.integers(0, 2**31 - 1))
-def test_swiglu_forward_backward(BT, F, precision, seed):
+def test_swiglu_forward_backward(BT, F, precision, aligned, seed):
     rng = np.random.default_rng(seed)
     gu = (rng.standard_normal((BT, 2 * F)) * 4).astype(np.float32)
     da = rng.standard_normal((BT, F)).astype(np.float32)
@@ -380,19 +406,22 @@ def test_swiglu_forward_backward(BT, F, precision, seed):
     want_dg, want_du = swiglu_backward(da, cache)
     k = kernels(precision)
     a = empty((BT, F), op_dtype(precision))
-    k.swiglu_forward(dev(gu), a)
+    k.swiglu_forward(placed(gu, aligned), a)
     check_close("a", as_float(a, precision), policy(want_a, precision), operand_tol(precision))
     dgu = empty((BT, 2 * F), op_dtype(precision))
-    k.swiglu_backward(dev(da), dev(gu), dgu)
+    k.swiglu_backward(placed(da, aligned), dev(gu), dgu)
     got = as_float(dgu, precision)
     check_close("dg", got[:, :F], policy(want_dg, precision), operand_tol(precision))
     check_close("du", got[:, F:], policy(want_du, precision), operand_tol(precision))
 
 
 @small
-@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([2, 7, 64, 1000, 12288]),
-       st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
-def test_crossentropy_forward_backward(Bn, T, V, precision, seed):
+@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([2, 7, 64, 1000, 12288, 16389,
+                                                             20000]),
+       st.sampled_from(PRECISIONS), st.booleans(), st.integers(0, 2**31 - 1))
+def test_crossentropy_forward_backward(Bn, T, V, precision, aligned, seed):
+    """Rows held in registers (up to 16384 logits) and longer ones, read
+    16 bytes at a time (V of 4k) or one logit at a time."""
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((Bn, T, V)) * 5).astype(np.float32)
     ids = rng.integers(0, V, (Bn, T + 1))
@@ -402,8 +431,8 @@ def test_crossentropy_forward_backward(Bn, T, V, precision, seed):
     want_dl = crossentropy_backward(np.full((Bn, T), dce, np.float32), cache)
     k = kernels(precision)
     ce, dl, loss = empty((n,)), empty((n, V), op_dtype(precision)), empty((1,))
-    k.crossentropy_forward_backward(dev(logits.reshape(n, V)), dev(ids.astype(np.int32)), T + 1,
-                                    T, ce, dl, dce)
+    k.crossentropy_forward_backward(placed(logits.reshape(n, V), aligned),
+                                    dev(ids.astype(np.int32)), T + 1, T, ce, dl, dce)
     k.mean_loss(ce, loss)
     check_close("ce", host(ce).reshape(Bn, T), want_ce, 1e-6)
     check_close("loss", host(loss)[0], want_ce.mean(dtype=np.float32), 1e-6)
@@ -412,34 +441,40 @@ def test_crossentropy_forward_backward(Bn, T, V, precision, seed):
 
 
 @small
-@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50), st.sampled_from([1, 5, 32, 70]),
-       st.integers(0, 2**31 - 1))
-def test_embedding_forward_backward(Bn, T, V, D, seed):
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50),
+       st.sampled_from([1, 5, 32, 70, 512, 1000, 1024]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_embedding_forward_backward(Bn, T, V, D, aligned, seed):
     """The gather, and the gather gradient added to the unembedding gradient
     in position order: bitwise the reference's d_head + np.add.at."""
     rng = np.random.default_rng(seed)
     W = rng.standard_normal((V, D)).astype(np.float32)
     ids = rng.integers(0, min(V, 4), (Bn, T + 1))  # few ids: many repeats
     k = kernels()
-    x = empty((Bn * T, D))
+    x = empty_placed((Bn * T, D), aligned=aligned)
     k.embedding_forward(dev(ids.astype(np.int32)), T + 1, T, dev(W), x)
     check_bitwise("gather", host(x), W[ids[:, :T].reshape(-1)])
     dx = rng.standard_normal((Bn * T, D)).astype(np.float32)
     d_head = rng.standard_normal((V, D)).astype(np.float32)
     dW = dev(d_head)
-    k.embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW)
+    index = empty((V, 2), np.int32)
+    k.embedding_backward(placed(dx, aligned), dev(ids.astype(np.int32)), T + 1, T, dW, index)
     check_bitwise("dW", host(dW), d_head + embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V))
 
 
-def test_embedding_backward_many_positions():
-    """More positions than one shared-memory tile of ids."""
+@pytest.mark.parametrize("Bn, T, V, D, ids", [(3, 900, 37, 24, "uniform"), (2, 700, 300, 64, "one"),
+                                              (1, 1000, 5000, 8, "distinct")])
+def test_embedding_backward_many_positions(Bn, T, V, D, ids):
+    """More positions than one pass of a block, with ids repeated throughout,
+    one id everywhere (its block walks every position), or all distinct."""
     rng = np.random.default_rng(5)
-    Bn, T, V, D = 3, 900, 37, 24
-    ids = rng.integers(0, V, (Bn, T + 1))
+    ids = {"uniform": lambda: rng.integers(0, V, (Bn, T + 1)),
+           "one": lambda: np.full((Bn, T + 1), 7),
+           "distinct": lambda: rng.permutation(V)[:Bn * (T + 1)].reshape(Bn, T + 1)}[ids]()
     dx = rng.standard_normal((Bn * T, D)).astype(np.float32)
     d_head = rng.standard_normal((V, D)).astype(np.float32)
     dW = dev(d_head)
-    kernels().embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW)
+    index = empty((V, 2), np.int32)
+    kernels().embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW, index)
     check_bitwise("dW", host(dW), d_head + embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V))
 
 
@@ -487,10 +522,12 @@ def test_gradient_norm_and_clip_scale(n):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_adamw_update_bitwise(precision):
-    """The same float32 operations as reference.adamw.adamw_update."""
+@pytest.mark.parametrize("n, aligned", [(100_003, True), (1_001, False), (3, True)])
+def test_adamw_update_bitwise(precision, n, aligned):
+    """The same float32 operations as reference.adamw.adamw_update: 16-byte
+    chunks then the n % 4 elements left, or (misaligned) one at a time."""
     rng = np.random.default_rng(7)
-    n, t = 100_003, 17
+    t = 17
     hyper = Hyper(lr="1/1000", weight_decay="3/10")
     P = rng.standard_normal(n).astype(np.float32)
     M = (1e-3 * rng.standard_normal(n)).astype(np.float32)
@@ -498,7 +535,7 @@ def test_adamw_update_bitwise(precision):
     G = (1e-2 * rng.standard_normal(n)).astype(np.float32)
     decay = rng.random(n) < 0.7
     want = adamw_update(P, M, V, G, decay, hyper, t)
-    dP, dM, dV = dev(P), dev(M), dev(V)
+    dP, dM, dV = placed(P, aligned), dev(M), dev(V)
     Pb = empty((n,), np.uint16) if precision == "bf16" else None
     c = dev(np.array([*bias_corrections(hyper, t), *learning_rates(hyper, t)], np.float32))
     unclipped = dev(np.array([0.0, 1.0], np.float32))  # (norm, scale): scale 1 leaves G's bits
@@ -508,6 +545,25 @@ def test_adamw_update_bitwise(precision):
         check_bitwise(name, host(got), w)
     if Pb is not None:
         check_bitwise("Pb", as_float(Pb, "bf16"), round_bf16(want[0]))
+
+
+@pytest.mark.parametrize("n, aligned", [(100_003, True), (1_001, False), (2, True)])
+def test_accumulate_gradient_bitwise(n, aligned):
+    """G += Gm: one float32 add per element (SPEC 19)."""
+    rng = np.random.default_rng(n)
+    G, Gm = rng.standard_normal((2, n)).astype(np.float32)
+    dG = placed(G, aligned)
+    kernels().accumulate_gradient(dG, dev(Gm))
+    check_bitwise("G", host(dG), G + Gm)
+
+
+@pytest.mark.parametrize("n, aligned", [(1 << 16, True), (4099, True), (4099, False)])
+def test_round_bf16_paths(n, aligned):
+    """16-byte chunks, the elements left, and misaligned vectors."""
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 1e3
+    out = empty_placed((n,), np.uint16, aligned)
+    kernels().round_bf16(placed(x, aligned), out)
+    check_bitwise("round_bf16", as_float(out, "bf16"), round_bf16(x))
 
 
 # ------------------------------------------------------------------ the whole step
@@ -582,8 +638,11 @@ def test_compilation_report(precision):
     attention = ({f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
                                                          "backward_dkdv")} if fused
                  else {"attention_softmax_forward", "attention_softmax_backward"})
-    others = {name for name in cuda_kernels.KERNELS if not name.startswith("attention_")}
-    assert set(report["kernel_names"]) == (others | attention) - {
+    nc = cuda_kernels.layernorm_variant(CONFIG.d_model)
+    layernorm = {f"layernorm_{part}_c{nc}" for part in ("forward", "backward")}
+    others = {name for name in cuda_kernels.KERNELS
+              if not name.startswith(("attention_", "layernorm_forward_", "layernorm_backward_"))}
+    assert set(report["kernel_names"]) == (others | attention | layernorm) - {
         "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient"}  # k = 1
     assert report["kernels"] == len(report["kernel_names"])
     assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]

@@ -23,15 +23,29 @@ extern "C" __global__ void adamw_bias_corrections(int* t, float* c, double beta1
 // The gradient norm (SPEC 7), in two fixed-order passes so that every replay
 // gives the same bits: each of gridDim.x blocks sums the squares of a strided
 // set of G's elements into partial[block]; then one block sums the partials.
-extern "C" __global__ void gradient_sum_squares(const float* G, long long n, float* partial) {
+extern "C" __global__ void gradient_sum_squares(const float* __restrict__ G, long long n,
+                                                float* __restrict__ partial) {
     __shared__ float red[32];
     float s = 0.0f;
     // float4 loads (G is a pool allocation, 256-byte aligned): the pass is
-    // bound by reading G once, and wide loads keep more bytes in flight
+    // bound by reading G once. Four loads are issued before their sums
+    // (the order of the sums is the loop's), to keep bytes in flight.
     const float4* G4 = reinterpret_cast<const float4*>(G);
-    long long n4 = n / 4;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
-         i += (long long)gridDim.x * blockDim.x) {
+    long long n4 = n / 4, stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n4; i += 4 * stride) {
+        float4 g[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) g[k] = G4[i + k * stride];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s = fmaf(g[k].x, g[k].x, s);
+            s = fmaf(g[k].y, g[k].y, s);
+            s = fmaf(g[k].z, g[k].z, s);
+            s = fmaf(g[k].w, g[k].w, s);
+        }
+    }
+    for (; i < n4; i += stride) {
         float4 g = G4[i];
         s = fmaf(g.x, g.x, s);
         s = fmaf(g.y, g.y, s);
@@ -39,7 +53,7 @@ extern "C" __global__ void gradient_sum_squares(const float* G, long long n, flo
         s = fmaf(g.w, g.w, s);
     }
     if (blockIdx.x == 0) {  // the last n % 4 elements
-        for (long long i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) s = fmaf(G[i], G[i], s);
+        for (long long j = 4 * n4 + threadIdx.x; j < n; j += blockDim.x) s = fmaf(G[j], G[j], s);
     }
     s = block_sum(s, red);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
@@ -75,23 +89,60 @@ extern "C" __global__ void adamw_bias_corrections_table(const int* ts, float* c1
 //   g = G scale (clipping) ; m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g g ;
 //   p -= b_t p (decay only) ; p -= a_t (m / c1) / (sqrt(v / c2) + eps)
 // c = (c1, c2, a_t, b_t) and norm[1] = scale come from the kernels above.
+struct AdamW {
+    float c1, c2, lr, lrwd, scale, b1, omb1, b2, omb2, eps;
+
+    __device__ __forceinline__ void update(float& p, float& m, float& v, float g,
+                                           bool decay) const {
+        g = __fmul_rn(g, scale);
+        m = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(omb1, g));
+        v = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(omb2, g), g));
+        if (decay) p = __fsub_rn(p, __fmul_rn(lrwd, p));
+        float step = __fdiv_rn(__fmul_rn(lr, __fdiv_rn(m, c1)),
+                               __fadd_rn(__fsqrt_rn(__fdiv_rn(v, c2)), eps));
+        p = __fsub_rn(p, step);
+    }
+};
+
 // Under bf16 the new parameters are also written as bfloat16 operands (Pb),
-// so the next step's products need no rounding pass over P.
-extern "C" __global__ void adamw_update(float* P, float* M, float* Vm, const float* G,
-                                        const unsigned char* decay, unsigned short* Pb,
-                                        const float* c, const float* norm, long long n,
-                                        float b1, float omb1, float b2, float omb2, float eps) {
+// so the next step's products need no rounding pass over P. Item i < n4:
+// chunk i of every vector (16-byte loads and stores; 4 bytes of decay, 8 of
+// Pb); then one item per element from 4 * n4 on (n4 = 0: every element
+// alone). The pass moves about 31 bytes per parameter: bandwidth-bound.
+extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict__ M,
+                                        float* __restrict__ Vm, const float* __restrict__ G,
+                                        const unsigned char* __restrict__ decay,
+                                        unsigned short* __restrict__ Pb,
+                                        const float* __restrict__ c,
+                                        const float* __restrict__ norm, long long n,
+                                        long long n4, float b1, float omb1, float b2, float omb2,
+                                        float eps) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float c1 = c[0], c2 = c[1], lr = c[2], lrwd = c[3];
-    float g = __fmul_rn(G[i], norm[1]);
-    float m = __fadd_rn(__fmul_rn(b1, M[i]), __fmul_rn(omb1, g));
-    float v = __fadd_rn(__fmul_rn(b2, Vm[i]), __fmul_rn(__fmul_rn(omb2, g), g));
-    float p = P[i];
-    if (decay[i]) p = __fsub_rn(p, __fmul_rn(lrwd, p));
-    float step = __fdiv_rn(__fmul_rn(lr, __fdiv_rn(m, c1)),
-                           __fadd_rn(__fsqrt_rn(__fdiv_rn(v, c2)), eps));
-    p = __fsub_rn(p, step);
+    if (i >= n4 + (n - 4 * n4)) return;
+    AdamW k = {c[0], c[1], c[2], c[3], norm[1], b1, omb1, b2, omb2, eps};
+    if (i < n4) {
+        float4 p = reinterpret_cast<float4*>(P)[i], m = reinterpret_cast<float4*>(M)[i];
+        float4 v = reinterpret_cast<float4*>(Vm)[i];
+        float4 g = reinterpret_cast<const float4*>(G)[i];
+        uchar4 d = reinterpret_cast<const uchar4*>(decay)[i];
+        k.update(p.x, m.x, v.x, g.x, d.x != 0);
+        k.update(p.y, m.y, v.y, g.y, d.y != 0);
+        k.update(p.z, m.z, v.z, g.z, d.z != 0);
+        k.update(p.w, m.w, v.w, g.w, d.w != 0);
+        reinterpret_cast<float4*>(P)[i] = p;
+        reinterpret_cast<float4*>(M)[i] = m;
+        reinterpret_cast<float4*>(Vm)[i] = v;
+        if (Pb != 0) {
+            uint2 u;
+            u.x = (unsigned)bf16_bits(p.x) | ((unsigned)bf16_bits(p.y) << 16);
+            u.y = (unsigned)bf16_bits(p.z) | ((unsigned)bf16_bits(p.w) << 16);
+            reinterpret_cast<uint2*>(Pb)[i] = u;
+        }
+        return;
+    }
+    i += 3 * n4;  // element 4 * n4 + (i - n4)
+    float p = P[i], m = M[i], v = Vm[i];
+    k.update(p, m, v, G[i], decay[i] != 0);
     P[i] = p;
     M[i] = m;
     Vm[i] = v;
@@ -99,8 +150,18 @@ extern "C" __global__ void adamw_update(float* P, float* M, float* Vm, const flo
 }
 
 // Gradient accumulation (SPEC 19): G += Gm, elementwise, one float32 add
-// (the reference's G = G + g, left to right over the micro-batches).
-extern "C" __global__ void accumulate_gradient(float* G, const float* Gm, long long n) {
+// (the reference's G = G + g, left to right over the micro-batches). Items
+// as adamw_update's.
+extern "C" __global__ void accumulate_gradient(float* __restrict__ G, const float* __restrict__ Gm,
+                                               long long n, long long n4) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n4) {
+        float4 a = reinterpret_cast<float4*>(G)[i];
+        float4 b = reinterpret_cast<const float4*>(Gm)[i];
+        reinterpret_cast<float4*>(G)[i] = make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y),
+                                                      __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+        return;
+    }
+    i += 3 * n4;
     if (i < n) G[i] = __fadd_rn(G[i], Gm[i]);
 }

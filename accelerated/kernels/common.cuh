@@ -53,3 +53,56 @@ __device__ float block_max(float v, float* red) {
     __syncthreads();
     return warp_max(lane < warps ? red[lane] : NEG_INF);
 }
+
+// ---------------------------------------------------------------- vector access
+// A "chunk" is 4 consecutive elements. The bandwidth-bound kernels move a
+// chunk with one 16-byte load or store (float4; 8 bytes for 4 bfloat16
+// operands) where the launcher found every pointer 16-byte aligned and the
+// row length a multiple of 4 (`vec`); else element by element, the same
+// values in the same order, with a bound on each element (n: the row's
+// length). Either way a thread owns whole chunks, so in-place updates (dx
+// over dres) read each element before writing it.
+
+__device__ __forceinline__ void load_chunk(float (&a)[4], const float* row, int c, int n,
+                                           bool vec, float fill) {
+    if (vec) {
+        float4 v = *reinterpret_cast<const float4*>(row + 4 * c);
+        a[0] = v.x;
+        a[1] = v.y;
+        a[2] = v.z;
+        a[3] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = 4 * c + i < n ? row[4 * c + i] : fill;
+    }
+}
+
+__device__ __forceinline__ void store_chunk(float* row, int c, int n, bool vec,
+                                            const float (&a)[4]) {
+    if (vec) {
+        *reinterpret_cast<float4*>(row + 4 * c) = make_float4(a[0], a[1], a[2], a[3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (4 * c + i < n) row[4 * c + i] = a[i];
+    }
+}
+
+// four operands (rounded to bfloat16 under bf16: one 8-byte store)
+__device__ __forceinline__ void store_operand_chunk(floatX* row, int c, int n, bool vec,
+                                                    const float (&a)[4]) {
+#ifdef OPERAND_BF16
+    if (vec) {
+        uint2 u;
+        u.x = (unsigned)bf16_bits(a[0]) | ((unsigned)bf16_bits(a[1]) << 16);
+        u.y = (unsigned)bf16_bits(a[2]) | ((unsigned)bf16_bits(a[3]) << 16);
+        *reinterpret_cast<uint2*>(row + 4 * c) = u;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (4 * c + i < n) row[4 * c + i] = bf16_bits(a[i]);
+    }
+#else
+    store_chunk(row, c, n, vec, a);
+#endif
+}

@@ -1,60 +1,117 @@
 // ---------------------------------------------------------------- embedding
 
 // ids: row b of the id buffer starts at b * ids_stride (T+1 for a training
-// input, whose last id is only a target). x (BT,D) = W[ids]
-extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int ids_stride, int T,
-                                             const float* __restrict__ W, float* __restrict__ x,
-                                             int BT, int D) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= BT * D) return;
-    int r = i / D, d = i % D;
-    int id = ids[(r / T) * ids_stride + r % T];
-    x[i] = W[(long long)id * D + d];
-}
-
-// One block per position p (BT blocks), one thread per feature (D <= 1024).
-// The block of the first position holding id v adds dx over every position
-// holding v, in position order (the order of the reference's np.add.at),
-// to the unembedding gradient already in dW[v]; the blocks of later
-// positions of v do nothing, and rows of ids that occur nowhere are not
-// touched. Per tile of ids, warp 0 lists the matching positions in order
-// (ballots), then every thread adds their rows. No atomics.
-#define EMBEDDING_TILE 1024
+// input, whose last id is only a target); position r = (b, t) holds
+// ids[b * ids_stride + t].
 __device__ __forceinline__ int id_at(const int* ids, int ids_stride, int T, int r) {
     return ids[(r / T) * ids_stride + r % T];
 }
 
-extern "C" __global__ void embedding_backward(const float* __restrict__ dx,
-                                              const int* __restrict__ ids, int ids_stride, int T,
-                                              int BT, float* __restrict__ dW, int D) {
-    __shared__ int tile[EMBEDDING_TILE];  // ids of positions base .. base + n
-    __shared__ int hits[EMBEDDING_TILE];  // the positions among them holding v, in order
-    __shared__ int count;
-    int p = blockIdx.x, d = threadIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int v = id_at(ids, ids_stride, T, p);
-    int earlier = 0;
-    for (int q = threadIdx.x; q < p; q += blockDim.x) earlier |= id_at(ids, ids_stride, T, q) == v;
-    if (__syncthreads_or(earlier)) return;  // uniform: the whole block leaves
-    float acc = 0.0f;
-    for (int base = p; base < BT; base += EMBEDDING_TILE) {
-        int n = min(EMBEDDING_TILE, BT - base);
-        for (int k = threadIdx.x; k < n; k += blockDim.x) tile[k] = id_at(ids, ids_stride, T, base + k);
-        __syncthreads();
-        if (warp == 0) {
-            int c = 0;
-            for (int k0 = 0; k0 < n; k0 += 32) {
-                int k = k0 + lane;
-                bool hit = k < n && tile[k] == v;
-                unsigned mask = __ballot_sync(0xffffffffu, hit);
-                if (hit) hits[c + __popc(mask & ((1u << lane) - 1u))] = base + k;
-                c += __popc(mask);
-            }
-            if (lane == 0) count = c;
-        }
-        __syncthreads();
-        if (d < D)
-            for (int m = 0; m < count; m++) acc += dx[(long long)hits[m] * D + d];
-        __syncthreads();  // tile, hits and count are rewritten by the next pass
+// x (BT,D) = W[ids]. One thread per chunk of 4 features (vec) or per feature.
+extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int ids_stride, int T,
+                                             const float* __restrict__ W, float* __restrict__ x,
+                                             int BT, int D, int vec) {
+    int per_row = vec ? D / 4 : D;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= BT * per_row) return;
+    int r = i / per_row, c = i - r * per_row;
+    long long id = id_at(ids, ids_stride, T, r);
+    if (vec) {
+        reinterpret_cast<float4*>(x)[i] = reinterpret_cast<const float4*>(W + id * D)[c];
+    } else {
+        x[i] = W[id * D + c];
     }
-    if (d < D) dW[(long long)v * D + d] = dW[(long long)v * D + d] + acc;
+}
+
+// The gather gradient: dW[v] += the sum of dx over the positions holding v,
+// in position order (the order of the reference's np.add.at), added to the
+// unembedding gradient already in dW[v]; rows of ids that occur nowhere are
+// not touched. No float atomics: one block sums id v's rows in order.
+//
+// First, the index (V,2) int32 per id: the first position holding it and
+// how many do. embedding_index_reset clears it; embedding_index fills it
+// with integer atomics (a minimum and a count: the same result in any order).
+extern "C" __global__ void embedding_index_reset(int* __restrict__ index, int V) {
+    int v = blockIdx.x * blockDim.x + threadIdx.x;
+    if (v < V) {
+        index[2 * v] = 0x7fffffff;
+        index[2 * v + 1] = 0;
+    }
+}
+
+extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_stride, int T,
+                                           int BT, int* __restrict__ index) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= BT) return;
+    int v = id_at(ids, ids_stride, T, p);
+    atomicMin(&index[2 * v], p);
+    atomicAdd(&index[2 * v + 1], 1);
+}
+
+// One block (EMB_THREADS) per position p; only the block of v's first
+// position works. It walks the positions from p on, EMB_THREADS at a time,
+// listing those holding v in order (a ballot per warp, the warps' counts
+// added in warp order), and adds their rows of dx; it stops at v's last
+// occurrence (the count). A thread owns a chunk of 4 features (vec: D/4 <=
+// EMB_THREADS) or the features d = thread + EMB_THREADS k (D <= 4 EMB_THREADS).
+#define EMB_THREADS 256
+extern "C" __global__ void __launch_bounds__(EMB_THREADS)
+embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, int ids_stride,
+                   int T, int BT, float* __restrict__ dW, int D, const int* __restrict__ index,
+                   int vec) {
+    __shared__ int hits[EMB_THREADS];  // positions holding v among those of this pass, in order
+    __shared__ int counts[EMB_THREADS / 32];
+    int p = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int v = id_at(ids, ids_stride, T, p);
+    if (index[2 * v] != p) return;  // uniform: the whole block leaves
+    int n = index[2 * v + 1];
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int base = p, found = 0; found < n && base < BT; base += EMB_THREADS) {
+        int q = base + threadIdx.x;
+        bool hit = q < BT && id_at(ids, ids_stride, T, q) == v;
+        unsigned mask = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) counts[warp] = __popc(mask);
+        __syncthreads();
+        int before = 0, total = 0;
+        for (int w = 0; w < EMB_THREADS / 32; w++) {
+            before += w < warp ? counts[w] : 0;
+            total += counts[w];
+        }
+        if (hit) hits[before + __popc(mask & ((1u << lane) - 1u))] = q;
+        __syncthreads();
+        for (int h = 0; h < total; h++) {
+            const float* row = dx + (long long)hits[h] * D;
+            if (vec) {
+                if (threadIdx.x < D / 4) {
+                    float4 g = reinterpret_cast<const float4*>(row)[threadIdx.x];
+                    acc[0] += g.x;
+                    acc[1] += g.y;
+                    acc[2] += g.z;
+                    acc[3] += g.w;
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int d = threadIdx.x + EMB_THREADS * k;
+                    if (d < D) acc[k] += row[d];
+                }
+            }
+        }
+        found += total;
+        __syncthreads();  // hits and counts are rewritten by the next pass
+    }
+    float* out = dW + (long long)v * D;
+    if (vec) {
+        if (threadIdx.x < D / 4) {
+            float4* o = reinterpret_cast<float4*>(out) + threadIdx.x;
+            float4 w = *o;
+            *o = make_float4(w.x + acc[0], w.y + acc[1], w.z + acc[2], w.w + acc[3]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int d = threadIdx.x + EMB_THREADS * k;
+            if (d < D) out[d] = out[d] + acc[k];
+        }
+    }
 }

@@ -1,58 +1,68 @@
 // ---------------------------------------------------------------- layernorm
 
-// One warp per row; the row lives in registers, LN_LANE features per lane
-// (feature d = lane + 32 k), so rows of up to 32 * LN_LANE features.
-#define LN_LANE 32
-#define LN_WARPS 4  // rows per block of layernorm_backward: its partials' partition
+// One warp per row, the row in registers: lane l holds the chunks (4
+// features each) c = l + 32 k, k < NC, so rows of up to 128 NC features.
+// Each kernel is compiled for NC = 1, 2, 4, 8 (name suffix _c<NC>): the
+// launcher takes the smallest that holds D, so registers hold no empty
+// chunks. vec: 16-byte loads and stores (load_chunk, common.cuh).
+#define LN_CHUNKS 8   // the largest NC: rows of up to 1024 features
+#define LN_WARPS 8    // warps (rows at once) per block
 
-// With `add` (the residual branch), x = x_prev + add is written to x_out
-// first (the residual add fused in); else x = x_prev. h (rows,D) =
-// (x - mean) * rstd * w + b as an operand; mean, rstd (rows) kept for the
-// backward. Biased variance, as the reference: mean((x - mu)^2).
-extern "C" __global__ void layernorm_forward(const float* __restrict__ x_prev,
-                                             const float* __restrict__ add,
-                                             float* __restrict__ x_out, floatX* __restrict__ h,
-                                             float* __restrict__ mean, float* __restrict__ rstd,
-                                             const float* __restrict__ w,
-                                             const float* __restrict__ b,
-                                             int rows, int D, float eps) {
+template <int NC>
+__device__ __forceinline__ void layernorm_forward_row(
+        const float* __restrict__ x_prev, const float* __restrict__ add, float* __restrict__ x_out,
+        floatX* __restrict__ h, float* __restrict__ mean, float* __restrict__ rstd,
+        const float* __restrict__ w, const float* __restrict__ b, int rows, int D, float eps,
+        bool vec) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
     long long o = (long long)row * D;
-    float v[LN_LANE];
+    float v[NC][4];
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_LANE; k++) {
-        int d = lane + 32 * k;
-        v[k] = 0.0f;
-        if (d < D) {
-            float xv = x_prev[o + d];
+    for (int k = 0; k < NC; k++) {
+        int c = lane + 32 * k;
+        if (4 * c < D) {
+            load_chunk(v[k], x_prev + o, c, D, vec, 0.0f);
             if (add != 0) {
-                xv = __fadd_rn(xv, add[o + d]);
-                x_out[o + d] = xv;
+                float a[4];
+                load_chunk(a, add + o, c, D, vec, 0.0f);
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[k][i] = __fadd_rn(v[k][i], a[i]);
+                store_chunk(x_out + o, c, D, vec, v[k]);
             }
-            v[k] = xv;
-            sum += xv;
+#pragma unroll
+            for (int i = 0; i < 4; i++) sum += v[k][i];  // zero past D
         }
     }
     float mu = warp_sum(sum) / (float)D;
     float ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_LANE; k++) {
-        if (lane + 32 * k < D) {
-            float c = __fsub_rn(v[k], mu);
-            ss += c * c;
+    for (int k = 0; k < NC; k++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (4 * (lane + 32 * k) + i < D) {
+                float c = __fsub_rn(v[k][i], mu);
+                ss += c * c;
+            }
         }
     }
     float var = warp_sum(ss) / (float)D;
     float rs = 1.0f / sqrtf(var + eps);
 #pragma unroll
-    for (int k = 0; k < LN_LANE; k++) {
-        int d = lane + 32 * k;
-        if (d < D) {
-            float xhat = __fmul_rn(__fsub_rn(v[k], mu), rs);
-            h[o + d] = to_operand(__fadd_rn(__fmul_rn(xhat, w[d]), b[d]));
+    for (int k = 0; k < NC; k++) {
+        int c = lane + 32 * k;
+        if (4 * c < D) {
+            float wk[4], bk[4], y[4];
+            load_chunk(wk, w, c, D, vec, 0.0f);
+            load_chunk(bk, b, c, D, vec, 0.0f);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float xhat = __fmul_rn(__fsub_rn(v[k][i], mu), rs);
+                y[i] = __fadd_rn(__fmul_rn(xhat, wk[i]), bk[i]);
+            }
+            store_operand_chunk(h + o, c, D, vec, y);
         }
     }
     if (lane == 0) {
@@ -61,87 +71,150 @@ extern "C" __global__ void layernorm_forward(const float* __restrict__ x_prev,
     }
 }
 
-// One warp per row, LN_WARPS rows per block. Per row:
+// One block of LN_WARPS warps per `chunk` consecutive rows (the partition
+// of the weight gradients' partial sums); warp w takes the block's rows
+// w, w + LN_WARPS, ... Per row:
 //   dxhat = dout * w
 //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-// plus the residual gradient dres when given (dx may be dres: each element is
-// read, then written, by one thread). dx_op: the same values as an operand
+// plus the residual gradient dres when given (dx may be dres: a thread
+// reads its chunk, then writes it). dx_op: the same values as an operand
 // (null under fp32, where the products read dx). The weight and bias
-// gradient terms of the block's rows are summed in row order into
-// partials[block] (2D: dw then db); layernorm_param_grads adds the blocks in
-// order. shared: LN_WARPS * 2D floats.
-extern "C" __global__ void layernorm_backward(const float* __restrict__ dout, const float* dres,
-                                              const float* __restrict__ x,
-                                              const float* __restrict__ mean,
-                                              const float* __restrict__ rstd,
-                                              const float* __restrict__ w, float* dx,
-                                              floatX* __restrict__ dx_op,
-                                              float* __restrict__ partials, int rows, int D) {
-    extern __shared__ float shared[];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int row = blockIdx.x * LN_WARPS + warp;
-    float* terms_w = shared + warp * 2 * D;  // this row's dout * xhat, then dout
-    float* terms_b = terms_w + D;
-    if (row < rows) {
+// gradient terms dout * xhat and dout are summed per lane over its warp's
+// rows in row order, then over the warps in warp order, into
+// partials[block] (2D: dw then db); layernorm_param_grads adds the blocks
+// in order.
+template <int NC>
+__device__ __forceinline__ void layernorm_backward_rows(
+        const float* __restrict__ dout, const float* dres, const float* __restrict__ x,
+        const float* __restrict__ mean, const float* __restrict__ rstd,
+        const float* __restrict__ w, float* dx, floatX* __restrict__ dx_op,
+        float* __restrict__ partials, int rows, int D, int chunk, bool vec) {
+    __shared__ float sums[2 * 128 * NC];  // the block's dw, db
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float gw[NC][4], gb[NC][4], wv[NC][4];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        load_chunk(wv[k], w, 4 * (lane + 32 * k) < D ? lane + 32 * k : 0, D, vec, 0.0f);
+#pragma unroll
+        for (int i = 0; i < 4; i++) gw[k][i] = gb[k][i] = 0.0f;
+    }
+    int last = min(rows, ((int)blockIdx.x + 1) * chunk);
+    for (int row = (int)blockIdx.x * chunk + warp; row < last; row += warps) {
         long long o = (long long)row * D;
         float mu = mean[row], rs = rstd[row];
-        float xh[LN_LANE], dxh[LN_LANE];
+        float xh[NC][4], dxh[NC][4];
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
-        for (int k = 0; k < LN_LANE; k++) {
-            int d = lane + 32 * k;
-            xh[k] = 0.0f;
-            dxh[k] = 0.0f;
-            if (d < D) {
-                float xhat = __fmul_rn(__fsub_rn(x[o + d], mu), rs);
-                float dy = dout[o + d];
-                float dxhat = __fmul_rn(dy, w[d]);
-                xh[k] = xhat;
-                dxh[k] = dxhat;
-                s1 += dxhat;
-                s2 += dxhat * xhat;
-                terms_w[d] = __fmul_rn(dy, xhat);
-                terms_b[d] = dy;
+        for (int k = 0; k < NC; k++) {
+            int c = lane + 32 * k;
+            float xv[4], dy[4];
+            if (4 * c < D) {
+                load_chunk(xv, x + o, c, D, vec, 0.0f);
+                load_chunk(dy, dout + o, c, D, vec, 0.0f);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                xh[k][i] = dxh[k][i] = 0.0f;
+                if (4 * c + i < D) {
+                    float xhat = __fmul_rn(__fsub_rn(xv[i], mu), rs);
+                    float dxhat = __fmul_rn(dy[i], wv[k][i]);
+                    xh[k][i] = xhat;
+                    dxh[k][i] = dxhat;
+                    s1 += dxhat;
+                    s2 += dxhat * xhat;
+                    gw[k][i] = __fadd_rn(gw[k][i], __fmul_rn(dy[i], xhat));
+                    gb[k][i] = __fadd_rn(gb[k][i], dy[i]);
+                }
             }
         }
         float m1 = warp_sum(s1) / (float)D;
         float m2 = warp_sum(s2) / (float)D;
 #pragma unroll
-        for (int k = 0; k < LN_LANE; k++) {
-            int d = lane + 32 * k;
-            if (d < D) {
-                float v = __fmul_rn(rs, __fsub_rn(__fsub_rn(dxh[k], m1), __fmul_rn(xh[k], m2)));
-                if (dres != 0) v = __fadd_rn(dres[o + d], v);
-                dx[o + d] = v;
-                if (dx_op != 0) dx_op[o + d] = to_operand(v);
+        for (int k = 0; k < NC; k++) {
+            int c = lane + 32 * k;
+            if (4 * c < D) {
+                float r[4], v[4];
+                if (dres != 0) load_chunk(r, dres + o, c, D, vec, 0.0f);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[i] = __fmul_rn(rs, __fsub_rn(__fsub_rn(dxh[k][i], m1),
+                                                   __fmul_rn(xh[k][i], m2)));
+                    if (dres != 0) v[i] = __fadd_rn(r[i], v[i]);
+                }
+                store_chunk(dx + o, c, D, vec, v);
+                if (dx_op != 0) store_operand_chunk(dx_op + o, c, D, vec, v);
             }
         }
-    } else {
-        for (int d = lane; d < D; d += 32) {
-            terms_w[d] = 0.0f;
-            terms_b[d] = 0.0f;
+    }
+    // the warps' sums, added in warp order
+    for (int s = 0; s < warps; s++) {
+        if (warp == s) {
+#pragma unroll
+            for (int k = 0; k < NC; k++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int d = 4 * (lane + 32 * k) + i;
+                    if (d < D) {
+                        sums[d] = s == 0 ? gw[k][i] : __fadd_rn(sums[d], gw[k][i]);
+                        sums[D + d] = s == 0 ? gb[k][i] : __fadd_rn(sums[D + d], gb[k][i]);
+                    }
+                }
+            }
         }
+        __syncthreads();
     }
-    __syncthreads();
     float* part = partials + (long long)blockIdx.x * 2 * D;
-    for (int d = threadIdx.x; d < 2 * D; d += blockDim.x) {
-        float s = 0.0f;
-        for (int k = 0; k < LN_WARPS; k++) s += shared[k * 2 * D + d];
-        part[d] = s;
-    }
+    for (int d = threadIdx.x; d < 2 * D; d += blockDim.x) part[d] = sums[d];
 }
+
+#define LAYERNORM_KERNELS(NC)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_forward_c##NC(         \
+            const float* __restrict__ x_prev, const float* __restrict__ add,                     \
+            float* __restrict__ x_out, floatX* __restrict__ h, float* __restrict__ mean,         \
+            float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ b, \
+            int rows, int D, float eps, int vec) {                                               \
+        layernorm_forward_row<NC>(x_prev, add, x_out, h, mean, rstd, w, b, rows, D, eps,         \
+                                  vec != 0);                                                     \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_backward_c##NC(        \
+            const float* __restrict__ dout, const float* dres, const float* __restrict__ x,      \
+            const float* __restrict__ mean, const float* __restrict__ rstd,                      \
+            const float* __restrict__ w, float* dx, floatX* __restrict__ dx_op,                  \
+            float* __restrict__ partials, int rows, int D, int chunk, int vec) {                 \
+        layernorm_backward_rows<NC>(dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D,  \
+                                    chunk, vec != 0);                                            \
+    }
+
+LAYERNORM_KERNELS(1)
+LAYERNORM_KERNELS(2)
+LAYERNORM_KERNELS(4)
+LAYERNORM_KERNELS(8)
 
 // Every layernorm's weight and bias gradient at once: norm n's partials
 // (chunks, 2D) summed in chunk order into G[offsets[n] .. + 2D) (its weight
-// then its bias, adjacent in the registry).
-extern "C" __global__ void layernorm_param_grads(const float* partials, const long long* offsets,
-                                                 float* G, int norms, int chunks, int D) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)norms * 2 * D) return;
-    int n = (int)(i / (2 * D)), c = (int)(i % (2 * D));
-    const float* p = partials + (long long)n * chunks * 2 * D + c;
+// then its bias, adjacent in the registry). A block of 8 x 32 threads takes
+// 32 adjacent columns of one norm: thread (g, j) sums the chunks g, g + 8,
+// ... of column j in order, then the 8 sums are added in order of g.
+#define LN_GROUPS 8
+extern "C" __global__ void __launch_bounds__(32 * LN_GROUPS)
+layernorm_param_grads(const float* __restrict__ partials, const long long* __restrict__ offsets,
+                      float* __restrict__ G, int norms, int chunks, int D) {
+    __shared__ float group[LN_GROUPS][32];
+    int j = threadIdx.x & 31, g = threadIdx.x >> 5;
+    int blocks_per_norm = (2 * D + 31) / 32;
+    int n = blockIdx.x / blocks_per_norm;
+    int col = (blockIdx.x - n * blocks_per_norm) * 32 + j;
     float s = 0.0f;
-#pragma unroll 8
-    for (int k = 0; k < chunks; k++) s += p[(long long)k * 2 * D];
-    G[offsets[n] + c] = s;
+    if (col < 2 * D) {
+        const float* p = partials + (long long)n * chunks * 2 * D + col;
+#pragma unroll 4
+        for (int k = g; k < chunks; k += LN_GROUPS) s = __fadd_rn(s, p[(long long)k * 2 * D]);
+    }
+    group[g][j] = s;
+    __syncthreads();
+    if (g == 0 && col < 2 * D) {
+        float t = group[0][j];
+        for (int i = 1; i < LN_GROUPS; i++) t = __fadd_rn(t, group[i][j]);
+        G[offsets[n] + col] = t;
+    }
 }

@@ -1,19 +1,77 @@
 // ---------------------------------------------------------------- rope
 
-// The row-wise elementwise kernels run on a 2-D grid: x over the columns of
-// a row, y over the rows (striding by gridDim.y), so a thread finds its
-// column and row without dividing.
+// The row-wise kernels run on a 2-D grid: x over a row's items, y over the
+// rows (striding by gridDim.y). Half-split pairs: element j of a head pairs
+// with element j + E/2; cos, sin (T,E/2).
+//
+// vec (E a multiple of 8, every pointer 16-byte aligned): an item is 4
+// adjacent pairs (j .. j+3 with j+E/2 .. j+E/2+3: 4 16-byte loads of x, and
+// 4 of cos and sin each -- 2 -- then 2 chunk stores), or a chunk of v.
+// Otherwise an item is one element. Both round each product and sum as the
+// reference's float32 operations.
+
+__device__ __forceinline__ float rope_first(float x1, float x2, float c, float s) {
+    return __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));  // x1 cos - x2 sin
+}
+__device__ __forceinline__ float rope_second(float x1, float x2, float c, float s) {
+    return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));  // x2 cos + x1 sin
+}
+
+// 4 pairs of a row of x at column `head + j` and `head + j + half` -> the
+// rotation by theta (sign 1) or by -theta (sign -1), as operands into out at
+// the same columns. The cos, sin row of position t.
+__device__ __forceinline__ void rope_pairs(const float* x, floatX* out, int col, int half,
+                                           const float* cs, const float* sn, int j, bool inverse) {
+    float x1[4], x2[4], c[4], s[4], y1[4], y2[4];
+    load_chunk(x1, x + col, 0, 4, true, 0.0f);
+    load_chunk(x2, x + col + half, 0, 4, true, 0.0f);
+    load_chunk(c, cs + j, 0, 4, true, 0.0f);
+    load_chunk(s, sn + j, 0, 4, true, 0.0f);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (inverse) {  // d1 cos + d2 sin ; d2 cos - d1 sin
+            y1[i] = __fadd_rn(__fmul_rn(x1[i], c[i]), __fmul_rn(x2[i], s[i]));
+            y2[i] = __fsub_rn(__fmul_rn(x2[i], c[i]), __fmul_rn(x1[i], s[i]));
+        } else {
+            y1[i] = rope_first(x1[i], x2[i], c[i], s[i]);
+            y2[i] = rope_second(x1[i], x2[i], c[i], s[i]);
+        }
+    }
+    store_operand_chunk(out + col, 0, 4, true, y1);
+    store_operand_chunk(out + col + half, 0, 4, true, y2);
+}
 
 // qkv (BT,3D) float32, the q, k, v projections side by side -> out (BT,3D)
-// operands: q and k rotated, v as is. Half-split pairs: element j of a head
-// pairs with element j + E/2; cos, sin (T,E/2).
+// operands: q and k rotated, v as is. vec: D/4 items of pairs (q then k),
+// then D/4 chunks of v per row; else 3D elements per row.
 extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* __restrict__ out,
                                         const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, int BT, int T, int D,
-                                        int H) {
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
+                                        int H, int vec) {
+    int item = blockIdx.x * blockDim.x + threadIdx.x;
+    int E = D / H, half = E / 2;
+    if (vec) {
+        if (item >= D / 2) return;
+        int groups = half / 4;  // items per head
+        int head = item / groups, j = 4 * (item - head * groups);  // head of q (then k)
+        for (int row = blockIdx.y; row < BT; row += gridDim.y) {
+            const float* x = qkv + (long long)row * 3 * D;
+            floatX* o = out + (long long)row * 3 * D;
+            if (item < D / 4) {
+                int t = row % T;
+                rope_pairs(x, o, head * E + j, half, cos_t + t * half, sin_t + t * half, j, false);
+            } else {
+                int col = 2 * D + 4 * (item - D / 4);
+                float v[4];
+                load_chunk(v, x + col, 0, 4, true, 0.0f);
+                store_operand_chunk(o + col, 0, 4, true, v);
+            }
+        }
+        return;
+    }
+    int col = item;
     if (col >= 3 * D) return;
-    int E = D / H, half = E / 2, e = col % E;
+    int e = col % E;
     int head = col - e;  // element 0 of this head in the row
     int j = e < half ? e : e - half;
     for (int row = blockIdx.y; row < BT; row += gridDim.y) {
@@ -25,8 +83,7 @@ extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* _
             int t = row % T;
             float x1 = x[head + j], x2 = x[head + j + half];
             float c = cos_t[t * half + j], s = sin_t[t * half + j];
-            v = e < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s))
-                         : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+            v = e < half ? rope_first(x1, x2, c, s) : rope_second(x1, x2, c, s);
         }
         out[(long long)row * 3 * D + col] = to_operand(v);
     }
@@ -34,13 +91,28 @@ extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* _
 
 // dqk (BT,2D) float32 gradients of the rotated q, k -> dqkv[:, :2D] (row
 // stride 3D) operands: the rotation by -theta (the rotation is orthogonal).
+// vec: D/4 items of pairs per row; else 2D elements.
 extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* __restrict__ dqkv,
                                          const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, int BT, int T, int D,
-                                         int H) {
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
+                                         int H, int vec) {
+    int item = blockIdx.x * blockDim.x + threadIdx.x;
+    int E = D / H, half = E / 2;
+    if (vec) {
+        if (item >= D / 4) return;
+        int groups = half / 4;
+        int head = item / groups, j = 4 * (item - head * groups);
+        for (int row = blockIdx.y; row < BT; row += gridDim.y) {
+            int t = row % T;
+            const float* g = dqk + (long long)row * 2 * D;
+            floatX* o = dqkv + (long long)row * 3 * D;
+            rope_pairs(g, o, head * E + j, half, cos_t + t * half, sin_t + t * half, j, true);
+        }
+        return;
+    }
+    int col = item;
     if (col >= 2 * D) return;
-    int E = D / H, half = E / 2, e = col % E;
+    int e = col % E;
     int head = col - e;
     int j = e < half ? e : e - half;
     for (int row = blockIdx.y; row < BT; row += gridDim.y) {

@@ -232,21 +232,33 @@ def _rows_ids(ids, stride, T, BT, shift=0):
 f32 = np.float32
 
 
-def k_round_bf16(bf16, x, out, n):
+def k_round_bf16(bf16, x, out, n, n4):
     _store(out, _a(x)[:n], True)
 
 
-def k_embedding_forward(bf16, ids, stride, T, W, x, BT, D):
+def k_embedding_forward(bf16, ids, stride, T, W, x, BT, D, vec):
     _a(x)[...] = _a(W)[_rows_ids(ids, int(stride), int(T), int(BT))]
 
 
-def k_embedding_backward(bf16, dx, ids, stride, T, BT, dW, D):
+def k_embedding_index_reset(bf16, index, V):
+    _a(index)[:, 0] = 0x7FFFFFFF
+    _a(index)[:, 1] = 0
+
+
+def k_embedding_index(bf16, ids, stride, T, BT, index):
+    v = _rows_ids(ids, int(stride), int(T), int(BT))
+    first = _a(index)[:, 0]
+    np.minimum.at(first, v, np.arange(int(BT), dtype=np.int32))
+    np.add.at(_a(index)[:, 1], v, 1)
+
+
+def k_embedding_backward(bf16, dx, ids, stride, T, BT, dW, D, index, vec):
     acc = np.zeros(dW.shape, dtype=np.float32)
     np.add.at(acc, _rows_ids(ids, int(stride), int(T), int(BT)), _a(dx))
     _a(dW)[...] = _a(dW) + acc
 
 
-def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, eps):
+def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, eps, vec):
     x = _a(x_prev)
     if not _null(add):
         x = x + _a(add)
@@ -260,7 +272,8 @@ def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, 
     _a(rstd)[...] = rs[:, 0]
 
 
-def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D):
+def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D,
+                         chunk, vec):
     dy = _a(dout)
     rs = _a(rstd)[:, None]
     xhat = (_a(x) - _a(mean)[:, None]) * rs
@@ -271,8 +284,7 @@ def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials
     _a(dx)[...] = v
     if not _null(dx_op):
         _store(dx_op, v, bf16)
-    from coppelius.accelerated.cuda_kernels import LAYERNORM_CHUNK as chunk
-
+    chunk = int(chunk)
     for c in range(partials.shape[0]):
         s = slice(c * chunk, (c + 1) * chunk)
         _a(partials)[c, :int(D)] = (dy[s] * xhat[s]).sum(0)
@@ -293,7 +305,7 @@ def _rope_split(x, H):
     return x[..., :half], x[..., half:]
 
 
-def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, D, H):
+def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, D, H, vec):
     D, H, T = int(D), int(H), int(T)
     x = _a(qkv)
     pos = np.arange(int(BT)) % T
@@ -306,7 +318,7 @@ def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, D, H):
     _store(out, res, bf16)
 
 
-def k_rope_backward(bf16, dqk, dqkv, cos, sin, BT, T, D, H):
+def k_rope_backward(bf16, dqk, dqkv, cos, sin, BT, T, D, H, vec):
     D, H, T = int(D), int(H), int(T)
     x = _a(dqk)
     pos = np.arange(int(BT)) % T
@@ -444,14 +456,14 @@ def k_attention_backward_dkdv(bf16, qkv, dy, m, l, dot, dqk, dqkv, T, H, scale):
     _a(dqkv)[:, 2 * D:] = dv.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
-def k_swiglu_forward(bf16, gu, a, BT, F):
+def k_swiglu_forward(bf16, gu, a, BT, F, vec):
     F = int(F)
     g, u = _a(gu)[:, :F], _a(gu)[:, F:]
     sig = f32(1.0) / (f32(1.0) + np.exp(-g))
     _store(a, g * sig * u, bf16)
 
 
-def k_swiglu_backward(bf16, da, gu, dgu, BT, F):
+def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
     F = int(F)
     g, u = _a(gu)[:, :F], _a(gu)[:, F:]
     sig = f32(1.0) / (f32(1.0) + np.exp(-g))
@@ -461,7 +473,7 @@ def k_swiglu_backward(bf16, da, gu, dgu, BT, F):
     _store(dgu, np.concatenate([dg, du], axis=1), bf16)
 
 
-def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, ce, dlogits, V, dce):
+def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, ce, dlogits, V, dce, vec):
     l = _a(logits)
     BT = l.shape[0]
     target = _rows_ids(ids, int(stride), int(T), BT, shift=1)
@@ -478,7 +490,7 @@ def k_mean_loss(bf16, ce, loss, n):
     _a(loss)[0] = _a(ce)[:int(n)].mean(dtype=np.float32)
 
 
-def k_accumulate_gradient(bf16, G, Gm, n):
+def k_accumulate_gradient(bf16, G, Gm, n, n4):
     n = int(n)
     _a(G)[:n] = _a(G)[:n] + _a(Gm)[:n]  # one float32 add per element
 
@@ -512,7 +524,7 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, norm, n, b1, omb1, b2, omb2, eps):
+def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
     p, m, v = _a(P), _a(M), _a(V)
     g = _a(G) * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
@@ -531,6 +543,11 @@ _FUSED = {part: KERNELS.pop(f"attention_{part}") for part in ("forward", "backwa
 for _E in (16, 32, 64):
     for _part, _fn in _FUSED.items():
         KERNELS[f"attention_{_part}_e{_E}"] = _fn
+# the layernorm kernels: one entry point per row width in registers, one contract
+_LAYERNORM = {part: KERNELS.pop(f"layernorm_{part}") for part in ("forward", "backward")}
+for _NC in (1, 2, 4, 8):
+    for _part, _fn in _LAYERNORM.items():
+        KERNELS[f"layernorm_{_part}_c{_NC}"] = _fn
 
 
 # ---------------------------------------------------------------- cuBLAS (column-major)
