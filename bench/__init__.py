@@ -490,9 +490,11 @@ def run(args) -> int:
         rows += measure([runner], inputs[1:])
 
     table = compare(rows)
+    torch_version = getattr(sys.modules.get("torch"), "__version__", None)
     shape = f"model {args.model}" if args.model else f"preset {args.preset or 'tiny'}"
     header = (f"coppelius bench: {shape}, B={','.join(map(str, batches))}, T={config.context}, "
               f"{args.steps} timed steps after {args.warmup} warmup"
+              + (f", torch {torch_version}" if peers and torch_version else "")
               + (f", torch threads {threads}" if threads else ""))
     if target is not None:
         text = json.dumps({"command": header, "notes": notes, "rows": table}, indent=1)
