@@ -25,15 +25,15 @@ python3 -m pip show nvidia-cudnn-cu13 2>/dev/null | grep -E "^(Name|Version)"
         echo "alt exit $?" >> "$OUT/alt.log"
     fi
     export PYTHONPATH=/tmp/fe:$PYTHONPATH
-    timeout 130 python3 -m pytest tests/test_cupy_backend.py tests/test_program_contract.py \
+    timeout 120 python3 -m pytest tests/test_cupy_backend.py tests/test_program_contract.py \
         -q -p no:cacheprovider --tb=short -rs \
         -k "cupy and (attention or cudnn or one_step or compilation_report or memory_plan or rope or executable or reset or eager or captured or replay)" \
         > "$OUT/pytest.log" 2>&1
     echo "pytest exit $?" >> "$OUT/pytest.log"
-    timeout 50 python3 -m coppelius.conformance --backend cupy --preset tiny --precision bf16 \
+    timeout 45 python3 -m coppelius.conformance --backend cupy --preset tiny --precision bf16 \
         --failures-only > "$OUT/conformance.log" 2>&1
     echo "tiny exit $?" >> "$OUT/conformance.log"
-    timeout 70 python3 -m coppelius.conformance --backend cupy --preset coppelius --precision bf16 \
+    timeout 60 python3 -m coppelius.conformance --backend cupy --preset coppelius --precision bf16 \
         --steps 2 --failures-only >> "$OUT/conformance.log" 2>&1
     echo "coppelius exit $?" >> "$OUT/conformance.log"
 ) &
