@@ -9,18 +9,24 @@ strides (3DT, E, 3D, 1), no copies); y is written as a bfloat16 operand in
 the (BT, D) layout; per row the softmax's log-sum-exp (B, H, T) float32 is
 kept for the backward. The backward reads q, k, v, y, dy and the
 statistics and writes dv straight into the (BT, 3D) gradient of the
-projections and dq, dk into the (BT, 2D) buffer that the rope backward
-reads. Products accumulate in float32 (compute and intermediate type
-float32), the scale multiplies q k^T, the mask is causal (top-left
-aligned, the diagonal kept), and the backward is cuDNN's deterministic
-algorithm: replays give the same bits, as the rest of the step does.
-How its rounding differs from the reference's is a Reading in SPEC 6.
+projections and dq, dk, as bfloat16, into the (BT, 2D) buffer that the
+rope backward reads. Products accumulate in float32 (compute and
+intermediate type float32), the scale multiplies q k^T, the mask is causal
+(top-left aligned, the diagonal kept), and the backward is cuDNN's
+deterministic algorithm: replays give the same bits, as the rest of the
+step does. How its rounding differs from the reference's is a Reading in
+SPEC 6. (cuDNN 9.19 builds a backward with float32 dq, dk but its
+execution fails, "nullptr == dq_ptr": they are bfloat16, the type every
+user of cuDNN's attention asks for.)
 
 One graph per (B, T, H, E) and direction, built once per process and
 device (validate, operation graph, heuristics A then fallback, support,
 plans) and shared by every layer, program and stream; each execution
 names its buffers by address. A plan is built only outside a stream
 capture: the step runs once eagerly before the capture, which builds it.
+Before a shape is served, its graphs run twice on pseudo-random operands
+(a trial): both runs must execute, write every output element finite and
+agree bit for bit.
 The workspace is the caller's (the step's Activations: a buffer of the
 memory plan). One cuDNN handle per device; its stream is set to the
 current CuPy stream before an execution (again only when it changed, so
@@ -28,13 +34,15 @@ never inside a capture, whose stream is the warm-up's).
 
 Anything that keeps cuDNN from serving a shape -- the frontend not
 importable, no device, cuDNN refusing the graph (head dim, layout,
-determinism) -- is one line, `unavailable()`'s reason, and the backend then
-runs its own attention kernels and reports why. COPPELIUS_NO_CUDNN=1
+determinism), a failed trial -- is one line, `unavailable()`'s reason, and
+the backend then runs its own attention kernels and reports why. COPPELIUS_NO_CUDNN=1
 disables this path (the project's own kernels everywhere)."""
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 try:
     import cupy
@@ -42,21 +50,21 @@ except ImportError:  # the backend is simply unavailable
     cupy = None
 
 # From this batch on the bf16 step's attention is cuDNN's where cuDNN serves
-# the shape. Per layer, coppelius on an H200, forward + backward ms (cuDNN /
-# the project's fused kernels / materialized scores; dev/cuda/NOTES.md):
-# set from dev/cuda/attention/cudnn_check.py's table.
-MIN_BATCH = 1
+# the shape. Provisional: the batches where the project's fused kernels ran
+# (their 88 TFLOP/s at B=8 is what cuDNN replaces); cuDNN's time per layer
+# is not measured yet (dev/cuda/attention/cudnn_check.py prints every
+# path's): set it from that table.
+MIN_BATCH = 4
 # The backward's deterministic algorithm (no floating-point atomics): replays
 # bitwise equal and resume exact, as SPEC 9 and 14 ask. False only for
 # measuring what it costs (dev/cuda/attention/cudnn_check.py).
 DETERMINISTIC = True
 
-BF16, FLOAT = "bfloat16", "float32"
-
 _frontend = None  # the cudnn module once imported
 _import_error = None  # why it could not be, once tried
 _handles = {}  # device id -> (handle, the stream last set)
 _graphs = {}  # (device, B, T, H, E, direction, deterministic) -> Graph, or the str why not
+_trials = {}  # (device, B, T, H, E, train, deterministic) -> '', or the str why not
 
 
 def disabled() -> bool:
@@ -108,8 +116,7 @@ class Graph:
     """One built cuDNN graph of one direction ("forward" or "backward") for
     one (B, T, H, E) and its execution on addresses."""
 
-    def __init__(self, direction: str, B: int, T: int, H: int, E: int, scale: float,
-                 dqk_type: str | None = None):
+    def __init__(self, direction: str, B: int, T: int, H: int, E: int, scale: float):
         self.direction, self.B, self.T, self.H, self.E = direction, B, T, H, E
         self.scale = float(scale)
         self.device = cupy.cuda.Device().id
@@ -136,7 +143,6 @@ class Graph:
             stats.set_output(True).set_dim(stats_dims).set_stride(stats_stride) \
                 .set_data_type(t.FLOAT)
             self.tensors = (q, k, v, o, stats)
-            self.dqk_type = None
         else:
             o = g.tensor(name="o", dim=dims, stride=self.y_stride, data_type=t.BFLOAT16)
             dO = g.tensor(name="dO", dim=dims, stride=self.y_stride, data_type=t.BFLOAT16)
@@ -148,11 +154,10 @@ class Graph:
                                     use_deterministic_algorithm=DETERMINISTIC),
                                [{}], causal)
             dv.set_output(True).set_dim(dims).set_stride(self.qkv_stride).set_data_type(t.BFLOAT16)
-            dqk = t.FLOAT if dqk_type == FLOAT else t.BFLOAT16
-            dq.set_output(True).set_dim(dims).set_stride(self.dqk_stride).set_data_type(dqk)
-            dk.set_output(True).set_dim(dims).set_stride(self.dqk_stride).set_data_type(dqk)
+            for d in (dq, dk):
+                d.set_output(True).set_dim(dims).set_stride(self.dqk_stride) \
+                    .set_data_type(t.BFLOAT16)
             self.tensors = (q, k, v, o, dO, stats, dq, dk, dv)
-            self.dqk_type = dqk_type
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -162,11 +167,8 @@ class Graph:
 
     def launch(self) -> dict:
         """What the executable plan and the memory plan's dry run record."""
-        out = {"graph": f"sdpa_{self.direction}", "batch": self.B, "context": self.T,
-               "heads": self.H, "head_dim": self.E, "workspace": self.workspace}
-        if self.dqk_type is not None:
-            out["dq_dk"] = self.dqk_type
-        return out
+        return {"graph": f"sdpa_{self.direction}", "batch": self.B, "context": self.T,
+                "heads": self.H, "head_dim": self.E, "workspace": self.workspace}
 
     def execute(self, pointers: tuple, workspace: int) -> None:
         """Run on the current CuPy stream; pointers in the order of
@@ -231,25 +233,78 @@ def graph(direction: str, B: int, T: int, H: int, E: int, scale: float):
         if stream_capturing():
             raise RuntimeError(f"cuDNN attention: the {direction} graph of B={B} T={T} H={H} "
                                f"E={E} would be built inside a capture")
-        # dq and dk as float32 (the rope backward's input type) where cuDNN
-        # writes them so, else as bfloat16 operands
-        for dqk in ((None,) if direction == "forward" else (FLOAT, BF16)):
-            try:
-                _graphs[key] = Graph(direction, B, T, H, E, scale, dqk)
-                break
-            except Exception as e:
-                _graphs[key] = (f"cuDNN refuses the {direction} of B={B} T={T} H={H} E={E} "
-                                f"({_one_line(e)})")
+        try:
+            _graphs[key] = Graph(direction, B, T, H, E, scale)
+        except Exception as e:
+            _graphs[key] = (f"cuDNN refuses the {direction} of B={B} T={T} H={H} E={E} "
+                            f"({_one_line(e)})")
     return _graphs[key]
 
 
 def unavailable(B: int, T: int, H: int, E: int, scale: float, train: bool) -> str:
     """'' when cuDNN serves attention of this shape (the forward, and with
     train the backward too), else the one-line reason why not."""
-    for direction in ("forward", "backward") if train else ("forward",):
-        g = graph(direction, B, T, H, E, scale)
+    graphs = [graph(d, B, T, H, E, scale) for d in ("forward", "backward")[:1 + train]]
+    for g in graphs:
         if isinstance(g, str):
             return g
+    key = (graphs[0].device, B, T, H, E, train, DETERMINISTIC)
+    if key not in _trials:
+        _trials[key] = _trial(graphs)
+    return _trials[key]
+
+
+def _trial(graphs: list) -> str:
+    """Run the forward (and the backward) twice on pseudo-random operands
+    in buffers of the step's layout whose outputs start as NaN: '' when
+    both runs execute, write every output element finite and (with the
+    deterministic backward) agree bit for bit, else why not."""
+    g = graphs[0]
+    B, T, H, E = g.B, g.T, g.H, g.E
+    D, BT = H * E, g.B * g.T
+    shape = f"B={B} T={T} H={H} E={E}"
+    rng = np.random.default_rng(0)
+
+    def operand(cols):  # bfloat16 bits of N(0, 1) values, truncated
+        x = rng.standard_normal((BT, cols)).astype(np.float32)
+        return cupy.asarray((x.view(np.uint32) >> 16).astype(np.uint16))
+
+    qkv, dy = operand(3 * D), operand(D)
+    outputs = {"y": cupy.empty((BT, D), dtype=np.uint16),
+               "stats": cupy.empty((B, H, T), dtype=np.float32),
+               "dqk": cupy.empty((BT, 2 * D), dtype=np.uint16),
+               "dqkv": cupy.empty((BT, 3 * D), dtype=np.uint16)}
+    y, stats, dqk, dqkv = outputs.values()
+    workspace = cupy.zeros((max(x.workspace for x in graphs) + 1,), dtype=np.uint8)
+    p = lambda a, offset=0: a.data.ptr + offset * a.itemsize  # noqa: E731
+    pointers = [(p(qkv), p(qkv, D), p(qkv, 2 * D), p(y), p(stats)),
+                (p(qkv), p(qkv, D), p(qkv, 2 * D), p(y), p(dy), p(stats), p(dqk), p(dqk, D),
+                 p(dqkv, 2 * D))]
+    runs = []
+    stream = cupy.cuda.get_current_stream()
+    try:
+        for _ in range(2):
+            with stream:
+                for a in outputs.values():
+                    a.fill(0xFFFF if a.dtype == np.uint16 else np.nan)  # NaN, bfloat16 or not
+            for x, ptrs in zip(graphs, pointers):
+                x.execute(ptrs, p(workspace))
+            stream.synchronize()
+            runs.append({name: cupy.asnumpy(a) for name, a in outputs.items()})
+    except Exception as e:
+        return f"cuDNN fails to execute the attention of {shape} ({_one_line(e)})"
+    written = {"y": np.s_[:], "stats": np.s_[:]}
+    if len(graphs) > 1:
+        written.update(dqk=np.s_[:], dqkv=np.s_[:, 2 * D:])  # of dqkv only dv
+    for name, part in written.items():
+        for run in runs:
+            x = run[name][part]
+            values = (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x
+            if not np.isfinite(values).all():
+                return (f"cuDNN's attention of {shape} leaves {name} elements unwritten or not "
+                        "finite")
+        if DETERMINISTIC and not np.array_equal(runs[0][name], runs[1][name]):
+            return f"cuDNN's attention of {shape} is not bitwise reproducible ({name})"
     return ""
 
 
@@ -257,8 +312,3 @@ def workspace_bytes(B: int, T: int, H: int, E: int, scale: float, train: bool) -
     """The workspace one execution of either direction needs (a served shape)."""
     return max(graph(d, B, T, H, E, scale).workspace
                for d in (("forward", "backward") if train else ("forward",)))
-
-
-def dqk_type(B: int, T: int, H: int, E: int, scale: float) -> str:
-    """The type the backward writes dq and dk in: float32 or bfloat16."""
-    return graph("backward", B, T, H, E, scale).dqk_type

@@ -321,14 +321,9 @@ class Activations:
         elif not fused:
             self.dp = alloc((B, H, T, T), f32)
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
-        # gradients of the rotated q, k: float32, or bfloat16 operands where
-        # cuDNN writes them so (the rope backward reads either)
-        dqk_type = f32
-        if cudnn and cudnn_attention.dqk_type(B, T, H, config.head_dim,
-                                              cuda_kernels.attention_scale(config.head_dim)) \
-                == cudnn_attention.BF16:
-            dqk_type = op_dtype
-        self.dqk = alloc((BT, 2 * D), dqk_type)
+        # gradients of the rotated q, k: float32, or bfloat16 operands as
+        # cuDNN's attention writes them (the rope backward reads either)
+        self.dqk = alloc((BT, 2 * D), op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
         chunks = -(-BT // cuda_kernels.LAYERNORM_CHUNK)
         self.ln_partials = alloc((2 * L + 1, chunks, 2 * D), f32)

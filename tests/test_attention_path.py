@@ -2,6 +2,8 @@
 and the one reason it gives when cuDNN's is not used: no GPU needed (the
 cuDNN side is replaced by stand-ins that serve or refuse a shape)."""
 
+import types
+
 import pytest
 
 from coppelius.accelerated import cuda_kernels, cudnn_attention, cupy_backend
@@ -19,7 +21,12 @@ class Served:
 
     def __call__(self, direction, B, T, H, E, scale):
         self.asked.append((direction, B, T, H, E, scale))
-        return object()
+        return types.SimpleNamespace(device=0, direction=direction)
+
+
+def trial(outcome):
+    """A stand-in for cudnn_attention._trial: `outcome` for every shape."""
+    return lambda graphs: outcome
 
 
 @pytest.fixture
@@ -27,6 +34,8 @@ def served(monkeypatch):
     monkeypatch.delenv("COPPELIUS_NO_CUDNN", raising=False)
     monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 2)
     monkeypatch.setattr(cuda_kernels, "ATTENTION_FUSED_MIN_BATCH", 4)
+    monkeypatch.setattr(cudnn_attention, "_trials", {})
+    monkeypatch.setattr(cudnn_attention, "_trial", trial(""))
     stand_in = Served()
     monkeypatch.setattr(cudnn_attention, "graph", stand_in)
     return stand_in
@@ -68,13 +77,29 @@ def test_a_shape_cudnn_refuses_runs_the_projects_kernels_with_cudnns_reason(monk
     monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 1)
     monkeypatch.setattr(cuda_kernels, "ATTENTION_FUSED_MIN_BATCH", 4)
     why = f"cuDNN refuses the backward of B={batch} T=64 H=2 E={E} (RuntimeError: no engine)"
+    monkeypatch.setattr(cudnn_attention, "_trials", {})
+    monkeypatch.setattr(cudnn_attention, "_trial", trial(""))
     monkeypatch.setattr(cudnn_attention, "graph",
-                        lambda direction, *shape: why if direction == "backward" else object())
+                        lambda direction, *shape: why if direction == "backward" else
+                        types.SimpleNamespace(device=0))
     config = Config(vocab=8, context=64, d_model=2 * E, n_layer=1, n_head=2, d_ff=8)
     assert cupy_backend.attention_path(config, "bf16", batch) == cupy_backend.AttentionPath(kind,
                                                                                             why)
     # a forward-only step needs no backward: cuDNN's
     assert cupy_backend.attention_path(config, "bf16", batch, train=False).kind == "cudnn"
+
+
+def test_a_failed_trial_is_the_reason_and_is_remembered(served, monkeypatch):
+    """A shape whose graphs build but fail their trial runs (a failed
+    execution, outputs unwritten, two runs that differ) is not served; the
+    trial runs once per shape."""
+    why = "cuDNN's attention of B=8 T=1024 H=8 E=64 is not bitwise reproducible (dqk)"
+    trials = []
+    monkeypatch.setattr(cudnn_attention, "_trial", lambda graphs: trials.append(graphs) or why)
+    for _ in range(2):
+        assert cupy_backend.attention_path(COPPELIUS, "bf16", 8) == \
+            cupy_backend.AttentionPath("fused", why)
+    assert [[g.direction for g in graphs] for graphs in trials] == [["forward", "backward"]]
 
 
 def test_no_frontend_is_one_reason(monkeypatch):

@@ -414,9 +414,11 @@ def test_cudnn_attention_matches_reference_layer(Bn, H, T, E):
         path = cupy_backend.attention_path(Config(8, T, H * E, 1, H, 8), "bf16", Bn)
         got = step_attention("bf16", q, k, v, dy)
         again = step_attention("bf16", q, k, v, dy)
-    if path.kind != "cudnn":
+    if path.kind != "cudnn":  # (T = 1: cuDNN 9.19 refuses it) the project's own, and why
         assert path.reason.startswith("cuDNN refuses"), path
-        assert path.kind == ("fused" if E in cuda_kernels.ATTENTION_HEAD_DIMS else "materialized")
+        fused = E in cuda_kernels.ATTENTION_HEAD_DIMS and \
+            Bn >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+        assert path.kind == ("fused" if fused else "materialized")
     want_y, cache = attention_forward(q, k, v, "bf16")
     want = (round_bf16(want_y), *attention_backward(dy, cache, "bf16"))
     for name, g, w, a in zip(("y", "dq", "dk", "dv"), got, want, again):
@@ -567,6 +569,34 @@ def test_adamw_update_bitwise(precision):
 
 
 # ------------------------------------------------------------------ the whole step
+
+@pytest.mark.parametrize("fault, reason", [
+    ("raise", "cuDNN fails to execute the attention of B=3 T=48 H=2 E=32 (RuntimeError: refused)"),
+    ("skip backward", "cuDNN's attention of B=3 T=48 H=2 E=32 leaves dqk elements unwritten or "
+                      "not finite")])
+def test_a_shape_is_served_only_after_its_trial(fault, reason, monkeypatch):
+    """Before serving a shape, its graphs run twice on NaN-poisoned outputs:
+    an execution that fails, or one that leaves outputs unwritten, makes
+    the shape fall back to the project's kernels with that reason."""
+    need_cudnn()
+    monkeypatch.setattr(cudnn_attention, "_trials", {})  # this shape's trial runs again
+    execute = cudnn_attention.Graph.execute
+
+    def faulty(self, pointers, workspace):
+        if fault == "raise":
+            raise RuntimeError("refused")
+        if self.direction == "forward":
+            execute(self, pointers, workspace)
+
+    monkeypatch.setattr(cudnn_attention.Graph, "execute", faulty)
+    scale = cuda_kernels.attention_scale(32)
+    assert cudnn_attention.unavailable(3, 48, 2, 32, scale, True) == reason
+    if fault == "skip backward":  # a forward-only step runs no backward: served
+        assert cudnn_attention.unavailable(3, 48, 2, 32, scale, False) == ""
+    monkeypatch.setattr(cudnn_attention.Graph, "execute", execute)
+    monkeypatch.setattr(cudnn_attention, "_trials", {})
+    assert cudnn_attention.unavailable(3, 48, 2, 32, scale, True) == ""
+
 
 def test_one_step_with_fused_attention():
     """The whole bf16 step at the batch from which attention is the

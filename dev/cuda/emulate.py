@@ -651,8 +651,8 @@ class FakeCudnnGraph:
     """The classic pygraph calls cudnn_attention makes: one causal SDPA node
     (forward with its statistics, or backward), bfloat16 operands, float32
     arithmetic. The forward's operand of p v is round(p) of the normalized
-    p, as the reference's; the backward's row term is dO . O, as cuDNN's.
-    Like cuDNN on the device it writes dq, dk as bfloat16 only."""
+    p, as the reference's; the backward's row term is dO . O, as cuDNN's;
+    dq, dk, dv bfloat16, as the backend asks."""
 
     def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None,
                  handle=None):
@@ -691,8 +691,8 @@ class FakeCudnnGraph:
         assert modes
 
     def check_support(self):
-        if self.node[0] == "backward" and self.node[3][0].data_type != "BFLOAT16":
-            raise RuntimeError("emulated cuDNN: dq, dk as bfloat16 only")
+        want = ["BFLOAT16", "FLOAT"] if self.node[0] == "forward" else ["BFLOAT16"] * 3
+        assert [t.data_type for t in self.node[3]] == want, self.node[3]
 
     def build_plans(self):
         pass

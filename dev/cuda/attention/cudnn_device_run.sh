@@ -7,7 +7,8 @@
 # coppelius, bf16). Logs under $OUT; a summary last.
 #   usage: WHEELS=dir [ALT=dir] bash dev/cuda/attention/cudnn_device_run.sh
 # WHEELS, ALT: folders holding an nvidia-cudnn-frontend wheel each (the
-# device has cuDNN itself as nvidia-cudnn-cu13, not the frontend).
+# device has cuDNN itself as nvidia-cudnn-cu13, not the frontend), e.g.
+# WHEELS=$PWD/.whl with 1.32.0, installed without its dependencies.
 cd "$(dirname "$0")/../../.." || exit 2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cudnn_run}; mkdir -p "$OUT"
