@@ -50,11 +50,12 @@ except ImportError:  # the backend is simply unavailable
     cupy = None
 
 # From this batch on the bf16 step's attention is cuDNN's where cuDNN serves
-# the shape. Provisional: the batches where the project's fused kernels ran
-# (their 88 TFLOP/s at B=8 is what cuDNN replaces); cuDNN's time per layer
-# is not measured yet (dev/cuda/attention/cudnn_check.py prints every
-# path's): set it from that table.
-MIN_BATCH = 4
+# the shape: every batch. Measured on the H200 (cuDNN 9.19, coppelius preset,
+# one layer's forward and backward with the rope backward, ms): cuDNN 0.067,
+# 0.080, 0.128, 0.217, 0.699 at B = 1, 2, 4, 8, 32 against the fused
+# kernels' 0.111, 0.149, 0.235, 0.394, 1.316 and the materialized scores'
+# 0.102, 0.206, 0.393, 0.767, 2.978 (dev/cuda/attention/cudnn_check.py).
+MIN_BATCH = 1
 # The backward's deterministic algorithm (no floating-point atomics): replays
 # bitwise equal and resume exact, as SPEC 9 and 14 ask. False only for
 # measuring what it costs (dev/cuda/attention/cudnn_check.py).
