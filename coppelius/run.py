@@ -639,32 +639,39 @@ def train(plan: Plan, quiet=False) -> dict:
     done = 0
     t_start = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
+
+    def boundary(n):  # after n steps the host acts on the state: nothing may be queued
+        return (n == plan.steps or n % plan.interval == 0
+                or bool(plan.heldout and plan.eval_every and n % plan.eval_every == 0))
+
     try:
         with Stopper() as stopper:
+            # Step s+1 is submitted before step s's records are read, so the
+            # device never waits for the host; never across a step after which
+            # the state is published or evaluated, or once a stop is asked for
+            t_read = time.perf_counter()
+            pending = program.submit(batch_at(0))
+            following, stream_error = None, None
             for s in range(plan.steps):
-                try:
-                    tokens = batch_at(s)
-                except StreamError:
-                    # the stream changed under the run (truncated, say): keep what is trained
-                    if done % plan.interval:
-                        publisher.submit(program.state(), c0 + done * B)
-                        publisher.finish()
-                    raise
-                t0 = time.perf_counter()
-                program.upload_input(tokens)
-                loss, device_s = program.replay_timed_and_wait()
-                row_losses = program.row_losses()  # host copy: the result file needs it
-                norm = program.grad_norm()  # before clipping (SPEC 7)
-                host_s = time.perf_counter() - t0
+                if following is None and not boundary(s + 1) and stopper.signum is None:
+                    try:
+                        following = program.submit(batch_at(s + 1))
+                    except StreamError as error:  # raised once step s is kept
+                        stream_error = error
+                records = pending.records()
+                row_losses, loss = records.row_losses, records.loss
+                now = time.perf_counter()
+                host_s, t_read = now - t_read, now
                 step_no = first_step + s
+                trained = s + 1 + (following is not None)  # steps the device has taken
                 try:
                     writer.step(step_no, row_losses)
-                    writer.timing(step_no, host_s, device_s)
-                    writer.norm(step_no, norm)
+                    writer.timing(step_no, host_s, records.device_seconds)
+                    writer.norm(step_no, records.grad_norm)
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     if np.isfinite(row_losses).all():
-                        publisher.submit(program.state(), c0 + (s + 1) * B)
+                        publisher.submit(program.state(), c0 + trained * B)
                         publisher.finish()
                     raise
                 if not np.isfinite(row_losses).all():
@@ -683,10 +690,26 @@ def train(plan: Plan, quiet=False) -> dict:
                     held_out.append((first_step + done, evaluated))
                 if progress:
                     progress.update(s, loss, evaluated)
+                if stream_error is not None:
+                    # the stream changed under the run (truncated, say): keep what is trained
+                    if done % plan.interval:
+                        publisher.submit(program.state(), c0 + done * B)
+                        publisher.finish()
+                    raise stream_error
+                if following is not None:  # the queued step is read next, whatever happens
+                    pending, following = following, None
+                    continue
                 if last or done % plan.interval == 0 or stop:
                     publisher.submit(program.state(), c0 + done * B)  # written in the background
                 if stop and not last:
                     break
+                try:
+                    pending = program.submit(batch_at(s + 1)) if not last else None
+                except StreamError:
+                    if done % plan.interval:
+                        publisher.submit(program.state(), c0 + done * B)
+                        publisher.finish()
+                    raise
             if done == plan.steps:
                 _final_record(writer, program, config, batch_at(plan.steps - 1))
             publisher.finish()  # the run's last checkpoint is published when train() returns

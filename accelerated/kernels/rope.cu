@@ -17,16 +17,29 @@ __device__ __forceinline__ float rope_second(float x1, float x2, float c, float 
     return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));  // x2 cos + x1 sin
 }
 
-// 4 pairs of a row of x at column `head + j` and `head + j + half` -> the
-// rotation by theta (sign 1) or by -theta (sign -1), as operands into out at
-// the same columns. The cos, sin row of position t.
-__device__ __forceinline__ void rope_pairs(const float* x, floatX* out, int col, int half,
+// 4 values from x: float32 (16 bytes), or bfloat16 operands (8 bytes), widened exactly
+__device__ __forceinline__ void load_values(float (&a)[4], const float* x) {
+    load_chunk(a, x, 0, 4, true, 0.0f);
+}
+__device__ __forceinline__ void load_values(float (&a)[4], const unsigned short* x) {
+    uint2 u = *reinterpret_cast<const uint2*>(x);
+    a[0] = __uint_as_float(u.x << 16);
+    a[1] = __uint_as_float(u.x & 0xffff0000u);
+    a[2] = __uint_as_float(u.y << 16);
+    a[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+
+// 4 pairs of a row of x at column `col` and `col + half` -> the rotation by
+// theta (or, inverse, by -theta), as operands into out at the same columns.
+// cs, sn: the cos, sin row of the position; j: the pairs' first index.
+template <class X>
+__device__ __forceinline__ void rope_pairs(const X* x, floatX* out, int col, int half,
                                            const float* cs, const float* sn, int j, bool inverse) {
     float x1[4], x2[4], c[4], s[4], y1[4], y2[4];
-    load_chunk(x1, x + col, 0, 4, true, 0.0f);
-    load_chunk(x2, x + col + half, 0, 4, true, 0.0f);
-    load_chunk(c, cs + j, 0, 4, true, 0.0f);
-    load_chunk(s, sn + j, 0, 4, true, 0.0f);
+    load_values(x1, x + col);
+    load_values(x2, x + col + half);
+    load_values(c, cs + j);
+    load_values(s, sn + j);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         if (inverse) {  // d1 cos + d2 sin ; d2 cos - d1 sin
