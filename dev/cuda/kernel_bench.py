@@ -117,6 +117,10 @@ def cases(config, B):
     norm2 = cupy.asarray(np.array([1.0, 1.0], np.float32))
     eps = np.float32(1e-5)
     dce = np.float32(1.0 / BT)
+    # the step's attention path: after cuDNN's, the rope backward reads bfloat16 dq, dk
+    from coppelius.accelerated import cupy_backend
+
+    cudnn = cupy_backend.attention_path(config, "bf16", B).kind == "cudnn"
     new_chunks = cuda_kernels.layernorm_chunks(BT)
     old_chunks = -(-BT // 4)  # before: 4 rows per block of layernorm_backward
 
@@ -165,9 +169,13 @@ def cases(config, B):
              old_bytes=norms * old_chunks * 2 * D * 4),
         Case("rope_forward", L, lambda: dict(qkv=randn((BT, 3 * D)), out=empty((BT, 3 * D), bf)),
              lambda k, b: k.rope_forward(b["qkv"], b["out"], cos, sin, T, H), BT * 3 * D * 6),
-        Case("rope_backward", L,
+        Case("rope_backward", 0 if cudnn else L,
              lambda: dict(dqk=randn((BT, 2 * D)), dqkv=empty((BT, 3 * D), bf)),
              lambda k, b: k.rope_backward(b["dqk"], b["dqkv"], cos, sin, T, H), BT * 2 * D * 6),
+        Case("rope_backward_operand", L if cudnn else 0,
+             lambda: dict(dqk=randn((BT, 2 * D)).astype(bf), dqkv=empty((BT, 3 * D), bf)),
+             lambda k, b: k.rope_backward_operand(b["dqk"], b["dqkv"], cos, sin, T, H),
+             BT * 2 * D * 4),
         Case("swiglu_forward", L, lambda: dict(gu=randn((BT, 2 * F), 3), a=empty((BT, F), bf)),
              lambda k, b: k.swiglu_forward(b["gu"], b["a"]), BT * F * (2 * 4 + 2)),
         Case("swiglu_backward", L,
@@ -229,7 +237,7 @@ def main():
         rows.append((case, result))
         print(f"  {case.name}: " + ", ".join(f"{w} {ms:.4f} ms" for w, (ms, _) in result.items()),
               flush=True)
-    print(f"\n{'kernel':<32} {'per step':>8} {'old ms':>8} {'new ms':>8} {'x':>6} "
+    print(f"\n{'kernel':<30} {'per step':>8} {'old ms':>8} {'new ms':>8} {'x':>6} "
           f"{'MB':>8} {'old GB/s':>9} {'new GB/s':>9}")
     totals = dict.fromkeys(kernels, 0.0)
     nan = (float("nan"), 1.0)
@@ -237,10 +245,10 @@ def main():
         for which, (ms, _) in result.items():
             totals[which] += case.per_step * ms
         (new_ms, moved), (old_ms, old_moved) = result["new"], result.get("old", nan)
-        print(f"{case.name:<32} {case.per_step:>8} {old_ms:>8.4f} {new_ms:>8.4f} "
+        print(f"{case.name:<30} {case.per_step:>8} {old_ms:>8.4f} {new_ms:>8.4f} "
               f"{old_ms / new_ms:>6.2f} {moved / 1e6:>8.1f} "
               f"{old_moved / old_ms / 1e6:>9.0f} {moved / new_ms / 1e6:>9.0f}")
-    print(f"{'per step: sum of launches x ms':<32} {'':>8} {totals.get('old', float('nan')):>8.3f} "
+    print(f"{'per step: launches x ms':<30} {'':>8} {totals.get('old', float('nan')):>8.3f} "
           f"{totals['new']:>8.3f}")
 
 
