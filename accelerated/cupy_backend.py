@@ -85,7 +85,8 @@ from coppelius.reference.params import registry
 from coppelius.reference.program import (CapturedProgram, MemoryAnalysis, PartitionOutcome,
                                          ReplayError, Resource, capture_enabled,
                                          capture_or_fallback, check_capture, check_logits_tokens,
-                                         check_replay_state, check_tokens, compilation_report)
+                                         check_replay_state, check_tokens, compilation_report,
+                                         StepRecords, Submitted)
 from coppelius.reference.semantic import activation_names, partitions
 from coppelius.reference.state import State
 
@@ -541,6 +542,25 @@ class TimedEvent(Event):
         return cupy.cuda.get_elapsed_time(self.start, self.event) / 1e3
 
 
+class StagingSlot:
+    """Pinned host buffers for one submitted step: its tokens on the way in,
+    its row losses, loss and norm on the way out. With W ranks the tokens
+    are this rank's b = B/W contexts, the row losses all B, and a third
+    scalar is the stop count (SPEC 19)."""
+
+    def __init__(self, B: int, T: int, b: int | None = None):
+        def pinned(shape, dtype):
+            n = int(np.prod(shape))
+            memory = cupy.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
+            return np.frombuffer(memory, dtype, n).reshape(shape)
+
+        self.ids = pinned((B if b is None else b, T + 1), np.int32)
+        self.rows = pinned((B * T,), np.float32)
+        self.scalars = pinned((3,), np.float32)  # the loss, the norm, the stop count
+        self.copied = None  # the event recorded after the copies out
+        self.submitted = None  # the step whose records the slot holds
+
+
 class DeviceState:
     """The optimizer state the captured graph reads and writes."""
 
@@ -801,6 +821,7 @@ class CupyProgram(CapturedProgram):
         self._uploaded = False
         self._stepped = False
         self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
+        self._slots = None  # submit()'s pinned staging, on first use
         self.graph = None
         self.eval_ids = self.eval_ce = self.eval_rows = self.eval_graph = None  # evaluate()
 
@@ -912,14 +933,16 @@ class CupyProgram(CapturedProgram):
         self._uploaded = True
 
     def vote_stop(self) -> None:
-        """W > 1: ask every rank to stop after the next step (a signal
-        reached this one). The step sums the ranks' votes (the stop count
-        stays 0 until one votes), so that all stop after the same step."""
-        self._done.synchronize()
+        """W > 1: ask every rank to stop (a signal reached this one), from
+        the next step submitted on. The step sums the ranks' counts in
+        place (0 until a rank votes, and from then on nonzero), and every
+        rank reads the same sum with the step's records (StepRecords.stops),
+        so that all of them stop after the same step. Ordered on the stream
+        after the step in flight: no wait."""
         self.buffers.stop.set(np.ones(1, np.float32), stream=self.stream)
 
     def stop_votes(self) -> int:
-        """W > 1: how many ranks asked to stop, summed by the last step."""
+        """W > 1: the stop count of the last step (nonzero: some rank asked)."""
         self._last("stop_votes")
         return int(self.buffers.stop.get(stream=self.stream)[0])
 
@@ -955,6 +978,57 @@ class CupyProgram(CapturedProgram):
         else:
             with self.stream:
                 self._step()
+
+    def submit(self, tokens) -> Submitted:
+        """Upload, replay and read back without the host waiting for the
+        device: the tokens go through a pinned staging slot and an
+        asynchronous copy ordered after the previous replay on the stream;
+        after the replay, asynchronous copies of the row losses, the loss
+        and the norm go to the same slot's pinned buffers, and records()
+        waits for that slot's event alone. Two slots alternate, so step s is
+        read while step s+1 runs; a slot is reused two submissions later,
+        once the records it holds have been read (records() copies them)."""
+        tokens = self._local(check_tokens(self.config, self.batch, tokens))  # this rank's rows
+        check_replay_state(self.device_state, self._owned, BACKEND)
+        slot = self._staging()[self.replays % 2]
+        if slot.submitted is not None:  # two submissions ago: kept before the slot is reused
+            slot.submitted.records()
+        slot.ids[...] = tokens
+        self.ids.set(slot.ids, stream=self.stream)
+        self._uploaded = True
+        timed = self.replay_timed()
+        self._row_loss_buffer().get(stream=self.stream, out=slot.rows, blocking=False)
+        self.acts.loss.get(stream=self.stream, out=slot.scalars[0:1], blocking=False)
+        self.norm[0:1].get(stream=self.stream, out=slot.scalars[1:2], blocking=False)
+        if self.world > 1:
+            self.buffers.stop.get(stream=self.stream, out=slot.scalars[2:3], blocking=False)
+        copied = slot.copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(self.stream)
+        B, T = self.batch, self.config.context
+
+        def read():
+            copied.synchronize()
+            self._check_peers()  # not the records of a step another rank's failure aborted
+            return StepRecords(float(slot.scalars[0]), slot.rows.reshape(B, T).copy(),
+                               float(slot.scalars[1]), timed.device_seconds(),
+                               int(slot.scalars[2]) if self.world > 1 else 0)
+
+        slot.submitted = Submitted(read)
+        return slot.submitted
+
+    def _staging(self) -> list:
+        """The two pinned host slots of submit(), made on first use."""
+        if self._slots is None:
+            B, T = self.batch, self.config.context
+            self._slots = [StagingSlot(B, T, self.local_batch) for _ in range(2)]
+        return self._slots
+
+    def _row_loss_buffer(self):
+        """The device buffer of the last replay's (B*T) row losses: with W
+        ranks, every rank's, gathered in batch order."""
+        if self.world > 1:
+            return self.buffers.gathered
+        return self.acts.ce if self.accumulate == 1 else self.buffers.rows
 
     def replay_and_wait(self) -> float:
         self.replay().wait()
@@ -992,6 +1066,7 @@ class CupyProgram(CapturedProgram):
         self.c = self.rates = self.partial = self.decay = None
         self.device_state = self._owned = None
         self.eval_ids = self.eval_ce = self.eval_rows = None
+        self._slots = None
         self.alloc.bytes = 0
 
     def _last(self, what):
@@ -1003,8 +1078,7 @@ class CupyProgram(CapturedProgram):
     def row_losses(self) -> np.ndarray:
         """(B, T): with W ranks, every rank's rows gathered in batch order."""
         self._last("row_losses")
-        s = self.buffers
-        ce = s.gathered if self.world > 1 else self.acts.ce if self.accumulate == 1 else s.rows
+        ce = self._row_loss_buffer()
         return ce.get(stream=self.stream).reshape(self.batch, self.config.context)
 
     def gradients(self) -> np.ndarray:

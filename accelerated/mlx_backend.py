@@ -53,8 +53,9 @@ from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
 from coppelius.reference.program import (CapturedProgram, MemoryAnalysis, MissingCapability,
-                                         PartitionOutcome, ReplayError, Resource,
-                                         capture_enabled, capture_or_fallback, check_capture,
+                                         PartitionOutcome, ReplayError, Resource, StepRecords,
+                                         Submitted, capture_enabled, capture_or_fallback,
+                                         check_capture,
                                          check_logits_tokens, check_replay_state, check_tokens,
                                          compilation_report)
 from coppelius.reference.semantic import activation_names, gradient_name, partitions
@@ -429,6 +430,21 @@ class MLXProgram(CapturedProgram):
         self.replays += 1
         self._pending = outputs
         return Event(outputs)
+
+    def submit(self, tokens) -> Submitted:
+        """One step submitted with async_eval; its records are the arrays
+        this replay returned (immutable: later replays make new ones), read
+        when records() is called."""
+        self.upload_input(tokens)
+        self.replay()
+        loss, rows, norm = self._loss, self._rows, self._norm
+
+        def read():
+            mx.eval(loss, rows, norm)
+            return StepRecords(float(loss.item()), np.array(rows, dtype=np.float32),
+                               float(norm.item()), math.nan)
+
+        return Submitted(read)
 
     def loss(self):
         """The last replay's loss: an MLX array, lazy until waited for."""

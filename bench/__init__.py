@@ -209,6 +209,9 @@ def register(subparsers) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the NumPy reference (seconds per step on the coppelius preset)")
+    parser.add_argument("--gpus", type=int, metavar="N",
+                        help="data parallelism: N GPUs at B = N x --batch against one GPU at "
+                             "B = --batch, tokens/s and scaling (bench/distributed.py)")
     parser.add_argument("--reference-coppelius", type=int, default=0, metavar="N",
                         help="also time N steps of the reference on the coppelius preset "
                              "(seconds per step)")
@@ -216,6 +219,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    if args.gpus is not None:
+        from coppelius.bench.distributed import run as run_gpus
+
+        return run_gpus(args)
     config, defaults = preset_config(args.preset or "tiny"), {}
     if args.model:
         config, defaults = config_from_toml(args.model, config if args.preset else None)

@@ -74,6 +74,7 @@ class Launch:
     addr: str | None  # rank 0's control channel (None under MPI: told by bcast)
     port: int | None
     launcher: str  # torchrun (also --gpus), mpi, slurm
+    agent_store: str | None = None  # torchrun's agent store holds MASTER_PORT: its key prefix
 
 
 # ---------------------------------------------------------------- the environment
@@ -156,8 +157,13 @@ def from_environment(env=None) -> Launch | None:
             if not env.get(name):
                 raise RunError(f"{name}: not set (WORLD_SIZE={world} ranks meet at rank 0's "
                                f"MASTER_ADDR:MASTER_PORT)")
+        # torchrun (c10d rendezvous) may serve its own store at MASTER_PORT, in
+        # which case rank 0 listens elsewhere and says where through that store
+        agent = (f"coppelius/{env.get('TORCHELASTIC_RUN_ID', '')}/"
+                 f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/control"
+                 if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None)
         return Launch(rank, world, local_rank, env["MASTER_ADDR"], _port(env, "MASTER_PORT"),
-                      "torchrun")
+                      "torchrun", agent)
     if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
         size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
         world, rank = _int(env, size_name, 1), _int(env, "SLURM_PROCID")
@@ -237,12 +243,17 @@ class Group:
 
     @classmethod
     def open(cls, launch: Launch, timeout: float = RENDEZVOUS_TIMEOUT, mpi=None,
-             bind: str | None = None) -> "Group":
+             bind: str | None = None, store=None) -> "Group":
         """Meet every rank. Under MPI (launch.launcher "mpi"), rank 0's
         address goes to the others by bcast over `mpi` (mpi4py's
-        COMM_WORLD unless given). `bind`: the address rank 0 listens on
-        (default: every interface; the --gpus ranks use 127.0.0.1)."""
+        COMM_WORLD unless given); under torchrun's agent store (which holds
+        MASTER_PORT) it goes through that store (`store`: a
+        torch.distributed.TCPStore client unless given). `bind`: the
+        address rank 0 listens on (default: every interface; the --gpus
+        ranks use 127.0.0.1)."""
         addr, port = launch.addr, launch.port
+        if launch.agent_store is not None and store is None:
+            store = _agent_store(addr, port, timeout)
         if launch.launcher == "mpi":
             if mpi is None:
                 try:
@@ -254,11 +265,15 @@ class Group:
             if mpi.Get_rank() != launch.rank or mpi.Get_size() != launch.world:
                 raise RunError(f"MPI says rank {mpi.Get_rank()} of {mpi.Get_size()}, the "
                                f"environment rank {launch.rank} of {launch.world}")
+        told = mpi is not None or store is not None  # rank 0's address is told, not agreed
         if launch.rank == 0:
-            listener = _listen(bind if bind is not None else "", 0 if mpi else port, launch)
+            listener = _listen(bind if bind is not None else "", 0 if told else port, launch)
             if mpi is not None:
                 host = os.environ.get("MASTER_ADDR") or socket.gethostname()
                 mpi.bcast((host, listener.getsockname()[1]), root=0)
+            elif store is not None:
+                store.set(launch.agent_store,
+                          f"{_address_towards(addr, port)} {listener.getsockname()[1]}")
             try:
                 group = cls(launch, {}, mpi, listener)
                 group._accept(timeout)
@@ -268,6 +283,9 @@ class Group:
             return group
         if mpi is not None:
             addr, port = mpi.bcast(None, root=0)
+        elif store is not None:  # waits until rank 0 has set it
+            host, number = bytes(store.get(launch.agent_store)).decode().split()
+            addr, port = host, int(number)
         sock = _connect(addr, port, launch, timeout)
         _send(sock, {"protocol": PROTOCOL, "rank": launch.rank, "world": launch.world,
                      "host": socket.gethostname(), "pid": os.getpid()})
@@ -468,6 +486,28 @@ class Group:
             self._listener.close()
 
 
+def _agent_store(addr: str, port: int, timeout: float):
+    """A client of torchrun's agent store at MASTER_ADDR:MASTER_PORT."""
+    from datetime import timedelta
+
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        raise RunError("TORCHELASTIC_USE_AGENT_STORE=True: torchrun's store is reached through "
+                       "torch, which is not importable here") from None
+    return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def _address_towards(addr: str, port: int) -> str:
+    """This host's address on the route to addr (others reach it the same way)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))  # a datagram socket sends nothing to connect
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def _listen(bind: str, port: int, launch: Launch):
     try:
         listener = socket.create_server((bind, port), reuse_port=False)
@@ -515,6 +555,25 @@ def rank_environments(n: int, port: int, base=None) -> list:
     return out
 
 
+def _own_session() -> dict:
+    """Popen's arguments for a rank: a session of its own (the terminal's
+    signals come through this process, once), and on Linux SIGTERM when
+    this process dies, however it dies, so that no rank outlives it."""
+    if not sys.platform.startswith("linux"):
+        return {"start_new_session": True}
+
+    def child():  # runs in the child between fork and exec
+        import ctypes
+
+        os.setsid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return {"preexec_fn": child}
+
+
 def spawn(command: list, n: int, what: str = "train", grace: float = PARENT_GRACE,
           env=None) -> int:
     """Run n ranks of `command` (an argv list, started as is) on this host
@@ -546,7 +605,7 @@ def spawn(command: list, n: int, what: str = "train", grace: float = PARENT_GRAC
             pass
     try:
         for r in range(n):
-            procs.append(subprocess.Popen(command, env=envs[r], start_new_session=True))
+            procs.append(subprocess.Popen(command, env=envs[r], **_own_session()))
         first = None  # (rank, status) of the first rank that failed
         failed_at = None
         while True:

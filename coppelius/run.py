@@ -709,46 +709,62 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     done = 0
     t_start = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
+
+    def boundary(n):  # after n steps the host acts on the state: nothing may be queued
+        return (n == plan.steps or n % plan.interval == 0
+                or bool(plan.heldout and plan.eval_every and n % plan.eval_every == 0))
+
     try:
         with Stopper() as stopper:
-            for s in range(plan.steps):
-                try:
-                    tokens = batch_at(s)
-                except StreamError:
-                    # the stream changed under the run (truncated, say): keep what is trained
-                    if done % plan.interval:
-                        publish_after(done)
-                        publisher.finish()
-                    raise
-                t0 = time.perf_counter()
-                program.upload_input(tokens)
+            agreed_stop = False  # with ranks: a step read so far says some rank asked to stop
+
+            def asked():  # this process's signal; with ranks, any rank's, as every rank reads it
+                return agreed_stop if dist is not None else stopper.signum is not None
+
+            def submit(n):  # step n; with ranks, this rank's stop vote goes with it (SPEC 19)
                 if dist is not None and stopper.signum is not None:
-                    program.vote_stop()  # summed in the step: every rank stops after it
-                loss, device_s = program.replay_timed_and_wait()
-                row_losses = program.row_losses()  # host copy: the result file needs it
-                norm = program.grad_norm() if leader else None  # before clipping (SPEC 7)
-                host_s = time.perf_counter() - t0
+                    program.vote_stop()
+                return program.submit(batch_at(n))
+
+            # Step s+1 is submitted before step s's records are read, so the
+            # device never waits for the host; never across a step after which
+            # the state is published or evaluated, or once a stop is asked for.
+            # With ranks every decision here is the same on every rank: each
+            # step's collectives pair up.
+            t_read = time.perf_counter()
+            pending = submit(0)
+            following, stream_error = None, None
+            for s in range(plan.steps):
+                if following is None and not boundary(s + 1) and not asked():
+                    try:
+                        following = submit(s + 1)
+                    except StreamError as error:  # raised once step s is kept
+                        stream_error = error
+                records = pending.records()
+                row_losses, loss = records.row_losses, records.loss
+                agreed_stop = agreed_stop or records.stops > 0
+                now = time.perf_counter()
+                host_s, t_read = now - t_read, now
                 step_no = first_step + s
+                trained = s + 1 + (following is not None)  # steps the device has taken
                 try:
                     writer.step(step_no, row_losses)
-                    writer.timing(step_no, host_s, device_s)
-                    writer.norm(step_no, norm)
+                    writer.timing(step_no, host_s, records.device_seconds)
+                    writer.norm(step_no, records.grad_norm)
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     if np.isfinite(row_losses).all():
-                        publish_after(s + 1)
+                        publish_after(trained)
                         publisher.finish()
                     raise
-                # every rank holds every row: all of them stop here alike
+                # with ranks, every rank holds every row: all of them stop here alike
                 if not np.isfinite(row_losses).all():
                     raise NonFiniteError(f"step {step_no}: non-finite row loss; "
                                          f"{plan.checkpoint} is left as it was")
                 losses.append(float(loss))
                 done = s + 1
                 last = done == plan.steps
-                # read once: a signal may land any time; with ranks, any rank's
-                stop = (program.stop_votes() > 0 if dist is not None
-                        else stopper.signum is not None)
+                stop = asked()  # read once: a signal may land any time
                 evaluated = None
                 if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
                         and not stop:
@@ -758,10 +774,26 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     held_out.append((first_step + done, evaluated))
                 if progress:
                     progress.update(s, loss, evaluated)
+                if stream_error is not None:
+                    # the stream changed under the run (truncated, say): keep what is trained
+                    if done % plan.interval:
+                        publish_after(done)
+                        publisher.finish()
+                    raise stream_error
+                if following is not None:  # the queued step is read next, whatever happens
+                    pending, following = following, None
+                    continue
                 if last or done % plan.interval == 0 or stop:
                     publish_after(done)  # written in the background
                 if stop and not last:
                     break
+                try:
+                    pending = submit(s + 1) if not last else None
+                except StreamError:
+                    if done % plan.interval:
+                        publish_after(done)
+                        publisher.finish()
+                    raise
             if done == plan.steps and leader:
                 _final_record(writer, program, config, batch_at(plan.steps - 1))
             publisher.finish()  # the run's last checkpoint is published when train() returns

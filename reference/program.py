@@ -163,6 +163,33 @@ class ReplayEvent(Protocol):
 
 
 @dataclass(frozen=True)
+class StepRecords:
+    """What the run loop writes of one step (SPEC 11), as host copies: the
+    mean loss, the (B, T) float32 row losses, the gradient norm before
+    clipping (SPEC 7) and the device seconds (NaN without a device clock)."""
+
+    loss: float
+    row_losses: np.ndarray
+    grad_norm: float
+    device_seconds: float
+    stops: int = 0  # W > 1 ranks (SPEC 19): nonzero once a rank asked to stop; 0 on one
+
+
+class Submitted:
+    """A step submitted by submit(): records() waits for this step alone
+    (not for any step submitted after it) and gives its StepRecords; read
+    once, kept."""
+
+    def __init__(self, read):
+        self._read, self._records = read, None
+
+    def records(self) -> StepRecords:
+        if self._records is None:
+            self._records, self._read = self._read(), None
+        return self._records
+
+
+@dataclass(frozen=True)
 class StageRecord:
     """One row of the compilation report (SPEC 13)."""
 
@@ -323,6 +350,14 @@ class CapturedProgram:
         return tuple(StageRecord(r["stage"], r["state"], r["inputs"], r["outputs"])
                      for r in self.compilation_report()["stages"])
 
+    def submit(self, tokens) -> Submitted:
+        """The protocol's submit() for a backend that reads synchronously:
+        the step is waited for and its records read at once."""
+        self.upload_input(tokens)
+        loss, seconds = self.replay_timed_and_wait()
+        records = StepRecords(float(loss), self.row_losses(), self.grad_norm(), seconds)
+        return Submitted(lambda: records)
+
     def replay_timed(self):
         raise MissingCapability(f"replay_timed(): backend {self.backend} has no device clock "
                                 "(time replay() and wait() with a host clock instead)")
@@ -415,6 +450,13 @@ class TrainingProgram(Protocol):
     def replay_timed_and_wait(self) -> tuple:
         """One step, waited for: (mean loss, device seconds, or NaN where the
         backend has no device clock: the result file's timing record)."""
+
+    def submit(self, tokens) -> Submitted:
+        """upload_input(tokens) and one step, without waiting for it or for
+        any step before it: the returned object's records() gives the step's
+        loss, row losses, gradient norm and device time, which no later
+        submission changes. The run loop submits step s+1 before it reads
+        step s's records, so the device never waits for the host."""
 
     def loss(self):
         """The captured loss buffer of the last replay, the backend's own

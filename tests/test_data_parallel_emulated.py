@@ -94,7 +94,7 @@ def ranks_run(argvs, timeout=60):
         launch = ranks.Launch(r, world, None, "127.0.0.1", port, "torchrun")
         statuses[r] = run.run_rank(args, launch, hard_exit=False)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=one, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -165,13 +165,14 @@ def test_each_rank_trains_on_its_contexts(tmp_path, stream, monkeypatch):
     """Rank r, step s: contexts c0 + s*B + r*b + j, j < b (SPEC 19), with
     c0 the contexts the checkpoint consumed."""
     seen = []
-    upload = cupy_backend.CupyProgram.upload_input
+    submit = cupy_backend.CupyProgram.submit
 
-    def recording(self, tokens):
-        upload(self, tokens)
-        seen.append((self.rank, self.replays, self.ids.get().copy()))
+    def recording(self, tokens):  # the run loop's upload and replay
+        submitted = submit(self, tokens)
+        seen.append((self.rank, self.replays - 1, self.ids.get().copy()))
+        return submitted
 
-    monkeypatch.setattr(cupy_backend.CupyProgram, "upload_input", recording)
+    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", recording)
     a = tmp_path / "a"
     assert ranks_run([train_argv(stream, a, "--steps", "2")] * 2) == [0, 0]
     seen.clear()
@@ -303,14 +304,14 @@ def test_a_refused_plan_is_refused_on_every_rank_in_one_line(tmp_path, stream, c
 
 @inside
 def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path, stream, monkeypatch, capsys):
-    upload = cupy_backend.CupyProgram.upload_input
+    submit = cupy_backend.CupyProgram.submit
 
     def failing(self, tokens):
         if self.rank == 1 and self.replays == 3:
             raise RunError("the injected failure")
-        upload(self, tokens)
+        return submit(self, tokens)
 
-    monkeypatch.setattr(cupy_backend.CupyProgram, "upload_input", failing)
+    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", failing)
     a = tmp_path / "a"
     t0 = time.monotonic()
     statuses = ranks_run([train_argv(stream, a, "--steps", "8", "--interval", "2")] * 2,
@@ -324,3 +325,64 @@ def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path, stream, monkeypatc
     assert any("stopped: rank 1 failed: the injected failure" in line for line in lines), lines
     ck = load_state(str(a / "ck.bin"), CFG)  # the last published checkpoint, valid
     assert (ck.step, ck.contexts) == (2, 2 * B)
+
+
+@inside
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, stream,
+                                                                   monkeypatch, capsys):
+    """SIGTERM reaches rank 1 alone, after its third step was submitted: its
+    vote goes with its next step, every rank reads the summed count with
+    that step's records, and all stop after the same step, rank 0
+    publishing it."""
+    signalled = threading.Event()
+    submit = cupy_backend.CupyProgram.submit
+
+    def counting(self, tokens):
+        submitted = submit(self, tokens)
+        if self.rank == 1 and self.replays == 3:
+            signalled.set()
+        return submitted
+
+    class OnRankOne(run.Stopper):
+        @property
+        def signum(self):
+            mine = threading.current_thread().name == "rank-1"
+            return 15 if mine and signalled.is_set() else None
+
+        @signum.setter
+        def signum(self, value):
+            pass
+
+    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", counting)
+    monkeypatch.setattr(run, "Stopper", OnRankOne)
+    a = tmp_path / "a"
+    assert ranks_run([train_argv(stream, a, "--steps", "16", "--interval", "50")] * 2) \
+        == [128 + 15] * 2
+    ck = load_state(str(a / "ck.bin"), CFG)
+    steps = step_rows(a / "results-0.bin").steps
+    assert 3 <= ck.step < 16 and len(steps) == ck.step and ck.contexts == ck.step * B
+    err = capsys.readouterr().err
+    assert err.count(f"stopped by signal 15 after {ck.step} steps") == 1  # rank 0's line
+
+
+@inside
+def test_bench_times_two_ranks_against_one(capsys):
+    from coppelius.bench import distributed as bench_gpus
+
+    port = ranks.free_port()
+    argv = ["bench", "--gpus", "2", "--preset", "test", "--batch", "2", "--steps", "2",
+            "--warmup", "1", "--precision", "fp32"]
+    statuses = [None, None]
+
+    def one(r):
+        args = cli.build_parser().parse_args(argv)
+        statuses[r] = bench_gpus.bench_rank(args, ranks.Launch(r, 2, None, "127.0.0.1", port,
+                                                               "torchrun"))
+
+    _on_threads(2, one)
+    assert statuses == [0, 0]
+    out = capsys.readouterr().out.splitlines()
+    one_gpu = next(line for line in out if line.startswith("1 GPU "))
+    two_gpus = next(line for line in out if line.startswith("2 GPUs "))
+    assert one_gpu.split()[2] == "2" and two_gpus.split()[2] == "4"  # b, then B = 2b
+    assert any(line.startswith("scaling: ") for line in out)

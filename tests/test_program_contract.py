@@ -269,6 +269,34 @@ def test_queued_replays_equal_waited_ones_and_timed_replay(backend):
     assert queued.state().t == 5
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_submitted_steps_keep_their_records_while_later_ones_run(backend, k):
+    """submit() queues step s+1 before step s is read: each step's records
+    are its own (the bits of a step waited for and read at once), whichever
+    order they are read in, and the state is that of the waited steps."""
+    inputs = windows(5, seed=12, batch=2 * B)
+    hyper = Hyper(clip=0.5, accumulate=k)
+    waited = backend.capture(CONFIG, hyper, "fp32", 2 * B, fresh())
+    want = []
+    for tokens in inputs:
+        waited.upload_input(tokens)
+        loss = waited.replay_and_wait()
+        want.append((loss, waited.row_losses(), waited.grad_norm()))
+    program = backend.capture(CONFIG, hyper, "fp32", 2 * B, fresh())
+    pending = [program.submit(inputs[0]), program.submit(inputs[1])]
+    first = pending[0].records()  # read while step 1 may still run
+    pending += [program.submit(tokens) for tokens in inputs[2:]]  # three in flight
+    records = [first] + [p.records() for p in reversed(pending[1:])][::-1]
+    for s, (r, (loss, rows, norm)) in enumerate(zip(records, want)):
+        assert r.row_losses.shape == (2 * B, CONFIG.context)
+        assert np.array_equal(bits(r.row_losses), bits(rows)), s
+        assert bits(r.loss) == bits(loss) and bits(r.grad_norm) == bits(norm), s
+        assert math.isnan(r.device_seconds) or 0 < r.device_seconds < 10
+    assert pending[0].records() is first  # read once, kept
+    check_same_state(program.state(), waited.state())
+    assert program.replay_count() == 5
+
+
 def test_no_capture_switch_runs_the_same_step_eagerly(backend, monkeypatch):
     state = random_state(CONFIG, seed=14, t=2)
     inputs = windows(2, seed=15)

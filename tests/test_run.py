@@ -240,7 +240,8 @@ def test_a_failing_result_file_still_publishes_the_training(tmp_path, stream, mo
     assert main(train_args(stream, tmp_path, ck, "--steps", "10", "--interval", "100")) == 2
     assert "No space left" in capsys.readouterr().err
     ckp = load_state(str(ck), CFG)
-    assert ckp.step == 4 and ckp.contexts == 4  # steps 0..3 trained and kept
+    # steps 0..3 trained, and step 4, queued before step 3 was read: all kept
+    assert ckp.step == 5 and ckp.contexts == 5
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -460,3 +461,56 @@ def test_accumulate_must_divide_the_batch_and_is_remembered_in_the_learner(tmp_p
     assert main(train_args(stream, a, a / "ck.bin", "--steps", "1", "--accumulate", "1")) == 2
     err = capsys.readouterr().err
     assert "--accumulate 2" in err, err
+
+
+def test_the_next_step_is_queued_before_a_step_is_read_but_never_across_a_publication(
+        tmp_path, stream, monkeypatch):
+    """The run loop submits step s+1 before it reads step s's records, except
+    where the state is read after step s (a publication, an evaluation, the
+    end): there nothing is in flight. The result file and the checkpoint are
+    those of a run that waits for every step."""
+    from coppelius.reference.program import ReferenceProgram
+
+    log, in_flight = [], []
+    submit, state = ReferenceProgram.submit, ReferenceProgram.state
+
+    def logged_submit(self, tokens):
+        submitted = submit(self, tokens)
+        n = len([e for e in log if e[0] == "submit"])
+        log.append(("submit", n))
+        in_flight.append(n)
+        read = submitted.records
+
+        def records():
+            if n in in_flight:
+                in_flight.remove(n)
+                log.append(("read", n))
+            return read()
+
+        submitted.records = records
+        return submitted
+
+    def logged_state(self):
+        log.append(("state", tuple(in_flight)))
+        return state(self)
+
+    monkeypatch.setattr(ReferenceProgram, "submit", logged_submit)
+    monkeypatch.setattr(ReferenceProgram, "state", logged_state)
+    a = tmp_path / "a"
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "7", "--interval", "3")) == 0
+    events = [e for e in log if e[0] != "state" or e[1] == ()]
+    assert [e for e in log if e[0] == "state"] == [("state", ())] * len(
+        [e for e in log if e[0] == "state"])  # the state is read with nothing in flight
+    order = [e for e in events if e[0] != "state"]
+    assert order[:4] == [("submit", 0), ("submit", 1), ("read", 0), ("submit", 2)]
+    # step 2 ends the first interval: step 3 is submitted only after it is read and published
+    i = order.index(("read", 2))
+    assert order[i + 1] == ("submit", 3) and ("submit", 3) not in order[:i]
+    monkeypatch.undo()
+    b = tmp_path / "b"  # every step waited for: the loop before queueing, by hand
+    assert main(train_args(stream, b, b / "ck.bin", "--steps", "7", "--interval", "1")) == 0
+    assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
+    got, want = (step_records(*sorted(d.glob("results-*.bin"))) for d in (a, b))
+    assert len(got) == len(want) == 7
+    for x, y in zip(got, want):
+        assert x[0] == y[0] and np.array_equal(np.asarray(x[1]), np.asarray(y[1]))

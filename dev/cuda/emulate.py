@@ -71,8 +71,15 @@ class DevArray(np.ndarray):
     def data(self):
         return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
-    def get(self, stream=None):
-        return np.array(self.view(np.ndarray), copy=True)
+    def get(self, stream=None, out=None, blocking=True):
+        if out is None:
+            return np.array(self.view(np.ndarray), copy=True)
+        # the copy into `out` (pinned memory on a GPU) is a stream command
+        source = self.view(np.ndarray)
+        if source.size != out.size:
+            raise ValueError(f"get(out=): {source.size} elements into {out.size}")
+        _submit(lambda: out.__setitem__(..., source.reshape(out.shape)))
+        return out
 
     def set(self, arr, stream=None):
         self.view(np.ndarray)[...] = np.asarray(arr).reshape(self.shape)
@@ -158,6 +165,11 @@ class Stream:
         graph = Graph(_STATE.recording)
         _STATE.recording = _STATE.capturing = None
         return graph
+
+
+def alloc_pinned_memory(nbytes):
+    """Page-locked host memory on a GPU; any host buffer here."""
+    return bytearray(nbytes)
 
 
 class Event:
@@ -300,7 +312,8 @@ fake_cupy = types.SimpleNamespace(
     ascontiguousarray=lambda a: _dev(np.ascontiguousarray(a)),
     concatenate=lambda xs, axis=0: _dev(np.concatenate([np.asarray(x) for x in xs], axis=axis)),
     cuda=types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device, runtime=runtime,
-                               nccl=fake_nccl, get_elapsed_time=lambda a, b: 1.0))
+                               nccl=fake_nccl, alloc_pinned_memory=alloc_pinned_memory,
+                               get_elapsed_time=lambda a, b: 1.0))
 
 
 # ---------------------------------------------------------------- kernels (NumPy)
