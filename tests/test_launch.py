@@ -433,3 +433,24 @@ def test_gpus_must_be_a_positive_count_and_match_the_launcher(tmp_path, capsys, 
     rc = main(["train", "--preset", "test", "--gpus", "3", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert rc == 2 and "--gpus 3: the launcher (torchrun) started 2 ranks" in err
+
+
+def test_two_processes_under_torchruns_variables_refuse_together(tmp_path):
+    """Real processes, as a launcher starts them: rank 0's refusal (the
+    reference has one device) reaches rank 1 through the rendezvous; both
+    exit 2, one line in all."""
+    port = ranks.free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    procs = []
+    for r in range(2):
+        e = dict(env, PYTHONPATH=ROOT, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "coppelius", "train", "--preset", "test", "--backend",
+             "reference", "--run-dir", str(tmp_path / "r"), "--no-sample"], env=e, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    lines = [line for out, err in outs for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1 and "--gpus 2: backend reference has one device" in lines[0], lines
+    assert not (tmp_path / "r").exists()
