@@ -82,7 +82,8 @@ def nccl():
 def new_unique_id() -> bytes:
     """A fresh NCCL unique id (made once, by rank 0) as 128 bytes."""
     _multicast_off()
-    return bytes(c % 256 for c in nccl().get_unique_id())
+    uid = nccl().get_unique_id()  # bytes (CuPy 14), or a tuple of signed chars (older)
+    return bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes(c % 256 for c in uid)
 
 
 def _id_tuple(unique_id: bytes) -> tuple:
@@ -103,7 +104,10 @@ class Communicator:
         self._lock = threading.Lock()
         self._nccl = nccl()
         _multicast_off()
-        self._comm = self._nccl.NcclCommunicator(world, _id_tuple(unique_id), rank)
+        try:  # CuPy 14 takes the id as bytes, older CuPy as a tuple of signed chars
+            self._comm = self._nccl.NcclCommunicator(world, bytes(unique_id), rank)
+        except TypeError:
+            self._comm = self._nccl.NcclCommunicator(world, _id_tuple(unique_id), rank)
 
     def check(self) -> None:
         """Raise the failure of another rank, once one was reported."""
