@@ -129,14 +129,22 @@ class Communicator:
                              stream_ptr)
 
     def abort(self) -> None:
-        """ncclCommAbort: what a collective waits for is given up and its
-        kernels return; local, it never waits for another rank. Also the
-        normal end of a communicator once the last step is waited for
-        (ncclCommDestroy would first wait for the other ranks)."""
-        with self._lock:
+        """ncclCommAbort: NCCL first raises the communicator's abort flag,
+        so that the kernels of a collective waiting for a lost rank return,
+        then frees it. The freeing is an intra-node collective (every rank
+        of the host calls it) and waits for the CUDA graphs holding this
+        communicator's work: release the programs first (their graphs),
+        at a normal end as after a failure. Also the normal end of a
+        communicator once the last step is waited for. A second call while
+        one is under way returns at once: it never waits for the first."""
+        if not self._lock.acquire(blocking=False):
+            return  # another thread is aborting it
+        try:
             if self._comm is not None:
                 comm, self._comm = self._comm, None
                 comm.abort()
+        finally:
+            self._lock.release()
 
 
 class Collectives:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -72,7 +73,9 @@ def _time(program, inputs, warmup: int) -> tuple:
     return ms, device_ms, loss
 
 
-def bench_rank(args, launch) -> int:
+def bench_rank(args, launch, hard_exit: bool = True) -> int:
+    """One rank of `bench --gpus N`; hard_exit False (ranks as threads, in
+    tests): the process is never ended from here."""
     from coppelius import bench
     from coppelius.accelerated import cupy_backend, distributed
     from coppelius.reference.params import initialize
@@ -81,7 +84,8 @@ def bench_rank(args, launch) -> int:
     r, n = launch.rank, launch.world
     parent = os.environ.get(ranks.PARENT_ENV) == "1"
     group = ranks.Group.open(launch, bind="127.0.0.1" if parent else None)
-    comm = None
+    comm = program = None
+    status = 2
     try:
         config, b = _config(args)
         if b < 1 or args.steps < 1 or args.warmup < 0:
@@ -96,19 +100,24 @@ def bench_rank(args, launch) -> int:
             program = cupy_backend.capture(config, Hyper(), precision, b, state.copy())
             single = _time(program, inputs[:, :b], args.warmup)
             program.reset()
-            del program
+            program = None
             uid = group.go(distributed.new_unique_id)
         else:
             message = group.receive()
             if "go" not in message:
                 return message.get("status", 2)
             uid = group.went(message)
-        group.watch(lambda failure: (setattr(comm, "failure", failure), comm.abort())
-                    if comm is not None else None, hard_exit=True)
+        def on_failure(failure):  # the program raises it after its wait returns
+            if comm is not None:
+                comm.failure = failure
+                threading.Thread(target=comm.abort, daemon=True).start()
+
+        group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
         program = cupy_backend.capture(config, Hyper(), precision, B, state.copy(), comm=comm)
         several = _time(program, inputs, args.warmup)
         group.finish()
+        status = 0
         if r != 0:
             return 0
         T = config.context
@@ -135,6 +144,10 @@ def bench_rank(args, launch) -> int:
         group.fail(f"rank {r} failed: {type(e).__name__}: {e}")
         raise
     finally:
+        if hard_exit:  # everything is printed: no teardown may hang the exit
+            ranks.exit_within(status, ranks.EXIT_GRACE if status == 0 else ranks.ABORT_GRACE)
+        if program is not None:  # its graph holds NCCL work: released before the communicator
+            program.reset()
         if comm is not None:
             comm.abort()
         group.close()

@@ -55,7 +55,8 @@ PROTOCOL = "coppelius-ranks-v1"
 MAX_MESSAGE = 1 << 20  # bytes of one control message
 RENDEZVOUS_TIMEOUT = 300.0  # s for every rank to join (a rank's start includes its imports)
 PLAN_TIMEOUT = 3600.0  # s for a plan (rank 0 may tokenize a corpus first)
-ABORT_GRACE = 20.0  # s a failed rank's process has to end by itself before it is ended
+ABORT_GRACE = 15.0  # s a failed rank's process has to end by itself before it is ended
+EXIT_GRACE = 30.0  # s a rank that is done has to exit before it is ended (teardown)
 PARENT_ENV = "COPPELIUS_RANKS_PARENT"  # set by `--gpus N` in the ranks it starts
 PARENT_GRACE = 30.0  # s the --gpus parent gives the others after a rank failed, then SIGKILL
 
@@ -409,17 +410,15 @@ class Group:
                                 _send(sock, {"failed": reason})
                         except OSError:
                             pass
-            try:
-                on_failure(failure)
-            finally:
-                if hard_exit:
-                    def end():
-                        time.sleep(ABORT_GRACE)
-                        if say is not None:
-                            say(str(failure))
-                        os._exit(status)
+            if hard_exit:  # first: on_failure may block (a communicator's teardown)
+                def end():
+                    time.sleep(ABORT_GRACE)
+                    if say is not None:
+                        say(str(failure))
+                    os._exit(status)
 
-                    threading.Thread(target=end, name="coppelius-rank-end", daemon=True).start()
+                threading.Thread(target=end, name="coppelius-rank-end", daemon=True).start()
+            on_failure(failure)
 
         def run():
             selector = selectors.DefaultSelector()
@@ -484,6 +483,22 @@ class Group:
                 pass
         if self._listener is not None:
             self._listener.close()
+
+
+def exit_within(status: int, seconds: float = EXIT_GRACE) -> None:
+    """A rank whose work is done and written: if the process has not exited
+    `seconds` from now (the teardown of CUDA or NCCL waiting for a rank
+    that is gone), it is ended with `status`."""
+    def end():
+        time.sleep(seconds)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    threading.Thread(target=end, name="coppelius-rank-exit", daemon=True).start()
 
 
 def _agent_store(addr: str, port: int, timeout: float):

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -666,6 +666,14 @@ class Dist:
     group: object  # launch.Group: the control channel
     comm: object = None  # accelerated.distributed.Communicator
     failure: object = None  # a launch.PeerFailure, once another rank failed
+    programs: list = field(default_factory=list)  # captured over comm: released before it
+
+    def release(self) -> None:
+        """Release the programs (their CUDA graphs hold NCCL work) before
+        the communicator is aborted: NCCL frees a communicator only once
+        the graphs holding its work are gone."""
+        while self.programs:
+            self.programs.pop().reset()
 
 
 def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
@@ -683,6 +691,8 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     # captured first: a step that cannot be built (out of memory) leaves no result file
     ranks_of = {} if dist is None else {"comm": dist.comm}
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of)
+    if dist is not None:
+        dist.programs.append(program)
     if leader:
         publish_tokenizer(plan.tokenizer, plan.checkpoint)
         writer = results.ResultWriter(results_path, header)  # refuses an existing path
@@ -942,6 +952,10 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
     def say(text):
         print_safely(f"coppelius train: error: {'' if r == 0 else f'rank {r}: '}{text}")
 
+    def leave(status, seconds=ranks.EXIT_GRACE):  # the process ends within `seconds`
+        if hard_exit:
+            ranks.exit_within(status, seconds)
+
     with contextlib.ExitStack() as resources:
         t0 = time.perf_counter()
         try:
@@ -972,12 +986,14 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
             group.watch(on_failure, hard_exit=hard_exit, say=None if parent else say)
             distributed.use_device(launch.local_rank, r)
             dist.comm = distributed.Communicator(uid, r, launch.world)
-            resources.callback(dist.comm.abort)  # the end, normal too: local, never waits
+            resources.callback(dist.comm.abort)  # the end, normal too (after the next one)
+            resources.callback(dist.release)  # the programs' graphs go before the communicator
             if dist.failure is not None:
                 dist.comm.failure = dist.failure
                 raise dist.failure
             status = _run(args, plan, time.perf_counter() - t0, dist)
             group.finish()
+            leave(status)  # everything is written: no teardown may hang the exit
             return status
         except Refused as e:  # every rank refuses; rank 0 says why
             if r == 0:
@@ -987,16 +1003,19 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
             group.finish()
             if r == 0:
                 say(str(e))
+            leave(e.exit_status)
             return e.exit_status
         except BaseException as e:
             failure = dist.failure or (e if isinstance(e, ranks.PeerFailure) else None)
             if failure is not None:  # another rank's failure ended this one
                 if not parent:
                     say(str(failure))
+                leave(failure.exit_status, ranks.ABORT_GRACE)
                 return failure.exit_status
             group.fail(f"rank {r} failed: {e}")  # this rank's own: the others are told
             if isinstance(e, CoppeliusError):
                 say(str(e))
+                leave(e.exit_status, ranks.ABORT_GRACE)
                 return e.exit_status
             raise
 

@@ -377,7 +377,7 @@ def test_bench_times_two_ranks_against_one(capsys):
     def one(r):
         args = cli.build_parser().parse_args(argv)
         statuses[r] = bench_gpus.bench_rank(args, ranks.Launch(r, 2, None, "127.0.0.1", port,
-                                                               "torchrun"))
+                                                               "torchrun"), hard_exit=False)
 
     _on_threads(2, one)
     assert statuses == [0, 0]

@@ -33,6 +33,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import types
 import weakref
 
@@ -50,6 +51,7 @@ class _ThreadState(threading.local):
         self.recording = None  # the command list of the capturing stream, or None
         self.capturing = None  # the stream being captured, or None
         self.current = []  # the streams entered with `with stream:`, innermost last
+        self.captured_comms = []  # NCCL communicators with work in the capture under way
 
 
 _STATE = _ThreadState()
@@ -136,6 +138,9 @@ def asnumpy(a):
 class Graph:
     def __init__(self, commands):
         self.commands = commands
+        for comm in _STATE.captured_comms:  # NCCL ties its work to the graph's life
+            comm.graphs.add(self)
+        _STATE.captured_comms = []
 
     def launch(self, stream=None):
         for command in self.commands:
@@ -251,7 +256,10 @@ class NcclCommunicator:
     a collective is a command of the rank's stream (recorded by a capture,
     run at replay) that meets the other ranks at a barrier. abort() breaks
     the barrier: a rank waiting in a collective returns with its buffer as
-    it was, as NCCL's kernels do after ncclCommAbort."""
+    it was, as NCCL's kernels do after ncclCommAbort; then, as NCCL frees
+    a communicator only once the CUDA graphs holding its work are gone,
+    abort() waits for them (AssertionError after a while: a program still
+    holds one)."""
 
     def __init__(self, ndev, commId, rank):
         assert len(commId) == 128 and 0 <= rank < ndev
@@ -259,6 +267,7 @@ class NcclCommunicator:
             self.world = _WORLDS.setdefault(tuple(commId), _World(ndev))
         assert self.world.n == ndev
         self.rank = rank
+        self.graphs = weakref.WeakSet()
         self._exchange(None)  # every rank has joined
 
     def _exchange(self, mine):
@@ -273,8 +282,13 @@ class NcclCommunicator:
         except threading.BrokenBarrierError:
             return None
 
+    def _captured(self):
+        if _STATE.recording is not None:
+            _STATE.captured_comms.append(self)
+
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         assert (datatype, op) == (NCCL_FLOAT32, NCCL_SUM)
+        self._captured()
 
         def run():
             parts = self._exchange(_floats(sendbuf, count).copy())
@@ -288,6 +302,7 @@ class NcclCommunicator:
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         assert datatype == NCCL_FLOAT32
+        self._captured()
 
         def run():
             parts = self._exchange(_floats(sendbuf, count).copy())
@@ -297,7 +312,11 @@ class NcclCommunicator:
         _submit(run)
 
     def abort(self):
-        self.world.barrier.abort()
+        self.world.barrier.abort()  # the abort flag: a waiting collective returns
+        deadline = time.monotonic() + 10
+        while len(self.graphs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not len(self.graphs), "ncclCommAbort while a CUDA graph holds its work"
 
 
 NCCL_FLOAT32, NCCL_SUM = 7, 0
