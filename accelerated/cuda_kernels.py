@@ -49,7 +49,7 @@ except ImportError:  # the backend is simply unavailable
 # order of the step.
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 FILES = ("common.cuh", "precision.cu", "embedding.cu", "layernorm.cu", "rope.cu", "attention.cu",
-         "attention_fused.cu", "swiglu.cu", "crossentropy.cu", "adamw.cu")
+         "attention_fused.cu", "attention_cudnn.cu", "swiglu.cu", "crossentropy.cu", "adamw.cu")
 
 
 def module_source(replace: dict | None = None) -> str:
@@ -83,7 +83,7 @@ KERNELS = ("round_bf16", "embedding_forward", "embedding_backward", "layernorm_f
            "attention_softmax_forward", "attention_softmax_backward",
            *(f"attention_{part}_e{E}" for E in (16, 32, 64)
              for part in ("forward", "backward_dq", "backward_dkdv")),
-           "swiglu_forward",
+           "rope_backward_operand", "swiglu_forward",
            "swiglu_backward", "crossentropy_forward_backward", "mean_loss",
            "adamw_bias_corrections", "adamw_bias_corrections_table", "gradient_sum_squares",
            "gradient_norm_clip", "adamw_update", "accumulate_gradient")
@@ -263,6 +263,13 @@ class Kernels:
                                                     f32(scale)))
         self._attention("backward_dkdv", E, B, T, H, (qkv, dy, m, l, dot, dqk, dqkv, i32(T),
                                                       i32(H), f32(scale)))
+
+    def rope_backward_operand(self, dqk, dqkv, cos, sin, T, H):
+        # dqk (BT,2D) operands (cuDNN's attention writes dq, dk so) -> dqkv[:, :2D]
+        # (BT,3D) operands: rope_backward on the widened values
+        BT, D2 = dqk.shape
+        self._rowwise("rope_backward_operand", BT, D2, (dqk, dqkv, cos, sin, i32(BT), i32(T),
+                                                        i32(D2 // 2), i32(H)))
 
     # -- swiglu
     def swiglu_forward(self, gu, a):

@@ -23,17 +23,26 @@ Matrix products. Linear weights are (out, in) row-major slices of P, and
 the registry puts q, k, v next to each other (one (3D, D) product) and gate,
 up too (one (2F, D) product).
 
-Attention. Under bf16 with a head dim of 16, 32 or 64, from a batch of
-cuda_kernels.ATTENTION_FUSED_MIN_BATCH on, it is fused (flash-attention
-style, kernels/attention_fused.cu's attention_forward_e*): tensor-core
-tiles over the keys, causal tiles skipped, nothing of size T^2 in memory;
-per row only the maximum and the sum of the softmax are kept for the
-backward, which recomputes p. Otherwise (fp32, other head dims, small
-batches, where the fused kernels leave the chip idle) it runs per
-batch element as strided batched products over the heads, reading q, k, v
-straight out of the (BT, 3D) projection with row stride 3D and writing y in
-the (BT, D) layout with row stride D, with the scores materialized
-(B, H, T, T) float32 and kept per layer for the backward.
+Attention (attention_path: one of three, chosen by measured thresholds).
+Under bf16, where cuDNN serves the shape (accelerated/cudnn_attention.py:
+the nvidia-cudnn-frontend package importable, cuDNN's graphs supported),
+from a batch of cudnn_attention.MIN_BATCH on, it is cuDNN's fused attention
+(SDPA forward and backward, deterministic): q, k, v read in place from the
+(BT, 3D) projection, y written in the (BT, D) layout, per row the softmax's
+log-sum-exp kept for the backward, which writes dv into the projections'
+gradient and dq, dk into the rope backward's input. Else, with a head dim
+of 16, 32 or 64, from a batch of cuda_kernels.ATTENTION_FUSED_MIN_BATCH on,
+the project's fused kernels (flash-attention style,
+kernels/attention_fused.cu's attention_forward_e*): tensor-core tiles over
+the keys, causal tiles skipped, nothing of size T^2 in memory; per row
+only the maximum and the sum of the softmax are kept for the backward,
+which recomputes p. Otherwise (fp32, other head dims, small batches, where
+the fused kernels leave the chip idle) it runs per batch element as
+strided batched products over the heads, reading q, k, v straight out of
+the (BT, 3D) projection with row stride 3D and writing y in the (BT, D)
+layout with row stride D, with the scores materialized (B, H, T, T)
+float32 and kept per layer for the backward. The report gives the path and
+the one reason cuDNN's is not used.
 
 bf16 policy (SPEC 6). Every operand of every product is a bfloat16
 (rounded to nearest even) and every product accumulates in float32. The
@@ -92,6 +101,7 @@ from coppelius.reference.state import State
 
 from . import cuda_kernels
 from . import cublas
+from . import cudnn_attention
 from .cublas import WORKSPACE_BYTES, Cublas
 from .distributed import Collectives
 from .memory_plan import (Buffer, CommandLog, MemoryPlan, PlannedBuffers, VirtualArray,
@@ -112,11 +122,49 @@ def available() -> bool:
 
 
 
+@dataclass(frozen=True)
+class AttentionPath:
+    """How a step's attention runs: "cudnn" (cuDNN's fused attention,
+    accelerated/cudnn_attention.py), "fused" (the project's fused kernels,
+    kernels/attention_fused.cu) or "materialized" (the (B,H,T,T) scores and
+    cuBLAS batched products); `reason`: why not cuDNN ('' when cuDNN)."""
+
+    kind: str
+    reason: str
+
+
+def attention_path(config: Config, precision: str, batch: int, context: int | None = None,
+                   train: bool = True) -> AttentionPath:
+    """The attention of a (batch, context) step (context: config.context by
+    default; train: the backward too). Under bf16: cuDNN's from batch
+    cudnn_attention.MIN_BATCH on where cuDNN serves the shape, else the
+    project's fused kernels for their head dims from batch
+    cuda_kernels.ATTENTION_FUSED_MIN_BATCH on, else the materialized scores
+    (the thresholds are measured: each path's time per layer in
+    cuda_kernels.py and cudnn_attention.py). fp32 keeps the materialized
+    scores: both fused paths take bfloat16 operands."""
+    if precision != "bf16":
+        return AttentionPath("materialized", "fp32 policy: cuDNN's and the fused kernels' "
+                                             "attention take bfloat16 operands")
+    T = config.context if context is None else context
+    H, E = config.n_head, config.head_dim
+    if batch < cudnn_attention.MIN_BATCH:
+        why = (f"batch {batch} < {cudnn_attention.MIN_BATCH}: cuDNN's attention is slower there "
+               "than the project's")
+    else:
+        why = cudnn_attention.unavailable(batch, T, H, E, cuda_kernels.attention_scale(E), train)
+    if not why:
+        return AttentionPath("cudnn", "")
+    kernels = E in cuda_kernels.ATTENTION_HEAD_DIMS and \
+        batch >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    return AttentionPath("fused" if kernels else "materialized", why)
+
+
 def fused_attention(config: Config, precision: str, batch: int) -> bool:
-    """Whether the attention of a (batch, T) step is the fused kernels (else
-    the materialized scores and cuBLAS batched products)."""
-    return (precision == "bf16" and config.head_dim in cuda_kernels.ATTENTION_HEAD_DIMS
-            and batch >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH)
+    """Whether the attention of a (batch, T) step keeps no (T, T) scores in
+    memory (cuDNN's or the project's fused kernels; else the materialized
+    scores and cuBLAS batched products)."""
+    return attention_path(config, precision, batch).kind != "materialized"
 
 
 def _ptr(a, offset: int = 0) -> int:
@@ -217,7 +265,9 @@ class Activations:
         self.B, self.T = B, T
         f32 = np.float32
         bf16 = op_dtype == np.uint16
-        self.fused = fused = fused_attention(config, "bf16" if bf16 else "fp32", B)
+        self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
+        cudnn = self.path.kind == "cudnn"
+        self.fused = fused = self.path.kind != "materialized"  # no (T, T) scores in memory
         n = L if train else 1
 
         def per_layer(shape, dtype):
@@ -231,11 +281,20 @@ class Activations:
         self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
         self.h1 = per_layer((BT, D), op_dtype)  # attn_norm(x), operand
         self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
-        if fused:  # per row: the softmax's maximum and sum, for the backward
+        if cudnn:  # per row: the softmax's log-sum-exp, for the backward
+            self.att_stats = per_layer((B, H, T), f32)
+        elif fused:  # per row: the softmax's maximum and sum, for the backward
             self.att_m, self.att_l = per_layer((B, H, T), f32), per_layer((B, H, T), f32)
         else:
             self.att = per_layer((B, H, T, T), f32)  # probabilities p
         self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
+        # cuDNN's workspace, scratch of each attention execution
+        self.att_workspace = None
+        if cudnn:
+            nbytes = cudnn_attention.workspace_bytes(B, T, H, config.head_dim,
+                                                     cuda_kernels.attention_scale(config.head_dim),
+                                                     train)
+            self.att_workspace = alloc((nbytes,), np.uint8) if nbytes else None
         self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
         self.a = per_layer((BT, F), op_dtype)  # silu(g) * u, operand
@@ -260,12 +319,14 @@ class Activations:
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, 2 * F), op_dtype)
         self.dy = alloc((BT, D), op_dtype)
-        if fused:
+        if self.path.kind == "fused":  # (cuDNN's row terms live in its workspace)
             self.att_dot = alloc((B, H, T), f32)  # sum_j dp p per row
-        else:
+        elif not fused:
             self.dp = alloc((B, H, T, T), f32)
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
-        self.dqk = alloc((BT, 2 * D), f32)  # gradients of the rotated q, k
+        # gradients of the rotated q, k: float32, or bfloat16 operands as
+        # cuDNN's attention writes them (the rope backward reads either)
+        self.dqk = alloc((BT, 2 * D), op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
         chunks = -(-BT // cuda_kernels.LAYERNORM_CHUNK)
         self.ln_partials = alloc((2 * L + 1, chunks, 2 * D), f32)
@@ -383,6 +444,11 @@ class Model:
         (B,H,T) row maxima and sums."""
         c = self.config
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        if a.path.kind == "cudnn":
+            qkv = a.qkv[l]
+            self._cudnn("forward", a, (_ptr(qkv), _ptr(qkv, D), _ptr(qkv, 2 * D), _ptr(a.y[l]),
+                                       _ptr(a.att_stats[l])))
+            return
         if a.fused:
             self.k.attention_forward(a.qkv[l], a.y[l], a.att_m[l], a.att_l[l], B, T, H,
                                      self.scale)
@@ -481,6 +547,14 @@ class Model:
         """a.dy (BT,D) -> a.dqkv (BT,3D): dq, dk through rope, and dv."""
         c = self.config
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        if a.path.kind == "cudnn":
+            # q, k, v, y, dy, stats -> dq, dk (into dqk), dv (into dqkv[:, 2D:])
+            qkv = a.qkv[l]
+            self._cudnn("backward", a, (_ptr(qkv), _ptr(qkv, D), _ptr(qkv, 2 * D), _ptr(a.y[l]),
+                                        _ptr(a.dy), _ptr(a.att_stats[l]), _ptr(a.dqk),
+                                        _ptr(a.dqk, D), _ptr(a.dqkv, 2 * D)))
+            self._rope_backward(a, l)
+            return
         if a.fused:
             self.k.attention_backward(a.qkv[l], a.y[l], a.dy, a.att_m[l], a.att_l[l], a.att_dot,
                                       a.dqk, a.dqkv, B, T, H, self.scale)
@@ -509,14 +583,33 @@ class Model:
                       2 * D, **hh)
         self._rope_backward(a, l)
 
+    def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
+        """One execution of cuDNN's attention graph for a's shape on the
+        addresses `pointers` (cudnn_attention.Graph.tensors' order) with the
+        workspace a.att_workspace; in the memory plan's dry run (buffers
+        without storage) only recorded."""
+        c = self.config
+        g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale)
+        workspace = 0 if a.att_workspace is None else _ptr(a.att_workspace)
+        if self.k.log is not None:
+            self.k.log.add("library", f"cudnn_sdpa_{direction}", g.launch(),
+                           (*pointers, workspace))
+        if not isinstance(a.y[0], VirtualArray):
+            g.execute(pointers, workspace)
+
     def _rope_backward(self, a: Activations, l: int) -> None:
-        """a.dqk (BT,2D), the gradients of the rotated q and k -> a.dqkv[:, :2D]."""
+        """a.dqk (BT,2D), the gradients of the rotated q and k (float32, or
+        bfloat16 operands as cuDNN writes them) -> a.dqkv[:, :2D]."""
         p = f"layers.{l}."
         self._tap(p + "attn.dq", a.dqk, (0, 2))
         self._tap(p + "attn.dk", a.dqk, (1, 2))
         self._tap(p + "attn.dv", a.dqkv, (2, 3))
         self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
-        self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
+        if a.dqk.dtype == np.float32:
+            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
+        else:
+            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T,
+                                         self.config.n_head)
 
 
 class Event:
@@ -875,6 +968,7 @@ class CupyProgram(CapturedProgram):
         self._check_peers()
         kinds = [c.kind for c in log.commands]
         return {"kernel_launches": kinds.count("kernel"), "products": kinds.count("product"),
+                "library_calls": kinds.count("library"),
                 "collectives": kinds.count("collective"),
                 "kernels": sorted({c.name for c in log.commands if c.kind == "kernel"})}
 
@@ -1224,6 +1318,8 @@ class CupyProgram(CapturedProgram):
             "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
             "cublas_version": self.blas.version,
             "cublas_library": cublas.LOADED_FROM,
+            "cudnn": {**cudnn_attention.versions(), "attention": self.acts.path.kind,
+                      "reason": self.acts.path.reason},
             "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
             "update_count": int(self.t.get(stream=self.stream)[0]),  # a sync: not in the loop
             "device_free_bytes": int(free),
@@ -1312,18 +1408,19 @@ def graph_nodes(graph):
 
 def _report(program: CupyProgram) -> dict:
     """What was done to the step, stage by stage (SPEC section 13). Counts:
-    the commands (kernel launches and cuBLAS products) recorded into the
-    graph, and its nodes as CUDA reports them (a product may be more than
-    one kernel)."""
+    the commands (kernel launches, cuBLAS products and cuDNN executions)
+    recorded into the graph, and its nodes as CUDA reports them (a product
+    or an execution may be more than one kernel)."""
     B = program.batch
     on = program.graph is not None
     rec = program.recorded
     plan = program.plan
     candidates = sum(b.candidate for b in plan.buffers)
     aliased = len(plan.aliased()) if program.memory_planned else 0
-    launches, products = rec["kernel_launches"], rec["products"]
+    launches, products, calls = rec["kernel_launches"], rec["products"], rec["library_calls"]
     collectives = rec.get("collectives", 0)  # NCCL, W > 1 ranks (SPEC 19)
-    commands = launches + products + collectives
+    commands = launches + products + calls + collectives
+    path = program.acts.path
     nodes = graph_nodes(program.graph) if on else None
     bf16 = program.precision == "bf16"
     stages = {
@@ -1345,7 +1442,8 @@ def _report(program: CupyProgram) -> dict:
         "semantic_validation": "configuration, precision, batch and state checked at capture",
         "replay_safety": "fixed shapes; t and the bias corrections live on the device; the input "
                          "slot is the only per-step host input",
-        "decomposition": "hand-written forward and backward: NVRTC kernels and cuBLAS products",
+        "decomposition": "hand-written forward and backward: NVRTC kernels and cuBLAS products"
+                         + ("; attention: cuDNN graphs" if path.kind == "cudnn" else ""),
         "fusion": "residual add into layernorm; loss, softmax and dlogits in one kernel; q,k,v "
                   "and gate,up as single products; operands rounded by their producers"
                   + ("; causal attention fused (scores never in memory)"
@@ -1357,8 +1455,12 @@ def _report(program: CupyProgram) -> dict:
         "precision": "bfloat16 operands, float32 accumulation and results" if bf16
                      else "float32 products, CUBLAS_COMPUTE_32F, no TF32",
         "kernel_selection": "cuBLAS heuristics (GemmEx, GemmStridedBatchedEx)"
-                            + ("; attention: mma.sync bfloat16 tiles"
-                               if program.acts.fused else ""),
+                            + {"cudnn": "; attention: cuDNN's fused attention (SDPA graphs by "
+                                        "cuDNN's heuristics, deterministic backward)",
+                               "fused": "; attention: mma.sync bfloat16 tiles",
+                               "materialized": ""}[path.kind]
+                            + (f"; cuDNN attention not used: {path.reason}" if path.reason
+                               else ""),
         "lowering_validation": "the step runs eagerly once before capture",
         "memory_planning": (f"{aliased} activation and scratch buffers share one arena by "
                             f"lifetime: {plan.savings} bytes saved" if program.memory_planned
@@ -1381,6 +1483,7 @@ def _report(program: CupyProgram) -> dict:
         collectives=collectives, captured=on,
         capture_refused=program.capture_refused or "",
         kernel_names=rec["kernels"], kernel_launches=launches, products=products,
+        library_calls=calls, attention=path.kind, attention_reason=path.reason,
         memory_planned=program.memory_planned, memory_saved_bytes=(
             plan.savings if program.memory_planned else 0),
         graph_nodes_source=("cudaGraphDebugDotPrint" if nodes is not None
@@ -1399,19 +1502,25 @@ def _plan_off_reason(program: CupyProgram) -> str:
 def _partition_outcomes(program: CupyProgram) -> list:
     """The step's fusion candidates as the CUDA step has them (Model)."""
     c, B = program.config, program.micro_batch  # the activations' batch (B/k, SPEC 19)
-    fused = program.acts.fused
-    if fused:
+    path = program.acts.path
+    if path.kind == "cudnn":
+        attention = PartitionOutcome("applied", "cuDNN's fused attention (SDPA forward and "
+                                                "backward): the (T, T) scores never in memory")
+    elif path.kind == "fused":
         attention = PartitionOutcome("applied", "fused kernels (flash-attention style): the "
-                                                "(T, T) scores never in memory")
+                                                "(T, T) scores never in memory; cuDNN not used: "
+                                                + path.reason)
     elif program.precision != "bf16":
         attention = PartitionOutcome("fallback", "fp32 policy: the fused kernels take "
                                                  "bfloat16 operands")
     elif c.head_dim not in cuda_kernels.ATTENTION_HEAD_DIMS:
-        attention = PartitionOutcome("fallback", f"head dim {c.head_dim}: no fused kernel")
+        attention = PartitionOutcome("fallback", f"head dim {c.head_dim}: no fused kernel; "
+                                                 f"cuDNN not used: {path.reason}")
     else:
         attention = PartitionOutcome(
             "fallback", f"batch {B} < {cuda_kernels.ATTENTION_FUSED_MIN_BATCH}: the fused "
-                        "kernels' few blocks would leave the GPU idle; scores materialized")
+                        "kernels' few blocks would leave the GPU idle; scores materialized; "
+                        f"cuDNN not used: {path.reason}")
     outcomes = {
         "shared_input_products": PartitionOutcome("applied", "one product over the adjacent "
                                                              "weights"),

@@ -3,10 +3,12 @@ run alone on host arrays, through the backend's own Model, buffers and
 kernels. The GPU tests (tests/test_cupy_backend.py) and the kernel
 experiments (dev/cuda/attention/check.py) both use them; training does not.
 
-    from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention
+    from coppelius.accelerated.cupy_debug import cudnn_from_batch, fused_from_batch, step_attention
 
-    with fused_from_batch(1):  # the fused attention kernels even at B=1
+    with fused_from_batch(1):  # the project's fused attention kernels even at B=1
         y, dq, dk, dv = step_attention("bf16", q, k, v, dy)  # (B,H,T,E) each
+    with cudnn_from_batch(1):  # cuDNN's attention where it serves the shape
+        ...
 
 Shapes use the project's letters (B, T, D, H, E; BT = B*T rows).
 """
@@ -27,20 +29,36 @@ from coppelius.reference.config import Config
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
 
-from . import cublas, cuda_kernels, cupy_backend
+from . import cublas, cuda_kernels, cudnn_attention, cupy_backend
+
+
+NEVER = 1 << 30  # a batch no step reaches
 
 
 @contextlib.contextmanager
 def fused_from_batch(n: int):
-    """The step's attention fused from batch n on (bf16, head dims with
-    kernels), instead of cuda_kernels.ATTENTION_FUSED_MIN_BATCH, inside the
+    """The step's attention the project's fused kernels from batch n on
+    (bf16, head dims with kernels), instead of
+    cuda_kernels.ATTENTION_FUSED_MIN_BATCH, and never cuDNN's, inside the
     block. Programs and Activations made inside it keep the path they got."""
-    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
-    cuda_kernels.ATTENTION_FUSED_MIN_BATCH = n
+    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH
+    cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = n, NEVER
     try:
         yield
     finally:
-        cuda_kernels.ATTENTION_FUSED_MIN_BATCH = saved
+        cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = saved
+
+
+@contextlib.contextmanager
+def cudnn_from_batch(n: int):
+    """The step's attention cuDNN's from batch n on (bf16, where cuDNN serves
+    the shape), instead of cudnn_attention.MIN_BATCH, inside the block."""
+    saved = cudnn_attention.MIN_BATCH
+    cudnn_attention.MIN_BATCH = n
+    try:
+        yield
+    finally:
+        cudnn_attention.MIN_BATCH = saved
 
 
 def _as_float(x, precision: str) -> np.ndarray:
@@ -53,8 +71,9 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
     """The step's attention (Model.attention_forward, then
     attention_backward) of one layer on q, k, v, dy (B,H,T,E) float32 (under
     bf16 already bfloat16 values), with the path the backend picks for them
-    (fused_attention). -> y, dq, dk, dv (B,H,T,E) as float32 (y and dv are
-    operands, dq and dk float32).
+    (attention_path). -> y, dq, dk, dv (B,H,T,E) as float32 (y and dv are
+    operands, dq and dk float32, or bfloat16 operands where cuDNN writes
+    them so).
 
     kernels: a cuda_kernels.Kernels to run instead of the backend's own for
     the precision (a kernel variant under test)."""
@@ -88,7 +107,7 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
         model.attention_backward(acts, 0)
     stream.synchronize()  # the results are read on the host next
     blas.close()
-    dqk = acts.dqk.get(stream=stream)  # (BT,2D): dq then dk
+    dqk = _as_float(acts.dqk, "bf16" if acts.dqk.dtype == np.uint16 else "fp32")  # dq, dk
     dv = _as_float(acts.dqkv, precision)[:, 2 * D:]
     return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
             heads(dv))

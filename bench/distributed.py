@@ -57,7 +57,11 @@ def _config(args):
     config, defaults = preset_config(args.preset or "tiny"), {}
     if args.model:
         config, defaults = config_from_toml(args.model, config if args.preset else None)
-    return config, args.batch or defaults.get("batch", 1)
+    batches = args.batch or [defaults.get("batch", 1)]  # --batch is repeatable in `bench`
+    if len(batches) != 1:
+        raise ConfigError(f"--gpus {args.gpus}: one --batch, the contexts per GPU (got "
+                          f"{len(batches)})")
+    return config, batches[0]
 
 
 def _time(program, inputs, warmup: int) -> tuple:

@@ -4,10 +4,16 @@ project's backends against.
 
 Autograd instead of a hand-written backward, `F.scaled_dot_product_attention`
 (causal) for attention, `torch.optim.AdamW` (fused on CUDA, PyTorch's default
-foreach on the CPU) or the hand-written AdamW of SPEC section 7. Eager: no
-torch.compile and no CUDA graph. Same parameter registry, same initial
-bits, same inputs; `tests/test_bench.py` checks that its loss, gradients
-and updates are the reference's, so the timings compare like with like.
+foreach on the CPU) or the hand-written AdamW of SPEC section 7. Same
+parameter registry, same initial bits, same inputs; `tests/test_bench.py`
+checks that its loss, gradients and updates are the reference's, so the
+timings compare like with like.
+
+Two ways to run it: `TorchPeer.step`, eager (what the model costs written
+plainly), and `CompiledGraphStep`, PyTorch's fastest training step for it:
+`torch.compile` of the loss (forward, and through AOTAutograd its backward)
+with the fused AdamW, the whole step captured once as one CUDA graph and
+replayed, as the CUDA-graph recipe of PyTorch's documentation does it.
 
 Precision: "fp32" everywhere, or "bf16" as `torch.autocast` (CUDA only):
 matrix products in bfloat16 with float32 accumulation, the rest float32 —
@@ -45,7 +51,8 @@ class TorchPeer:
     """One training step of the SPEC model in PyTorch, from a flat float32 P."""
 
     def __init__(self, config: Config, P: np.ndarray, hyper: Hyper = Hyper(),
-                 precision: str = "fp32", device: str = "cpu", optimizer: str = "torch"):
+                 precision: str = "fp32", device: str = "cpu", optimizer: str = "torch",
+                 capturable: bool = False):
         if precision == "bf16" and not str(device).startswith("cuda"):
             raise ValueError("the peer's bf16 is torch.autocast on CUDA; use fp32 on the CPU")
         self.config, self.precision, self.device = config, precision, torch.device(device)
@@ -63,10 +70,13 @@ class TorchPeer:
                   {"params": rest, "weight_decay": 0.0}]
         if optimizer == "torch":
             # fused (one kernel for every tensor) on CUDA, PyTorch's default (foreach) elsewhere
+            # capturable: the step count lives on the device, so that a CUDA graph
+            # replay advances it and its bias corrections
             fused = True if self.device.type == "cuda" else None
             self.opt = torch.optim.AdamW(groups, lr=float(hyper.lr),
                                          betas=(float(hyper.beta1), float(hyper.beta2)),
-                                         eps=float(hyper.epsilon), fused=fused)
+                                         eps=float(hyper.epsilon), fused=fused,
+                                         capturable=capturable)
         elif optimizer == "hand":
             self.m = {n: torch.zeros_like(p) for n, p in self.w.items()}
             self.v = {n: torch.zeros_like(p) for n, p in self.w.items()}
@@ -120,11 +130,19 @@ class TorchPeer:
         G = torch.cat([self.w[s.name].grad.reshape(-1) for s in self.reg])
         return float(loss.detach()), ce.detach().cpu().numpy(), G.cpu().numpy()
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One training step; returns the mean loss as a 0-d tensor (no sync)."""
+    def mean_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,T+1) -> the step's loss, 0-d float32 (what torch.compile compiles)."""
+        return self.row_losses(tokens).mean()
+
+    def zero_grad(self) -> None:
         for p in self.w.values():
             p.grad = None
-        loss = self.row_losses(tokens).mean()
+
+    def step(self, tokens: torch.Tensor, loss_fn=None) -> torch.Tensor:
+        """One training step; returns the mean loss as a 0-d tensor (no sync).
+        `loss_fn` (tokens -> loss) replaces `mean_loss`: its compiled form."""
+        self.zero_grad()
+        loss = (loss_fn or self.mean_loss)(tokens)
         loss.backward()
         if self.optimizer == "torch":
             self.opt.step()
@@ -151,6 +169,58 @@ class TorchPeer:
     def parameters_flat(self) -> np.ndarray:
         """P (N,) float32 in the registry's layout."""
         return torch.cat([self.w[s.name].detach().reshape(-1) for s in self.reg]).cpu().numpy()
+
+
+class CompiledGraphStep:
+    """PyTorch's fastest training step for the peer on CUDA: the loss
+    compiled by `torch.compile` (static shapes: one compilation for this
+    B), the fused AdamW, and the whole step (zero_grad, forward, backward,
+    update) captured once as one CUDA graph, replayed on a static input.
+
+    The recipe of PyTorch's CUDA-graph documentation: warm-up steps on a side
+    stream (they compile, and let the allocator and cuBLAS settle), then the
+    capture, with the gradients set to None so that the backward allocates
+    them in the graph's private pool, where every replay finds them. The
+    warm-up updated the parameters: they and the optimizer's state are put
+    back afterwards (the capture itself runs nothing), so the first replay is
+    update 1 from the given P, as a backend's first replay is."""
+
+    def __init__(self, config: Config, P: np.ndarray, tokens, hyper: Hyper = Hyper(),
+                 precision: str = "bf16", device: str = "cuda", warmup: int = 3):
+        if not str(device).startswith("cuda") or not torch.cuda.is_available():
+            raise ValueError("torch.compile with a CUDA graph needs a CUDA device for torch")
+        self.peer = TorchPeer(config, P, hyper, precision=precision, device=device,
+                              capturable=True)
+        self.loss_fn = torch.compile(self.peer.mean_loss, dynamic=False)
+        self.tokens = self.peer.to_tokens(tokens)  # (B,T+1), the static input slot
+        saved = {n: p.detach().cpu() for n, p in self.peer.w.items()}  # on the host: no device peak
+        side = torch.cuda.Stream(self.peer.device)
+        side.wait_stream(torch.cuda.current_stream(self.peer.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.peer.step(self.tokens, self.loss_fn)
+        torch.cuda.current_stream(self.peer.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        self.peer.zero_grad()  # the backward allocates G inside the graph's pool
+        with torch.cuda.graph(self.graph):
+            self.loss = self.peer.step(self.tokens, self.loss_fn)  # (), the captured loss buffer
+        with torch.no_grad():  # capture ran nothing: undo the warm-up's updates
+            for n, p in self.peer.w.items():
+                p.copy_(saved[n])
+            for state in self.peer.opt.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        value.zero_()  # exp_avg, exp_avg_sq and the step count
+        torch.cuda.synchronize(self.peer.device)
+
+    def upload(self, tokens) -> None:
+        """tokens (B,T+1) ids -> the static input slot."""
+        self.tokens.copy_(torch.as_tensor(np.asarray(tokens, dtype=np.int64)))
+
+    def replay(self) -> torch.Tensor:
+        """One step; returns the captured loss buffer (no sync)."""
+        self.graph.replay()
+        return self.loss
 
 
 def set_threads() -> int:

@@ -2,7 +2,9 @@
 the reference (same loss, same gradients, same update), or its timings
 compare nothing. No test here asserts a time."""
 
+import json
 import math
+import sys
 
 import pytest
 
@@ -70,30 +72,95 @@ def test_flops_per_step_counts_the_usual_estimate():
     assert bench.flops_per_step(c, 8) == 8 * bench.flops_per_step(c, 1)
 
 
-def timing(name, device, precision, ms, preset="test"):
-    return bench.Timing(name, device, precision, ms, [math.nan] * len(ms), 1.0, 16, preset, 1e9)
+def timing(name, device, precision, ms, batch=1, memory=math.nan, preset="test"):
+    # fake timings: the table's arithmetic is checked against these numbers
+    return bench.Timing(name, device, precision, batch, list(ms), list(ms), "host", memory,
+                        "fake", 1.0, 16 * batch, preset, 1e9 * batch)
 
 
-def test_table_ratios_compare_with_the_matching_peer():
-    peers = [timing("torch peer", "cpu", "fp32", [10.0, 30.0, 20.0])]  # median 20
-    rows = [timing("reference", "cpu", "fp32", [40.0, 40.0]), timing("mlx", "gpu", "fp32", [5.0]),
-            timing("reference (coppelius)", "cpu", "fp32", [9000.0], preset="coppelius")] + peers
-    lines = bench.format_table(rows, peers).splitlines()
-    assert lines[0].split()[:2] == ["implementation", "device"]
-    assert "2.00" in lines[1].split()  # 40 / 20
-    assert "0.25 (cpu fp32)" in lines[2]  # no gpu peer: compared with the cpu baseline
-    assert lines[3].split()[-2] == "-"  # another preset: no ratio
-    assert lines[4].split()[-2] == "-"  # the peer itself
+def test_batch_list_keeps_the_order_and_drops_repeats():
+    from coppelius.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--batch", "8", "--batch", "1", "--batch", "8"])
+    assert args.batch == [8, 1, 8]
+    assert bench.batch_list(args.batch, 1) == [8, 1]
+    assert bench.batch_list(None, 4) == [4]  # none given: the model file's batch, else 1
+    with pytest.raises(bench.ConfigError, match="--batch=0"):
+        bench.batch_list([1, 0], 1)
 
 
-def test_bench_command_prints_a_table(capsys):
+def test_ratios_are_against_the_fastest_peer_of_the_same_batch_and_precision():
+    GiB = 2.0 ** 30
+    rows = [
+        timing("cupy", "cuda", "bf16", [4.0, 5.0, 6.0], batch=1, memory=2 * GiB),  # median 5
+        timing(bench.EAGER, "cuda", "bf16", [50.0], batch=1, memory=6 * GiB),
+        timing(bench.COMPILED, "cuda", "bf16", [4.0], batch=1, memory=4 * GiB),
+        timing("cupy", "cuda", "bf16", [19.0], batch=8, memory=5 * GiB),
+        timing(bench.EAGER, "cuda", "bf16", [47.0], batch=8, memory=10 * GiB),  # no compiled
+        timing("cupy", "cuda", "fp32", [16.0], batch=1, memory=3 * GiB),  # no fp32 peer
+    ]
+    table = bench.compare(rows)
+    by = {(r["implementation"], r["batch"], r["precision"]): r for r in table}
+    r = by["cupy", 1, "bf16"]
+    assert r["x_peer_time"] == pytest.approx(5.0 / 4.0)
+    assert r["x_peer_memory"] == pytest.approx(0.5)
+    assert r["peer"] == "torch.compile + graph cuda bf16" and not r["peer_fallback"]
+    assert r["tokens_per_s"] == pytest.approx(16 / 5e-3)
+    assert r["tflops"] == pytest.approx(1e9 / 5e-3 / 1e12)
+    assert r["peak_memory_bytes"] == 2 * GiB and r["min_ms"] == 4.0
+    assert by[bench.EAGER, 1, "bf16"]["x_peer_time"] == pytest.approx(12.5)
+    assert by[bench.COMPILED, 1, "bf16"]["x_peer_time"] == 1.0
+    # B = 8: the eager peer is the strongest there; B = 1's peers are not used
+    assert by["cupy", 8, "bf16"]["x_peer_time"] == pytest.approx(19.0 / 47.0)
+    assert by["cupy", 8, "bf16"]["x_peer_memory"] == pytest.approx(0.5)
+    assert by["cupy", 1, "fp32"]["peer"] is None
+    assert by["cupy", 1, "fp32"]["x_peer_time"] is None
+
+    lines = bench.format_table(table).splitlines()
+    assert lines[0].split()[:3] == ["implementation", "B", "precision"]
+    assert len(lines) == 1 + len(rows)
+    cupy_b1 = lines[1].split()
+    assert cupy_b1[:4] == ["cupy", "1", "bf16", "cuda"]
+    assert cupy_b1[-3:] == ["1.25", "0.50", "1.0000"]  # x peer ms, x peer mem, loss
+    assert cupy_b1[-4] == "2048.0"  # peak MiB
+    assert lines[-1].split()[-3:-1] == ["-", "-"]
+
+
+def test_rows_without_a_peer_of_their_kind_compare_with_the_cpu_baseline():
+    rows = [timing(bench.EAGER, "cpu", "fp32", [10.0, 30.0, 20.0]),  # median 20
+            timing("reference", "cpu", "bf16", [40.0]), timing("mlx", "gpu", "fp32", [5.0]),
+            timing("reference (coppelius)", "cpu", "fp32", [9000.0], preset="coppelius")]
+    table = bench.compare(rows)
+    assert [r["x_peer_time"] for r in table] == [1.0, 2.0, 0.25, None]
+    assert [r["peer_fallback"] for r in table] == [False, True, True, False]
+    assert table[1]["x_peer_memory"] is None  # the CPU peer has no device memory
+    lines = bench.format_table(table).splitlines()
+    assert "2.00*" in lines[2].split() and "0.25*" in lines[3].split()
+
+
+def run_bench(capsys, *argv):
     from coppelius.cli import main
 
-    assert main(["bench", "--preset", "test", "--steps", "2"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("coppelius bench: preset test, B=1, T=16, 2 timed steps")
-    assert out[1].split()[:3] == ["implementation", "device", "precision"]
-    names = [line.split()[0] for line in out[2:]]
+    status = main(["bench", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out.splitlines(), captured.err
+
+
+def table_rows(out):
+    """The table: the lines after its header line, which come last; the
+    name (22 columns, may hold spaces), then the other columns."""
+    i = next(i for i, line in enumerate(out) if line.startswith("implementation"))
+    return [[line[:22].strip()] + line[22:].split() for line in out[i + 1:]]
+
+
+def test_bench_command_prints_the_table_last_and_writes_its_rows(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    status, out, err = run_bench(capsys, "--preset", "test", "--steps", "2", "--batch", "1",
+                                 "--batch", "2", "--json", str(path))
+    assert status == 0 and "Traceback" not in err
+    assert out[0].startswith("coppelius bench: preset test, B=1,2, T=16, 2 timed steps")
+    rows = table_rows(out)
+    names = [r[0] for r in rows]
     assert names[0] == "reference"
     from coppelius import accelerated
 
@@ -102,19 +169,98 @@ def test_bench_command_prints_a_table(capsys):
     try:
         import torch  # noqa: F401
 
-        assert "torch" in names
+        assert bench.EAGER in names  # the CPU peer
+        assert any(line.startswith(bench.COMPILED) and "not timed" in line for line in out)
     except ImportError:
-        assert any("no PyTorch peer" in line for line in out)
+        assert any(line.startswith("PyTorch peers: not timed") for line in out)
+    assert sorted({int(r[1]) for r in rows}) == [1, 2]
+    written = json.loads(path.read_text())
+    assert len(written["rows"]) == len(rows)
+    for line, row in zip(rows, written["rows"]):
+        assert line[0] == row["implementation"] and int(line[1]) == row["batch"]
+        assert float(line[4]) == pytest.approx(row["median_ms"], abs=5e-4)
+        assert len(row["ms"]) == 2 and row["tokens"] == 16 * row["batch"]
     # every implementation trained the same model on the same inputs from the same bits
-    losses = {float(line.split()[-1]) for line in out[2:] if line.split()[0] in ("reference", "torch")}
-    assert len(losses) == 1 or max(losses) - min(losses) < 1e-4 * max(losses)
+    for batch in (1, 2):
+        losses = [r["loss"] for r in written["rows"] if r["batch"] == batch
+                  and r["implementation"] in ("reference", bench.EAGER)]
+        assert max(losses) - min(losses) < 1e-4 * max(losses)
 
 
-def test_bench_refuses_bad_options_in_one_line(capsys):
+def test_bench_tiny_runs_end_to_end_on_the_cpu(capsys):
+    status, out, err = run_bench(capsys, "--preset", "tiny", "--steps", "2", "--warmup", "1")
+    assert status == 0 and "Traceback" not in err
+    rows = table_rows(out)
+    assert rows and all(r[1] == "1" and float(r[4]) > 0 for r in rows)
+
+
+def test_a_peer_that_cannot_run_is_one_line(capsys, monkeypatch):
+    def refuse(kind, *args):
+        raise RuntimeError(f"{kind} failed to compile\nmore detail on a second line")
+
+    monkeypatch.setattr(bench, "peer_plan", lambda *a: (
+        [(bench.EAGER, "cuda", "bf16"), (bench.COMPILED, "cuda", "bf16")], []))
+    monkeypatch.setattr(bench, "peer_runner", refuse)
+    status, out, err = run_bench(capsys, "--preset", "test", "--steps", "1", "--batch", "1",
+                                 "--batch", "2", "--no-reference", "--backend", "reference")
+    assert status == 0 and "Traceback" not in err
+    lines = [line for line in out if "not timed" in line]
+    assert lines == [f"{bench.EAGER}, B=1, bf16: not timed: RuntimeError: {bench.EAGER} failed "
+                     "to compile",
+                     f"{bench.COMPILED}, B=1, bf16: not timed: RuntimeError: {bench.COMPILED} "
+                     "failed to compile",
+                     f"{bench.EAGER}, B=2, bf16: not timed: RuntimeError: {bench.EAGER} failed "
+                     "to compile",
+                     f"{bench.COMPILED}, B=2, bf16: not timed: RuntimeError: {bench.COMPILED} "
+                     "failed to compile"]
+    assert table_rows(out) == []  # nothing else was asked for: an empty table, no crash
+
+
+def test_no_torch_is_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    targets, notes = bench.peer_plan(False, False, ["bf16"])
+    assert targets == [] and len(notes) == 1 and notes[0].startswith("PyTorch peers: not timed")
+    assert bench.peer_plan(True, False, ["bf16"]) == ([], [])
+
+
+def test_cpu_peer_plan_is_eager_fp32_and_says_why_not_compiled():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    targets, notes = bench.peer_plan(False, False, [])
+    assert targets == [(bench.EAGER, "cpu", "fp32")]
+    assert notes == [f"{bench.COMPILED}: not timed: torch sees no CUDA device (the CPU peer is "
+                     "eager)"]
+
+
+def test_bench_refuses_bad_options_in_one_line(capsys, tmp_path):
     from coppelius.cli import main
 
     assert main(["bench", "--preset", "test", "--steps", "0"]) == 2
     assert main(["bench", "--preset", "nonesuch"]) == 2
     assert main(["bench", "--preset", "test", "--backend", "nonesuch"]) == 2
+    assert main(["bench", "--preset", "test", "--batch", "1", "--batch", "0"]) == 2
+    assert main(["bench", "--preset", "test", "--json", str(tmp_path)]) == 2  # a directory
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("coppelius bench: error: ") for line in err)
+    assert len(err) == 5 and all(line.startswith("coppelius bench: error: ") for line in err)
+    assert "--batch=0" in err[3] and "--json" in err[4]
+
+
+@pytest.mark.gpu
+def test_compiled_graph_peer_replays_the_eager_peers_steps():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from coppelius.bench import torch_peer
+
+    state = cases.fresh_state(TEST)
+    windows = cases.random_windows(TEST, 2, 3)
+    eager = torch_peer.TorchPeer(TEST, state.P, device="cuda")
+    graph = torch_peer.CompiledGraphStep(TEST, state.P, windows[0], precision="fp32")
+    for tokens in windows:  # the warm-up's updates were undone: update 1 comes first
+        want = float(eager.step(eager.to_tokens(tokens)))
+        graph.upload(tokens)
+        assert float(graph.replay()) == pytest.approx(want, rel=1e-4)
+    error, *_ = relative_error(graph.peer.parameters_flat() - state.P,
+                               eager.parameters_flat() - state.P)
+    assert error < 1e-3

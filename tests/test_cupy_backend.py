@@ -36,8 +36,9 @@ from coppelius.reference.semantic import semantic_graph
 from coppelius.reference.state import State
 
 cupy = pytest.importorskip("cupy")
-from coppelius.accelerated import cublas, cuda_kernels, cupy_backend  # noqa: E402
-from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention  # noqa: E402
+from coppelius.accelerated import cublas, cuda_kernels, cudnn_attention, cupy_backend  # noqa: E402
+from coppelius.accelerated.cupy_debug import (cudnn_from_batch, fused_from_batch,  # noqa: E402
+                                              step_attention)
 
 pytestmark = pytest.mark.gpu
 
@@ -295,6 +296,28 @@ def test_rope_forward_backward_bitwise(Bn, T, HE, seed):
 
 
 @small
+@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([(1, 2), (2, 4), (3, 6), (8, 64)]),
+       st.integers(0, 2**31 - 1))
+def test_rope_backward_of_operands_bitwise(Bn, T, HE, seed):
+    """The rope backward after cuDNN's attention, which writes dq, dk as
+    bfloat16: the reference's rope backward of the widened values, rounded."""
+    H, E = HE
+    D = H * E
+    rng = np.random.default_rng(seed)
+    dqk = round_bf16(rng.standard_normal((Bn * T, 2 * D)).astype(np.float32))
+    cos, sin = rope_tables(T + 3, E)
+    dqkv = empty((Bn * T, 3 * D), np.uint16)
+    bits = (dqk.view(np.uint32) >> 16).astype(np.uint16)
+    kernels("bf16").rope_backward_operand(dev(bits), dqkv, dev(cos), dev(sin), T, H)
+    got = as_float(dqkv, "bf16").reshape(Bn, T, 3, H, E)
+    d = dqk.reshape(Bn, T, 2, H, E)
+    c, s = cos[:T], sin[:T]
+    check_bitwise("dq", got[:, :, 0], round_bf16(rope_backward(d[:, :, 0], c, s)))
+    check_bitwise("dk", got[:, :, 1], round_bf16(rope_backward(d[:, :, 1], c, s)))
+    assert np.isnan(got[:, :, 2]).all(), "rope_backward_operand wrote the v columns"
+
+
+@small
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 70), st.sampled_from([2, 8, 64]),
        st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
 def test_attention_softmax_forward_backward(Bn, H, T, E, precision, seed):
@@ -346,16 +369,16 @@ def check_attention_softmax(Bn, H, T, E, precision, seed):
        st.sampled_from([16, 32, 64]), st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
 def test_attention_matches_reference_layer(Bn, H, T, E, precision, seed):
     """The step's attention, forward and backward, against
-    reference.layers.attention: under bf16 the fused kernels (query and key
-    tiles of 64: T below, at and across tile edges), under fp32 the
-    materialized scores."""
+    reference.layers.attention: under bf16 the project's fused kernels
+    (query and key tiles of 64: T below, at and across tile edges), under
+    fp32 the materialized scores."""
     rng = np.random.default_rng(seed)
     q, k = 2 * rng.standard_normal((2, Bn, H, T, E))  # scores of a few units: peaked rows
     v, dy = rng.standard_normal((2, Bn, H, T, E))
     q, k, v, dy = (policy(x.astype(np.float32), precision) for x in (q, k, v, dy))
     with fused_from_batch(1):
-        assert cupy_backend.fused_attention(Config(8, T, H * E, 1, H, 8), precision, Bn) == \
-            (precision == "bf16")
+        path = cupy_backend.attention_path(Config(8, T, H * E, 1, H, 8), precision, Bn)
+        assert path.kind == ("fused" if precision == "bf16" else "materialized")
         y, dq, dk, dv = step_attention(precision, q, k, v, dy)
     want_y, cache = attention_forward(q, k, v, precision)
     want_dq, want_dk, want_dv = attention_backward(dy, cache, precision)
@@ -366,6 +389,41 @@ def test_attention_matches_reference_layer(Bn, H, T, E, precision, seed):
     tol = 1e-5 if precision == "fp32" else 1e-2
     check_close("dq", dq, want_dq, tol)
     check_close("dk", dk, want_dk, tol)
+
+
+def need_cudnn():
+    if cudnn_attention.frontend() is None:
+        pytest.skip("cuDNN's attention: " + cudnn_attention.import_error())
+
+
+@pytest.mark.parametrize("Bn, H, T, E", [(1, 1, 1, 64), (2, 3, 65, 32), (1, 2, 200, 16),
+                                         (3, 2, 130, 64), (2, 8, 1024, 64)])
+def test_cudnn_attention_matches_reference_layer(Bn, H, T, E):
+    """cuDNN's attention, forward and backward, against
+    reference.layers.attention within SPEC 14's bf16 tolerances (its softmax
+    is online: p v takes the rounded unnormalized exp, so y is not the
+    reference's round(p) v to the last bit), and bitwise the same on a
+    second run (the deterministic backward). A shape cuDNN refuses runs the
+    project's kernels, with cuDNN's reason."""
+    need_cudnn()
+    rng = np.random.default_rng(T * 7 + E)
+    q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
+    v, dy = rng.standard_normal((2, Bn, H, T, E))
+    q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
+    with cudnn_from_batch(1):
+        path = cupy_backend.attention_path(Config(8, T, H * E, 1, H, 8), "bf16", Bn)
+        got = step_attention("bf16", q, k, v, dy)
+        again = step_attention("bf16", q, k, v, dy)
+    if path.kind != "cudnn":  # (T = 1: cuDNN 9.19 refuses it) the project's own, and why
+        assert path.reason.startswith("cuDNN refuses"), path
+        fused = E in cuda_kernels.ATTENTION_HEAD_DIMS and \
+            Bn >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+        assert path.kind == ("fused" if fused else "materialized")
+    want_y, cache = attention_forward(q, k, v, "bf16")
+    want = (round_bf16(want_y), *attention_backward(dy, cache, "bf16"))
+    for name, g, w, a in zip(("y", "dq", "dk", "dv"), got, want, again):
+        check_close(name, g, w, 1e-2)
+        check_bitwise(name + " (second run)", a, g)
 
 
 @small
@@ -512,15 +570,68 @@ def test_adamw_update_bitwise(precision):
 
 # ------------------------------------------------------------------ the whole step
 
+@pytest.mark.parametrize("fault, reason", [
+    ("raise", "cuDNN fails to execute the attention of B=3 T=48 H=2 E=32 (RuntimeError: refused)"),
+    ("skip backward", "cuDNN's attention of B=3 T=48 H=2 E=32 leaves dqk elements unwritten or "
+                      "not finite")])
+def test_a_shape_is_served_only_after_its_trial(fault, reason, monkeypatch):
+    """Before serving a shape, its graphs run twice on NaN-poisoned outputs:
+    an execution that fails, or one that leaves outputs unwritten, makes
+    the shape fall back to the project's kernels with that reason."""
+    need_cudnn()
+    monkeypatch.setattr(cudnn_attention, "_trials", {})  # this shape's trial runs again
+    execute = cudnn_attention.Graph.execute
+
+    def faulty(self, pointers, workspace):
+        if fault == "raise":
+            raise RuntimeError("refused")
+        if self.direction == "forward":
+            execute(self, pointers, workspace)
+
+    monkeypatch.setattr(cudnn_attention.Graph, "execute", faulty)
+    scale = cuda_kernels.attention_scale(32)
+    assert cudnn_attention.unavailable(3, 48, 2, 32, scale, True) == reason
+    if fault == "skip backward":  # a forward-only step runs no backward: served
+        assert cudnn_attention.unavailable(3, 48, 2, 32, scale, False) == ""
+    monkeypatch.setattr(cudnn_attention.Graph, "execute", execute)
+    monkeypatch.setattr(cudnn_attention, "_trials", {})
+    assert cudnn_attention.unavailable(3, 48, 2, 32, scale, True) == ""
+
+
 def test_one_step_with_fused_attention():
-    """The whole bf16 step at the batch from which attention is fused:
-    against reference.step, and bit-reproducible across two captures."""
+    """The whole bf16 step at the batch from which attention is the
+    project's fused kernels (cuDNN off): against reference.step, and
+    bit-reproducible across two captures."""
     batch = cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    with fused_from_batch(batch):
+        check_one_step(batch, "fused", "attention_forward_e16")
+
+
+def test_one_step_with_cudnn_attention(monkeypatch):
+    """The whole bf16 step with cuDNN's attention: against reference.step,
+    bit-reproducible across two captures, and the captured graph gives the
+    eager step's bits."""
+    need_cudnn()
+    with cudnn_from_batch(1):
+        program, tokens, state = check_one_step(B, "cudnn", None)
+        monkeypatch.setenv("COPPELIUS_NO_CAPTURE", "1")
+        eager = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    assert eager.graph is None and eager.acts.path.kind == "cudnn"
+    eager.upload_input(tokens)
+    eager.replay_and_wait()
+    check_bitwise("gradients (eager)", eager.gradients(), program.gradients())
+    check_bitwise("row losses (eager)", eager.row_losses(), program.row_losses())
+    report = program.compilation_report()
+    assert report["library_calls"] == 2 * CONFIG.n_layer and report["attention"] == "cudnn"
+
+
+def check_one_step(batch, path, kernel):
     state = random_state(CONFIG, seed=21, t=9)
     tokens = windows(1, seed=22, batch=batch)[0]
     program = cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
-    assert program.acts.fused
-    assert "attention_forward_e16" in program.compilation_report()["kernel_names"]
+    assert program.acts.path.kind == path, program.acts.path
+    if kernel:
+        assert kernel in program.compilation_report()["kernel_names"]
     rows = step_rows(program, CONFIG, Hyper(), "bf16", state, tokens)
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
@@ -529,6 +640,24 @@ def test_one_step_with_fused_attention():
     again.upload_input(tokens)
     again.replay_and_wait()
     check_bitwise("gradients", again.gradients(), program.gradients())
+    return program, tokens, state
+
+
+def test_report_names_why_cudnn_is_not_used(monkeypatch):
+    """The one reason cuDNN's attention is not used, in the report's kernel
+    selection, the attention partition and the diagnostics."""
+    monkeypatch.setenv("COPPELIUS_NO_CUDNN", "1")
+    monkeypatch.setattr(cuda_kernels, "ATTENTION_FUSED_MIN_BATCH", 2)
+    with cudnn_from_batch(1):
+        program = cupy_backend.capture(CONFIG, Hyper(), "bf16", 2, fresh())
+    reason = "disabled by COPPELIUS_NO_CUDNN"
+    assert program.acts.path == cupy_backend.AttentionPath("fused", reason)
+    report = program.diagnostics()
+    assert report["notes"]["kernel_selection"].endswith("cuDNN attention not used: " + reason)
+    assert report["attention_reason"] == reason and report["runtime"]["cudnn"]["reason"] == reason
+    plan = json.loads(program.compilation_debug_report_json("x"))["dnn_plan"]
+    attention = [p for p in plan["partitions"] if p["kind"] == "attention"]
+    assert attention and all(p["reason"].endswith(reason) for p in attention), attention
 
 
 # ------------------------------------------------------------------ the graph
@@ -575,14 +704,19 @@ def test_compilation_report(precision):
     # their 8 gradients, and unless attention is fused, per layer and batch
     # element 2 attention products and their 4 gradients
     L = CONFIG.n_layer
-    fused = cupy_backend.fused_attention(CONFIG, precision, B)
-    assert program.acts.fused == fused
+    path = cupy_backend.attention_path(CONFIG, precision, B)
+    assert program.acts.path == path
+    fused = path.kind != "materialized"
     assert report["products"] == 3 + 12 * L + (0 if fused else 6 * L * B)
+    assert report["library_calls"] == (2 * L if path.kind == "cudnn" else 0)
     E = CONFIG.head_dim
-    attention = ({f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
-                                                         "backward_dkdv")} if fused
-                 else {"attention_softmax_forward", "attention_softmax_backward"})
-    others = {name for name in cuda_kernels.KERNELS if not name.startswith("attention_")}
+    attention = {"fused": {f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
+                                                                  "backward_dkdv")},
+                 "materialized": {"attention_softmax_forward", "attention_softmax_backward"},
+                 "cudnn": set()}[path.kind]
+    rope = "rope_backward_operand" if program.acts.dqk.dtype == np.uint16 else "rope_backward"
+    others = {name for name in cuda_kernels.KERNELS if not name.startswith("attention_")
+              and not name.startswith("rope_backward")} | {rope}
     assert set(report["kernel_names"]) == (others | attention) - {
         "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient"}  # k = 1
     assert report["kernels"] == len(report["kernel_names"])
@@ -669,18 +803,23 @@ def run_steps(program, inputs):
     return np.stack(rows), program.gradients(), program.state()
 
 
-@pytest.mark.parametrize("precision, batch", [("fp32", 2), ("bf16", 2), ("bf16", 4)],
-                         ids=["fp32", "bf16-materialized", "bf16-fused"])
-def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, monkeypatch):
+@pytest.mark.parametrize("precision, batch, path", [
+    ("fp32", 2, "materialized"), ("bf16", 2, "materialized"), ("bf16", 4, "fused"),
+    ("bf16", 2, "cudnn")], ids=["fp32", "bf16-materialized", "bf16-fused", "bf16-cudnn"])
+def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, path, monkeypatch):
     """Buffers sharing storage by lifetime: the same row losses, G, P, M, V
     and held-out losses, bit for bit, as every buffer in its own storage; the
     device bytes fall by exactly the plan's savings."""
+    if path == "cudnn":
+        need_cudnn()
     state = random_state(CONFIG, seed=31, t=3)
     inputs = windows(3, seed=32, batch=batch)
-    planned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
-    assert planned.acts.fused == (precision == "bf16" and batch >= 4)
-    monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
-    unplanned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
+    force = cudnn_from_batch(1) if path == "cudnn" else fused_from_batch(4)
+    with force:
+        planned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
+        assert planned.acts.path.kind == path, planned.acts.path
+        monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
+        unplanned = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy())
     assert planned.memory_planned and not unplanned.memory_planned
     saved = planned.plan.savings
     assert saved > 0
@@ -865,7 +1004,7 @@ def test_executable_plan_lists_the_captured_commands():
     report = program.compilation_report()
     plan = json.loads(program.debug_report_json("step"))
     nodes = plan["nodes"]
-    assert len(nodes) == report["kernel_launches"] + report["products"]
+    assert len(nodes) == report["kernel_launches"] + report["products"] + report["library_calls"]
     assert sorted({n["name"] for n in nodes if n["kind"] == "kernel"}) == report["kernel_names"]
     gemm = next(n for n in nodes if n["kind"] == "product")
     assert gemm["operations"] == ["layers.0.attn.q", "layers.0.attn.k", "layers.0.attn.v"]

@@ -6,9 +6,10 @@ time goes.
         [--precision bf16 --precision fp32] [--steps 30] [--breakdown]
 
 The breakdown records extra graphs from the captured program's own buffers:
-the forward, the backward and AdamW alone; the step with only its cuBLAS
-products; and with only the launches of one kernel; each replayed and
-timed with CUDA events (median of 20). They run on whatever the buffers hold
+the forward, the backward and AdamW alone; the step with only cuDNN's
+attention (where the step uses it); with only its cuBLAS products; and with
+only the launches of one kernel; each replayed and timed with CUDA events
+(median of 20). They run on whatever the buffers hold
 after the timed steps (real activations, not zeros).
 
 Floor for one coppelius B=1 step on an H200: 0.51 ms of
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cupy_backend  # noqa: E402
+from coppelius.accelerated import cudnn_attention, cupy_backend  # noqa: E402
 from coppelius.bench import flops_per_step  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
@@ -78,7 +79,28 @@ def breakdown(program):
     }
     for name, work in parts.items():
         rows.append((name, time_graph(program, record(program, work))))
-    # the step with only its products, then with only one kernel's launches
+    # cuDNN's attention alone, then the step without it: with only its
+    # products, then with only one kernel's launches
+    execute = cudnn_attention.Graph.execute
+    gemm = program.blas.gemm
+    if program.recorded.get("library_calls"):
+        k._launch = lambda *args, **kw: None
+        program.blas.gemm = lambda *args, **kw: None
+        try:
+            rows.append(("cuDNN attention only", time_graph(program, record(program, program._step))))
+        finally:
+            del k._launch
+            program.blas.gemm = gemm
+    cudnn_attention.Graph.execute = lambda *args, **kw: None
+    try:
+        rows += breakdown_without_cudnn(program, k)
+    finally:
+        cudnn_attention.Graph.execute = execute
+    return rows
+
+
+def breakdown_without_cudnn(program, k):
+    rows = []
     k._launch = lambda *args, **kw: None
     try:
         rows.append(("cuBLAS products only", time_graph(program, record(program, program._step))))
