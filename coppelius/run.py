@@ -952,6 +952,13 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
     def say(text):
         print_safely(f"coppelius train: error: {'' if r == 0 else f'rank {r}: '}{text}")
 
+    said = []
+
+    def say_stopped(text):  # once: by the main thread, or by the watcher ending a stuck rank
+        if not said:
+            said.append(text)
+            say(text)
+
     def leave(status, seconds=ranks.EXIT_GRACE):  # the process ends within `seconds`
         if hard_exit:
             ranks.exit_within(status, seconds)
@@ -983,7 +990,7 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
                 if "refuse" in message:
                     raise Refused(message["refuse"], message.get("status", 2))
                 uid = group.went(message)
-            group.watch(on_failure, hard_exit=hard_exit, say=None if parent else say)
+            group.watch(on_failure, hard_exit=hard_exit, say=None if parent else say_stopped)
             distributed.use_device(launch.local_rank, r)
             dist.comm = distributed.Communicator(uid, r, launch.world)
             resources.callback(dist.comm.abort)  # the end, normal too (after the next one)
@@ -1009,7 +1016,7 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
             failure = dist.failure or (e if isinstance(e, ranks.PeerFailure) else None)
             if failure is not None:  # another rank's failure ended this one
                 if not parent:
-                    say(str(failure))
+                    say_stopped(str(failure))
                 leave(failure.exit_status, ranks.ABORT_GRACE)
                 return failure.exit_status
             group.fail(f"rank {r} failed: {e}")  # this rank's own: the others are told
