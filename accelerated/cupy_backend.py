@@ -74,6 +74,7 @@ for debugging, not for training.
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 from dataclasses import dataclass, fields
@@ -102,6 +103,7 @@ from . import cuda_kernels
 from . import cublas
 from . import cudnn_attention
 from .cublas import WORKSPACE_BYTES, Cublas
+from .distributed import Collectives
 from .memory_plan import (Buffer, CommandLog, MemoryPlan, PlannedBuffers, VirtualArray,
                           VirtualBuffers, liveness, place, planning_enabled)
 
@@ -635,17 +637,19 @@ class TimedEvent(Event):
 
 class StagingSlot:
     """Pinned host buffers for one submitted step: its tokens on the way in,
-    its row losses, loss and norm on the way out."""
+    its row losses, loss and norm on the way out. With W ranks the tokens
+    are this rank's b = B/W contexts, the row losses all B, and a third
+    scalar is the stop count (SPEC 19)."""
 
-    def __init__(self, B: int, T: int):
+    def __init__(self, B: int, T: int, b: int | None = None):
         def pinned(shape, dtype):
             n = int(np.prod(shape))
             memory = cupy.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
             return np.frombuffer(memory, dtype, n).reshape(shape)
 
-        self.ids = pinned((B, T + 1), np.int32)
+        self.ids = pinned((B if b is None else b, T + 1), np.int32)
         self.rows = pinned((B * T,), np.float32)
-        self.scalars = pinned((2,), np.float32)  # the loss, the norm
+        self.scalars = pinned((3,), np.float32)  # the loss, the norm, the stop count
         self.copied = None  # the event recorded after the copies out
         self.submitted = None  # the step whose records the slot holds
 
@@ -693,19 +697,25 @@ class StepBuffers:
     clip: float  # float32(clip), 0: off
     adamw: AdamWConstants
     betas: tuple  # the float64 betas of the bias corrections
-    accumulate: int = 1  # k micro-batches of B/k (SPEC 19)
+    accumulate: int = 1  # k micro-batches of B/(W*k) (SPEC 19)
     Gmicro: object = None  # (N,) float32, k > 1: micro-batch 1.. gradient, added into G
-    rows: object = None  # (B*T,) float32, k > 1: the whole batch's row losses
+    rows: object = None  # (b*T,) float32, k > 1 or W > 1: this rank's row losses (b = B/W)
+    world: int = 1  # W ranks (SPEC 19): the input slot holds this rank's b = B/W contexts
+    gathered: object = None  # (B*T,) float32, W > 1: every rank's row losses, batch order
+    stop: object = None  # (1,) float32, W > 1: how many ranks ask to stop (summed in the step)
 
 
 def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int,
-                   accumulate: int = 1) -> StepBuffers:
+                   accumulate: int = 1, world: int = 1) -> StepBuffers:
     """Every buffer but the activations, from `alloc` (Buffers, or the
     memory plan's VirtualBuffers: the same allocations in the same order).
-    With accumulate k > 1 also the micro-batches' gradient and the whole
-    batch's row losses (SPEC 19)."""
+    With accumulate k > 1 also the micro-batches' gradient and the row
+    losses; with W = world > 1 ranks (SPEC 19) the input slot holds this
+    rank's b = B/W contexts, and the step also has this rank's row losses,
+    everyone's gathered, and the stop count."""
     reg = registry(config)
     N, T, E = reg.total, config.context, config.head_dim
+    b = batch // world
     P, M, V, G = (alloc((N,), np.float32) for _ in range(4))
     Pb = alloc((N,), np.uint16) if precision == "bf16" else None
     t = alloc((1,), np.int32)
@@ -715,15 +725,19 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     norm = alloc((2,), np.float32)
     decay = alloc.upload(reg.decay_mask().astype(np.uint8))
     cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
-    ids = alloc((batch, T + 1), np.int32)
+    ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
     norms = alloc.upload(norm_offsets(config))
     clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))
     Gmicro = alloc((N,), np.float32) if accumulate > 1 else None
-    rows = alloc((batch * T,), np.float32) if accumulate > 1 else None
+    rows = alloc((b * T,), np.float32) if accumulate > 1 or world > 1 else None
+    gathered = alloc((batch * T,), np.float32) if world > 1 else None
+    # zero, and zero after every step's sum until a rank writes 1 (vote_stop)
+    stop = alloc((1,), np.float32, zeros=True) if world > 1 else None
     return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
                        norms, clip, AdamWConstants.of(hyper),
-                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, rows)
+                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, rows, world,
+                       gathered, stop)
 
 
 def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=None) -> Model:
@@ -732,31 +746,41 @@ def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=N
                  s.G if G is None else G, s.cos, s.sin, s.norms)
 
 
-def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model = None) -> None:
+def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model = None,
+             collectives=None) -> None:
     """Forward, backward and AdamW on the input slot: the captured work.
     With s.accumulate k > 1 (SPEC 19) the activations hold one micro-batch
-    of b = B/k contexts: k forward and backward passes over the slot's rows
-    [i*b, (i+1)*b), micro-batch 0's gradient into G, each later one's into
+    of m = b/k contexts: k forward and backward passes over the slot's rows
+    [i*m, (i+1)*m), micro-batch 0's gradient into G, each later one's into
     s.Gmicro (by `micro`, the model over it) and added into G; each pass's
-    row losses into its slice of s.rows, their mean over all B*T rows into
-    the loss; then the norm, clipping and AdamW on G, as without."""
+    row losses into its slice of s.rows. With W = s.world > 1 ranks the
+    slot holds this rank's b = B/W contexts and every loss gradient is
+    scaled by 1/(B*T) all the same; then `collectives` sum G over the
+    ranks and gather every rank's row losses in rank order, which is the
+    batch order (accelerated/distributed.py). The loss is the mean over
+    all B*T rows; then the norm, clipping and AdamW on G, as without."""
     T = model.config.context
-    k = s.accumulate
-    if k == 1:
+    k, W = s.accumulate, s.world
+    if k == 1 and W == 1:
         model.forward(a, s.ids, T + 1)
         model.backward(a, s.ids, T + 1)
     else:
-        b, rows = a.B, a.B * k * T
+        m, rows = a.B, a.B * k * W * T  # rows: the whole batch's B*T
         for i in range(k):
-            ids = s.ids[i * b:(i + 1) * b]
-            m = model if i == 0 else micro
-            m.forward(a, ids, T + 1)
-            m.backward(a, ids, T + 1, rows=rows, ce=s.rows[i * b * T:(i + 1) * b * T])
+            ids = s.ids[i * m:(i + 1) * m]
+            mm = model if i == 0 else micro
+            mm.forward(a, ids, T + 1)
+            mm.backward(a, ids, T + 1, rows=rows, ce=s.rows[i * m * T:(i + 1) * m * T])
             if i:
                 model.at()  # the sum of the gradients: no operation of its own
                 kernels.accumulate_gradient(s.G, s.Gmicro)
+        if W > 1:
+            model.at()  # the sum over the ranks: part of the gradient, as the sum above
+            collectives.all_reduce_sum(s.G)
+            collectives.all_gather(s.rows, s.gathered)
+            collectives.all_reduce_sum(s.stop)
         model.at("loss.mean")
-        kernels.mean_loss(s.rows, a.loss)
+        kernels.mean_loss(s.gathered if W > 1 else s.rows, a.loss)
     model.at("gradient_norm", "clip")
     kernels.gradient_norm(s.G, s.partial, s.norm, s.clip)  # and the clip scale
     model.at("adamw")
@@ -768,21 +792,23 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
 HOST_READ = {"ce": "row losses: read by the host after a replay",
              "loss": "the loss: read by the host after a replay"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
-         "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state"}
+         "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
+         "gathered": "state", "stop": "state"}
 
 
 def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
-                accumulate: int = 1) -> MemoryPlan:
+                accumulate: int = 1, world: int = 1) -> MemoryPlan:
     """The step's dry run (accelerated/memory_plan.py): every buffer, the
     commands in order with what they touch, each activation's lifetime, and
     the activations laid out in one arena. Allocates nothing; needs no GPU.
-    With accumulate k the activations are those of a micro-batch of B/k."""
+    With accumulate k and W = world ranks the activations are those of a
+    micro-batch of B/(W*k); the collectives are logged, not run."""
     v = VirtualBuffers()
-    s = allocate_state(v, config, hyper, precision, batch, accumulate)
+    s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
              if isinstance(getattr(s, f.name), VirtualArray)}
     n_state = len(v.requests)
-    acts = Activations(config, batch // accumulate, config.context,
+    acts = Activations(config, batch // (accumulate * world), config.context,
                        np.uint16 if precision == "bf16" else np.float32, v, train=True)
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
@@ -793,9 +819,10 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
     log = CommandLog()
     kernels = cuda_kernels.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)
-    kernels.log = blas.log = log
+    collectives = Collectives(None, 0, rank=0, world=world)
+    kernels.log = blas.log = collectives.log = log
     micro = model_for(config, precision, kernels, blas, s, G=s.Gmicro) if accumulate > 1 else None
-    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s, micro)
+    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s, micro, collectives)
 
     buffers = []
     for i, (shape, dtype, zeros, ptr, nbytes) in enumerate(v.requests):
@@ -838,10 +865,17 @@ class CupyProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None):
+                 accumulate: int | None = None, comm=None):
         k = hyper.accumulate if accumulate is None else accumulate
         check_capture(config, precision, batch, state, k)
-        self.accumulate, self.micro_batch = k, batch // k
+        # SPEC 19: W ranks of b = B/W contexts each, in k micro-batches of B/(W*k)
+        W = 1 if comm is None else comm.world
+        if batch % (W * k):
+            raise RunError(f"batch={batch}: must divide by {W} ranks x accumulate {k} (each "
+                           f"rank's B/W contexts in micro-batches of B/(W*k))")
+        self.comm, self.world, self.rank = comm, W, 0 if comm is None else comm.rank
+        self.local_batch = batch // W
+        self.accumulate, self.micro_batch = k, batch // (W * k)
         if config.d_model > cuda_kernels.MAX_D:
             raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
                            f"a row in registers, at most {cuda_kernels.MAX_D} features")
@@ -853,22 +887,24 @@ class CupyProgram(CapturedProgram):
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.alloc = alloc = Buffers(self.stream)
-        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k)
+        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k, W)
         # the names the rest of the program, its tests and dev/cuda/bench_step.py use
         self.P, self.M, self.V, self.G, self.Pb, self.t = s.P, s.M, s.V, s.G, s.Pb, s.t
         self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
             s.ids, s.norm, s.c, s.rates, s.partial, s.decay
         self.clip, self.adamw, self.betas = s.clip, s.adamw, s.betas
 
-        self.kernels = kernels_for(precision)
+        # the process's compiled module, with a command log of this program's own
+        self.kernels = copy.copy(kernels_for(precision))
         self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
+        self.collectives = Collectives(comm, self.stream.ptr) if W > 1 else None
         weakref.finalize(self, self.blas.close)
         self.model = model_for(config, precision, self.kernels, self.blas, s)
         self.micro_model = (model_for(config, precision, self.kernels, self.blas, s, G=s.Gmicro)
                             if k > 1 else None)
         # the memory plan, made by a dry run of this very step before any
         # activation exists (accelerated/memory_plan.py)
-        self.plan = memory_plan(config, hyper, precision, batch, k)
+        self.plan = memory_plan(config, hyper, precision, batch, k, W)
         self.memory_planned = planning_enabled() and self.plan.savings > 0
         acts_alloc = PlannedBuffers(alloc, self.plan, self.stream) if self.memory_planned \
             else alloc
@@ -880,7 +916,7 @@ class CupyProgram(CapturedProgram):
         self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
         self._slots = None  # submit()'s pinned staging, on first use
         self.graph = None
-        self.eval_ids = self.eval_ce = self.eval_graph = None  # evaluate(), on first use
+        self.eval_ids = self.eval_ce = self.eval_rows = self.eval_graph = None  # evaluate()
 
         self._load(state)
         warm = CommandLog()
@@ -919,20 +955,38 @@ class CupyProgram(CapturedProgram):
 
     def _counted(self, work, log) -> dict:
         """Run work() on the stream with its commands logged; count them."""
-        self.kernels.log = self.blas.log = log
+        logged = [self.kernels, self.blas] + ([self.collectives] if self.collectives else [])
+        for x in logged:
+            x.log = log
         try:
             with self.stream:
                 work()
         finally:
-            self.kernels.log = self.blas.log = None
+            for x in logged:
+                x.log = None
         self.stream.synchronize()
+        self._check_peers()
         kinds = [c.kind for c in log.commands]
         return {"kernel_launches": kinds.count("kernel"), "products": kinds.count("product"),
                 "library_calls": kinds.count("library"),
+                "collectives": kinds.count("collective"),
                 "kernels": sorted({c.name for c in log.commands if c.kind == "kernel"})}
 
     def _step(self) -> None:
-        run_step(self.model, self.kernels, self.acts, self.buffers, self.micro_model)
+        run_step(self.model, self.kernels, self.acts, self.buffers, self.micro_model,
+                 self.collectives)
+
+    def _check_peers(self) -> None:
+        """After a wait: the failure of another rank, reported while this
+        one waited, is raised rather than the values of an aborted step
+        handed on (accelerated/distributed.py)."""
+        if self.comm is not None:
+            self.comm.check()
+
+    def _local(self, tokens) -> np.ndarray:
+        """This rank's rows [r*b, (r+1)*b) of a (B, T+1) batch, int32."""
+        b = self.local_batch
+        return np.ascontiguousarray(tokens[self.rank * b:(self.rank + 1) * b], dtype=np.int32)
 
     def _evaluate(self) -> None:
         """Forward and row losses of the evaluation slot: the captured
@@ -948,25 +1002,43 @@ class CupyProgram(CapturedProgram):
             dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
             self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
                                                        self.eval_ce, a.dlogits, dce)
-            return
-        b, dce = a.B, np.float32(1.0 / (a.B * T))  # the activations hold B/k contexts
-        for i in range(self.accumulate):
-            ids = self.eval_ids[i * b:(i + 1) * b]
-            self.model.forward(a, ids, T + 1)
-            self.kernels.crossentropy_forward_backward(a.logits, ids, T + 1, T,
-                                                       self.eval_ce[i * b * T:(i + 1) * b * T],
-                                                       a.dlogits, dce)
+        else:
+            b, dce = a.B, np.float32(1.0 / (a.B * T))  # the activations hold B/(W*k) contexts
+            for i in range(self.accumulate):
+                ids = self.eval_ids[i * b:(i + 1) * b]
+                self.model.forward(a, ids, T + 1)
+                self.kernels.crossentropy_forward_backward(
+                    a.logits, ids, T + 1, T, self.eval_ce[i * b * T:(i + 1) * b * T], a.dlogits,
+                    dce)
+        if self.world > 1:  # every rank's rows, in batch order
+            self.collectives.all_gather(self.eval_ce, self.eval_rows)
 
     # -- the TrainingProgram interface -------------------------------------------------
 
     def upload_input(self, tokens) -> None:
-        """tokens (B, T+1) ids -> the input slot."""
-        tokens = check_tokens(self.config, self.batch, tokens).astype(np.int32)
+        """tokens (B, T+1) ids -> the input slot. With W ranks, every rank is
+        given the whole batch and takes its rows [r*b, (r+1)*b), b = B/W:
+        rank r trains on contexts c0 + s*B + r*b + j (SPEC 19)."""
+        tokens = check_tokens(self.config, self.batch, tokens)
         # a pending replay still reads the slot: the host waits for it before
         # the copy (free in training, where the previous step was waited for)
         self._done.synchronize()
-        self.ids.set(tokens, stream=self.stream)
+        self.ids.set(self._local(tokens), stream=self.stream)
         self._uploaded = True
+
+    def vote_stop(self) -> None:
+        """W > 1: ask every rank to stop (a signal reached this one), from
+        the next step submitted on. The step sums the ranks' counts in
+        place (0 until a rank votes, and from then on nonzero), and every
+        rank reads the same sum with the step's records (StepRecords.stops),
+        so that all of them stop after the same step. Ordered on the stream
+        after the step in flight: no wait."""
+        self.buffers.stop.set(np.ones(1, np.float32), stream=self.stream)
+
+    def stop_votes(self) -> int:
+        """W > 1: the stop count of the last step (nonzero: some rank asked)."""
+        self._last("stop_votes")
+        return int(self.buffers.stop.get(stream=self.stream)[0])
 
     def replay(self) -> Event:
         """Submit one step without waiting; returns an event."""
@@ -1010,7 +1082,7 @@ class CupyProgram(CapturedProgram):
         waits for that slot's event alone. Two slots alternate, so step s is
         read while step s+1 runs; a slot is reused two submissions later,
         once the records it holds have been read (records() copies them)."""
-        tokens = check_tokens(self.config, self.batch, tokens).astype(np.int32)
+        tokens = self._local(check_tokens(self.config, self.batch, tokens))  # this rank's rows
         check_replay_state(self.device_state, self._owned, BACKEND)
         slot = self._staging()[self.replays % 2]
         if slot.submitted is not None:  # two submissions ago: kept before the slot is reused
@@ -1022,14 +1094,18 @@ class CupyProgram(CapturedProgram):
         self._row_loss_buffer().get(stream=self.stream, out=slot.rows, blocking=False)
         self.acts.loss.get(stream=self.stream, out=slot.scalars[0:1], blocking=False)
         self.norm[0:1].get(stream=self.stream, out=slot.scalars[1:2], blocking=False)
+        if self.world > 1:
+            self.buffers.stop.get(stream=self.stream, out=slot.scalars[2:3], blocking=False)
         copied = slot.copied = cupy.cuda.Event(disable_timing=True)
         copied.record(self.stream)
         B, T = self.batch, self.config.context
 
         def read():
             copied.synchronize()
+            self._check_peers()  # not the records of a step another rank's failure aborted
             return StepRecords(float(slot.scalars[0]), slot.rows.reshape(B, T).copy(),
-                               float(slot.scalars[1]), timed.device_seconds())
+                               float(slot.scalars[1]), timed.device_seconds(),
+                               int(slot.scalars[2]) if self.world > 1 else 0)
 
         slot.submitted = Submitted(read)
         return slot.submitted
@@ -1038,21 +1114,26 @@ class CupyProgram(CapturedProgram):
         """The two pinned host slots of submit(), made on first use."""
         if self._slots is None:
             B, T = self.batch, self.config.context
-            self._slots = [StagingSlot(B, T) for _ in range(2)]
+            self._slots = [StagingSlot(B, T, self.local_batch) for _ in range(2)]
         return self._slots
 
     def _row_loss_buffer(self):
-        """The device buffer of the last replay's (B*T) row losses."""
+        """The device buffer of the last replay's (B*T) row losses: with W
+        ranks, every rank's, gathered in batch order."""
+        if self.world > 1:
+            return self.buffers.gathered
         return self.acts.ce if self.accumulate == 1 else self.buffers.rows
 
     def replay_and_wait(self) -> float:
         self.replay().wait()
+        self._check_peers()
         return float(self.acts.loss.get(stream=self.stream)[0])  # the step's one read back
 
     def replay_timed_and_wait(self):
         """-> (mean loss, device seconds between events around the launch)."""
         event = self.replay_timed()
         seconds = event.device_seconds()
+        self._check_peers()
         return float(self.acts.loss.get(stream=self.stream)[0]), seconds
 
     def loss(self):
@@ -1073,11 +1154,12 @@ class CupyProgram(CapturedProgram):
         it is shared by every program of the process.)"""
         self.blas.close()
         self.graph = self.eval_graph = None
+        self.collectives = self.comm = None  # the communicator is its owner's to end
         self.acts = self.buffers = self.model = self._eager = None
         self.P = self.M = self.V = self.G = self.Pb = self.t = self.ids = self.norm = None
         self.c = self.rates = self.partial = self.decay = None
         self.device_state = self._owned = None
-        self.eval_ids = self.eval_ce = None
+        self.eval_ids = self.eval_ce = self.eval_rows = None
         self._slots = None
         self.alloc.bytes = 0
 
@@ -1085,7 +1167,10 @@ class CupyProgram(CapturedProgram):
         if not self._stepped:
             raise ReplayError(f"{what}: no step has been replayed yet")
         self._done.synchronize()
+        self._check_peers()
+
     def row_losses(self) -> np.ndarray:
+        """(B, T): with W ranks, every rank's rows gathered in batch order."""
         self._last("row_losses")
         ce = self._row_loss_buffer()
         return ce.get(stream=self.stream).reshape(self.batch, self.config.context)
@@ -1101,11 +1186,14 @@ class CupyProgram(CapturedProgram):
     def evaluate(self, tokens) -> np.ndarray:
         """tokens (B, T+1) -> held-out row losses (B, T) with the current
         parameters; the forward-only graph is captured on first use."""
-        tokens = check_tokens(self.config, self.batch, tokens, "evaluate input").astype(np.int32)
+        tokens = self._local(check_tokens(self.config, self.batch, tokens, "evaluate input"))
         self._done.synchronize()  # a pending replay still uses the activations
         if self.eval_ids is None:
-            self.eval_ids = self.alloc((self.batch, self.config.context + 1), np.int32)
-            self.eval_ce = self.alloc((self.batch * self.config.context,), np.float32)
+            b, T = self.local_batch, self.config.context
+            self.eval_ids = self.alloc((b, T + 1), np.int32)
+            self.eval_ce = self.alloc((b * T,), np.float32)
+            if self.world > 1:
+                self.eval_rows = self.alloc((self.batch * T,), np.float32)
             self.eval_ids.set(tokens, stream=self.stream)
             with self.stream:
                 self._evaluate()  # warm-up: the products' first use outside a capture
@@ -1122,7 +1210,8 @@ class CupyProgram(CapturedProgram):
         else:
             with self.stream:
                 self._evaluate()
-        rows = self.eval_ce.get(stream=self.stream)  # waits for the evaluation
+        rows = (self.eval_rows if self.world > 1 else self.eval_ce).get(stream=self.stream)
+        self._check_peers()  # the read above waited for the evaluation
         return rows.reshape(self.batch, self.config.context)
 
     def state(self) -> State:
@@ -1240,13 +1329,16 @@ class CupyProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None) -> CupyProgram:
+            accumulate: int | None = None, comm=None) -> CupyProgram:
     """Allocate, warm up and capture the step once; performs no training update.
     `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches, the
-    activations sized for B/k."""
+    activations sized for B/k. `comm`: this rank's communicator of W ranks
+    (accelerated.distributed.Communicator; every rank captures at once, on
+    its own device): the program is rank r's part of the global batch B,
+    the activations sized for B/(W*k) (SPEC 19)."""
     if not available():
         raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
-    return CupyProgram(config, hyper, precision, batch, state, accumulate)
+    return CupyProgram(config, hyper, precision, batch, state, accumulate, comm)
 
 
 # ---------------------------------------------------------------- binding
@@ -1326,7 +1418,8 @@ def _report(program: CupyProgram) -> dict:
     candidates = sum(b.candidate for b in plan.buffers)
     aliased = len(plan.aliased()) if program.memory_planned else 0
     launches, products, calls = rec["kernel_launches"], rec["products"], rec["library_calls"]
-    commands = launches + products + calls
+    collectives = rec.get("collectives", 0)  # NCCL, W > 1 ranks (SPEC 19)
+    commands = launches + products + calls + collectives
     path = program.acts.path
     nodes = graph_nodes(program.graph) if on else None
     bf16 = program.precision == "bf16"
@@ -1355,7 +1448,10 @@ def _report(program: CupyProgram) -> dict:
                   "and gate,up as single products; operands rounded by their producers"
                   + ("; causal attention fused (scores never in memory)"
                      if program.acts.fused else ""),
-        "placement": "one CUDA device, one non-blocking stream",
+        "placement": "one CUDA device, one non-blocking stream" if program.world == 1 else
+                     f"rank {program.rank} of {program.world}: one CUDA device and one "
+                     f"non-blocking stream per rank, {program.local_batch} of the batch's "
+                     f"{B} contexts here",
         "precision": "bfloat16 operands, float32 accumulation and results" if bf16
                      else "float32 products, CUBLAS_COMPUTE_32F, no TF32",
         "kernel_selection": "cuBLAS heuristics (GemmEx, GemmStridedBatchedEx)"
@@ -1370,7 +1466,10 @@ def _report(program: CupyProgram) -> dict:
                             f"lifetime: {plan.savings} bytes saved" if program.memory_planned
                             else "plan not applied: " + _plan_off_reason(program))
                            + "; every buffer allocated before capture, none in the step",
-        "synchronization_planning": "stream order only; the host waits once per replay",
+        "synchronization_planning": "stream order only; the host waits once per replay"
+                                    + ("" if program.world == 1 else
+                                       "; the gradient summed (NCCL all-reduce) and the row "
+                                       "losses gathered (NCCL all-gather) inside the graph"),
         "command_recording": "CUDA graph by stream capture" if on
                              else f"capture refused ({program.capture_refused}): the step runs "
                                   "eagerly" if program.capture_refused
@@ -1380,7 +1479,8 @@ def _report(program: CupyProgram) -> dict:
         BACKEND, stages, kernels=len(rec["kernels"]),
         graph_nodes=nodes if nodes is not None else (commands if on else 0),
         device_bytes=program.alloc.bytes, replays=program.replays, precision=program.precision,
-        batch=B, accumulate=program.accumulate, captured=on,
+        batch=B, accumulate=program.accumulate, world=program.world, rank=program.rank,
+        collectives=collectives, captured=on,
         capture_refused=program.capture_refused or "",
         kernel_names=rec["kernels"], kernel_launches=launches, products=products,
         library_calls=calls, attention=path.kind, attention_reason=path.reason,

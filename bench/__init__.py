@@ -407,6 +407,9 @@ def register(subparsers) -> None:
                              "tens of seconds per B)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the NumPy reference (seconds per step on the coppelius preset)")
+    parser.add_argument("--gpus", type=int, metavar="N",
+                        help="data parallelism: N GPUs at B = N x --batch against one GPU at "
+                             "B = --batch, tokens/s and scaling (bench/distributed.py)")
     parser.add_argument("--reference-coppelius", type=int, default=0, metavar="N",
                         help="also time N steps of the reference on the coppelius preset, B = 1 "
                              "(seconds per step)")
@@ -454,6 +457,10 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
 
 
 def run(args) -> int:
+    if args.gpus is not None:
+        from coppelius.bench.distributed import run as run_gpus
+
+        return run_gpus(args)
     from coppelius.reference import fsutil
     from coppelius.reference.params import initialize
     from coppelius.reference.state import State

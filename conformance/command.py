@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", action="append", choices=PRECISIONS,
                         help="precision policy; repeatable (default: fp32 and bf16)")
     parser.add_argument("--batch", type=int, default=None, metavar="B",
-                        help="contexts per step (default: 1, or the checkpoint's)")
+                        help="contexts per step (default: 1, --accumulate's K, or the "
+                             "checkpoint's)")
     parser.add_argument("--accumulate", type=int, default=1, metavar="K",
                         help="also check K micro-batches of B/K per step against the "
                              "unaccumulated reference, and their exact resume (SPEC 19)")
@@ -131,7 +132,8 @@ def run(args) -> int:
     if args.model:  # run_suite takes the Config itself (reported as "custom")
         config, defaults = config_from_toml(args.model, config if args.preset else None)
         preset_name = config
-    batch = args.batch or (defaults.get("batch", 1) if args.model else 1)
+    # with --accumulate K and no batch, the smallest batch K divides: K
+    batch = args.batch or (defaults.get("batch", 1) if args.model else args.accumulate)
     if args.accumulate < 1 or batch % args.accumulate:
         raise ConfigError(f"--accumulate={args.accumulate}: must be a positive integer dividing "
                           f"--batch={batch}")

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --gpus N starts again
     # a path or a text that is not UTF-8 is printed with escapes, not refused
     # by the printing (a traceback) after the work is done
     for stream in (sys.stdout, sys.stderr):

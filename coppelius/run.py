@@ -5,6 +5,13 @@ checkpoint is published every `interval` steps, after the last step, and on
 SIGINT/SIGTERM after the step in flight. The step itself is captured once
 (SPEC 13); per step the host uploads one input, replays, and reads back the
 row losses for the result file.
+
+Data parallelism (SPEC 19): with `--gpus N`, or under a launcher
+(coppelius/launch.py), W ranks run this loop in lockstep, each on its own
+GPU with its part of every batch. Before anything starts the ranks agree on
+one plan (run_rank); rank 0 alone writes (run.json, the result file, the
+checkpoint, the tokenizer beside it); a signal on any rank stops every rank
+after the same step (the ranks' votes are summed in the step).
 """
 
 from __future__ import annotations
@@ -19,19 +26,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from coppelius import accelerated
+from coppelius import launch as ranks
 from coppelius import report, sample
 from coppelius.evaluate import held_out_losses
 from coppelius.reference import checkpoint, fsutil, limits, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
                                         config_from_toml, parse_rational, preset, rational_text)
-from coppelius.reference.errors import (IdentityMismatch, NonFiniteError, ResultFileError,
-                                        RunError, StreamError)
+from coppelius.reference.errors import (CoppeliusError, IdentityMismatch, NonFiniteError,
+                                        ResultFileError, RunError, StreamError)
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
 from coppelius.reference.stream import open_stream
@@ -43,7 +51,7 @@ from coppelius.reference.stream import open_stream
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
 REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "accumulate",
-              "interval",
+              "gpus", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
               "final_step")
@@ -92,6 +100,10 @@ def register(sub) -> None:
     p.add_argument("--accumulate", type=int, metavar="K",
                    help="process each step's B contexts as K micro-batches of B/K, one update "
                         "(default 1; K must divide B; SPEC §19)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="data parallelism on N GPUs of this host: N processes, B/N contexts "
+                        "each (default 1; N*K must divide B; cupy backend; SPEC §19). Under "
+                        "torchrun, mpirun or srun the launcher's ranks are used instead")
     hyper = Hyper()
     for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
@@ -255,13 +267,27 @@ def heldout_count(options: dict, K_stream: int, path) -> int:
     return K
 
 
-def make_plan(args, resources: contextlib.ExitStack) -> Plan:
+def check_gpus(backend: str, world: int) -> None:
+    """SPEC 19: data parallelism is the CUDA backend's; MLX and the
+    reference have one device."""
+    if world > 1 and backend != "cupy":
+        raise RunError(f"--gpus {world}: backend {backend} has one device; data parallelism "
+                       f"runs on the cupy backend")
+
+
+def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int = 0,
+              leader: dict | None = None) -> Plan:
     """Everything decided and checked before the first step. What the run
-    holds (the checkpoint's lock, the open stream) is left to `resources`."""
+    holds (the checkpoint's lock, the open stream) is left to `resources`.
+    With W = world ranks (SPEC 19), a rank > 0 makes its own plan from its
+    own options and files but writes nothing and locks nothing: it reads
+    the stream rank 0 prepared (`leader`, rank 0's plan_summary)."""
     from coppelius import data  # tokenizers is imported only when a run needs it
 
+    writes = rank == 0
     run_dir, options = resolve_options(args)
     backend = options.get("backend") or accelerated.best_backend()
+    check_gpus(backend, world)
     accelerated.backend_module(backend)  # a clear error when it is not available here
     name = options.get("preset") or data.default_preset()
     if name not in PRESETS:
@@ -277,6 +303,9 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
     if batch % accumulate:
         raise RunError(f"--accumulate={accumulate}: must divide --batch={batch} (micro-batches of "
                        f"B/K contexts)")
+    if batch % (world * accumulate):
+        raise RunError(f"--batch={batch}: must divide by {world} GPUs x --accumulate "
+                       f"{accumulate} (each GPU takes B/{world} contexts per step; SPEC §19)")
     interval = _positive(options.get("interval"), "interval") or config.interval
     eval_every = _nonnegative(options.get("eval_every"), "eval-every")
     eval_every = interval if eval_every is None else eval_every
@@ -285,20 +314,24 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
         raise RunError(f"--seed={seed}: must be in [0, 2^64)")
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
-    limits.check_fits(limits.step_bytes(config, batch // accumulate, on_host=backend != "cupy"),
+    limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
+                                        on_host=backend != "cupy"),
                       f"--batch={batch} on the {options.get('model') or name} model")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
     fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
     if args.results and fsutil.same_file(args.results, ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
-    if args.results and os.path.lexists(args.results):
+    if writes and args.results and os.path.lexists(args.results):
         raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
     if args.results:
         fsutil.output_target(args.results, "result file")
 
-    stream_path, tokenizer = data.prepare_stream(
-        source=options.get("source"), stream=options.get("stream"),
-        vocab=config.vocab)  # cached under runs/data
+    if writes:
+        stream_path, tokenizer = data.prepare_stream(
+            source=options.get("source"), stream=options.get("stream"),
+            vocab=config.vocab)  # cached under runs/data
+    else:  # the stream rank 0 prepared: its digest is compared through the data identity
+        stream_path, tokenizer = leader["stream"], leader["tokenizer"]
     stream = open_stream(stream_path, config.vocab)
     resources.callback(stream.close)
     if tokenizer:
@@ -313,7 +346,7 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
     # it between this run's reading and its publishing.
     lock = fsutil.Lock(ckpt, "checkpoint")
     resources.callback(lock.release)
-    if os.path.isdir(os.path.dirname(lock.path)):
+    if writes and os.path.isdir(os.path.dirname(lock.path)):
         lock.acquire()
     t0 = 0
     if not checkpoint.is_fresh(ckpt):
@@ -351,9 +384,10 @@ def make_plan(args, resources: contextlib.ExitStack) -> Plan:
                            f"holds {K} for training ({heldout} held out; use --repeat-data to "
                            f"cycle it)")
         repeat = True
-        print_safely(f"note: the embedded corpus holds {K} contexts for training and this run "
-                     f"needs {need}: repeating data (context c is read as c mod {K})")
-    if steps:
+        if writes:
+            print_safely(f"note: the embedded corpus holds {K} contexts for training and this "
+                         f"run needs {need}: repeating data (context c is read as c mod {K})")
+    if steps and writes:
         # outputs: found unwritable now, not after the first interval of training
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
@@ -503,7 +537,10 @@ class Stopper:
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            self._old[sig] = signal.signal(sig, self._handle)
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (ranks as threads, in tests): no signals
+                break
         return self
 
     def _handle(self, signum, frame):
@@ -612,30 +649,73 @@ def _param_at(config, offset):
     return str(offset)
 
 
-def train(plan: Plan, quiet=False) -> dict:
-    """Run the plan. Returns a summary dict; raises NonFiniteError (exit 3)."""
+class _Nothing:
+    """What a rank > 0 has instead of the result file and the publisher: it
+    writes nothing (SPEC 19)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+@dataclass
+class Dist:
+    """This process's part in a data-parallel run (SPEC 19)."""
+
+    rank: int
+    world: int
+    group: object  # launch.Group: the control channel
+    comm: object = None  # accelerated.distributed.Communicator
+    failure: object = None  # a launch.PeerFailure, once another rank failed
+    programs: list = field(default_factory=list)  # captured over comm: released before it
+
+    def release(self) -> None:
+        """Release the programs (their CUDA graphs hold NCCL work) before
+        the communicator is aborted: NCCL frees a communicator only once
+        the graphs holding its work are gone."""
+        while self.programs:
+            self.programs.pop().reset()
+
+
+def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
+    """Run the plan. Returns a summary dict; raises NonFiniteError (exit 3).
+    With `dist`, this rank's part: every rank steps, evaluates and stops
+    together; rank 0 alone writes the result file and publishes."""
     config, B, T = plan.config, plan.batch, plan.config.context
     first_step, c0 = plan.state.t, plan.contexts
-    results_path = plan.results or results.default_results_path(plan.run_dir, first_step)
+    leader = dist is None or dist.rank == 0
+    results_path = (plan.results or results.default_results_path(plan.run_dir, first_step)
+                    if leader else None)
     header = results.result_header(config, plan.identities, first_step, plan.steps, B,
                                    plan.backend, plan.repeat)
     module = accelerated.backend_module(plan.backend)
     # captured first: a step that cannot be built (out of memory) leaves no result file
-    program = module.capture(config, plan.hyper, plan.precision, B, plan.state)
-    publish_tokenizer(plan.tokenizer, plan.checkpoint)
-    writer = results.ResultWriter(results_path, header)  # refuses an existing path
+    ranks_of = {} if dist is None else {"comm": dist.comm}
+    program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of)
+    if dist is not None:
+        dist.programs.append(program)
+    if leader:
+        publish_tokenizer(plan.tokenizer, plan.checkpoint)
+        writer = results.ResultWriter(results_path, header)  # refuses an existing path
+        publisher = Publisher(plan)
+    else:
+        writer = publisher = _Nothing()
 
     K_train = plan.stream.n_contexts(T) - plan.heldout
 
     def batch_at(s):  # (B, T+1): training reads only the contexts not held out
+        # every rank reads the whole batch; the program takes its rows (SPEC 19)
         return plan.stream.batch(c0 + s * B, B, T, repeat=plan.repeat, contexts=K_train)
+
+    def publish_after(steps_done):  # rank 0's: the state copied off the device, then written
+        if leader:
+            publisher.submit(program.state(), c0 + steps_done * B)
 
     first = batch_at(0)
     rows = results.prediction_rows(T)
-    writer.forward(program.logits(first[:1, :T])[0, rows])  # (3, V) before the first step
+    if leader:
+        writer.forward(program.logits(first[:1, :T])[0, rows])  # (3, V) before the first step
 
     losses, held_out = [], []
-    publisher = Publisher(plan)
     done = 0
     t_start = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
@@ -646,20 +726,33 @@ def train(plan: Plan, quiet=False) -> dict:
 
     try:
         with Stopper() as stopper:
+            agreed_stop = False  # with ranks: a step read so far says some rank asked to stop
+
+            def asked():  # this process's signal; with ranks, any rank's, as every rank reads it
+                return agreed_stop if dist is not None else stopper.signum is not None
+
+            def submit(n):  # step n; with ranks, this rank's stop vote goes with it (SPEC 19)
+                if dist is not None and stopper.signum is not None:
+                    program.vote_stop()
+                return program.submit(batch_at(n))
+
             # Step s+1 is submitted before step s's records are read, so the
             # device never waits for the host; never across a step after which
-            # the state is published or evaluated, or once a stop is asked for
+            # the state is published or evaluated, or once a stop is asked for.
+            # With ranks every decision here is the same on every rank: each
+            # step's collectives pair up.
             t_read = time.perf_counter()
-            pending = program.submit(batch_at(0))
+            pending = submit(0)
             following, stream_error = None, None
             for s in range(plan.steps):
-                if following is None and not boundary(s + 1) and stopper.signum is None:
+                if following is None and not boundary(s + 1) and not asked():
                     try:
-                        following = program.submit(batch_at(s + 1))
+                        following = submit(s + 1)
                     except StreamError as error:  # raised once step s is kept
                         stream_error = error
                 records = pending.records()
                 row_losses, loss = records.row_losses, records.loss
+                agreed_stop = agreed_stop or records.stops > 0
                 now = time.perf_counter()
                 host_s, t_read = now - t_read, now
                 step_no = first_step + s
@@ -671,16 +764,17 @@ def train(plan: Plan, quiet=False) -> dict:
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     if np.isfinite(row_losses).all():
-                        publisher.submit(program.state(), c0 + trained * B)
+                        publish_after(trained)
                         publisher.finish()
                     raise
+                # with ranks, every rank holds every row: all of them stop here alike
                 if not np.isfinite(row_losses).all():
                     raise NonFiniteError(f"step {step_no}: non-finite row loss; "
                                          f"{plan.checkpoint} is left as it was")
                 losses.append(float(loss))
                 done = s + 1
                 last = done == plan.steps
-                stop = stopper.signum is not None  # read once: a signal may land any time
+                stop = asked()  # read once: a signal may land any time
                 evaluated = None
                 if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
                         and not stop:
@@ -693,38 +787,39 @@ def train(plan: Plan, quiet=False) -> dict:
                 if stream_error is not None:
                     # the stream changed under the run (truncated, say): keep what is trained
                     if done % plan.interval:
-                        publisher.submit(program.state(), c0 + done * B)
+                        publish_after(done)
                         publisher.finish()
                     raise stream_error
                 if following is not None:  # the queued step is read next, whatever happens
                     pending, following = following, None
                     continue
                 if last or done % plan.interval == 0 or stop:
-                    publisher.submit(program.state(), c0 + done * B)  # written in the background
+                    publish_after(done)  # written in the background
                 if stop and not last:
                     break
                 try:
-                    pending = program.submit(batch_at(s + 1)) if not last else None
+                    pending = submit(s + 1) if not last else None
                 except StreamError:
                     if done % plan.interval:
-                        publisher.submit(program.state(), c0 + done * B)
+                        publish_after(done)
                         publisher.finish()
                     raise
-            if done == plan.steps:
+            if done == plan.steps and leader:
                 _final_record(writer, program, config, batch_at(plan.steps - 1))
             publisher.finish()  # the run's last checkpoint is published when train() returns
     finally:
         if progress:
             progress.close()
         writer.close()
-        if publisher._thread is not None:  # leaving by an error: the publication still ends
+        if leader and publisher._thread is not None:  # leaving by an error: it still ends
             publisher._thread.join()
     elapsed = time.perf_counter() - t_start
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,
             "first_step": first_step, "losses": losses, "held_out": held_out,
             "seconds": elapsed,
             "tokens_per_second": done * B * T / elapsed if elapsed > 0 else math.nan,
-            "signal": stopper.signum, "program": program}
+            "signal": stopper.signum if dist is None else (stopper.signum or (
+                signal.SIGTERM if done < plan.steps else None)), "program": program}
 
 
 def _final_record(writer, program, config, last_tokens):
@@ -746,30 +841,218 @@ def _final_record(writer, program, config, last_tokens):
 
 
 def main(args) -> int:
+    launch = ranks.from_environment()
+    if launch is not None:  # one rank of a launcher's (or of --gpus N's)
+        if args.gpus is not None and args.gpus != launch.world:
+            raise RunError(f"--gpus {args.gpus}: the launcher ({launch.launcher}) started "
+                           f"{launch.world} ranks")
+        return run_rank(args, launch)
+    _, options = resolve_options(args)
+    gpus = _positive(options.get("gpus", 1), "gpus")
+    if gpus > 1:
+        backend = options.get("backend") or accelerated.best_backend()
+        check_gpus(backend, gpus)
+        accelerated.backend_module(backend)  # a clear error when it is not available here
+        from coppelius.accelerated import distributed
+
+        distributed.check_devices(gpus)
+        argv = getattr(args, "argv", None) or sys.argv[1:]
+        return ranks.spawn([sys.executable, "-m", "coppelius", *argv], gpus)
     with contextlib.ExitStack() as resources:  # the checkpoint's lock, held to the end
         t0 = time.perf_counter()
         plan = make_plan(args, resources)
         return _run(args, plan, time.perf_counter() - t0)
 
 
-def _run(args, plan: Plan, prepared: float) -> int:
+# ---------------------------------------------------------------- data parallelism
+
+# what every rank's plan must have as rank 0's has it (SPEC 19)
+AGREED = ("identities", "batch", "backend", "precision", "step", "contexts", "steps", "interval",
+          "eval_every", "heldout", "repeat")
+
+
+def plan_summary(plan: Plan) -> dict:
+    """What rank 0 tells the others of its plan: AGREED, and the stream
+    they are to read (rank 0 prepared it)."""
+    return {"identities": dict(plan.identities), "batch": plan.batch, "backend": plan.backend,
+            "precision": plan.precision, "step": int(plan.state.t), "contexts": plan.contexts,
+            "steps": plan.steps, "interval": plan.interval, "eval_every": plan.eval_every,
+            "heldout": plan.heldout, "repeat": plan.repeat, "stream": plan.stream.path,
+            "tokenizer": plan.tokenizer}
+
+
+def plan_difference(mine: dict, leader: dict) -> str:
+    """'' when the plans agree, else what differs first, both values."""
+    for key in AGREED:
+        a, b = mine.get(key), leader.get(key)
+        if key == "identities":
+            for name in sorted(set(a) | set(b)):
+                if a.get(name) != b.get(name):
+                    return (f"its {name} identity is {a.get(name)!r}, rank 0's "
+                            f"{b.get(name)!r}")
+        elif a != b:
+            return f"its plan has {key} {a!r}, rank 0's {b!r}"
+    return ""
+
+
+class Refused(RunError):
+    """A plan refused by one rank, and so by every rank (rank 0 says it)."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.exit_status = status
+
+
+def agree(args, resources, group) -> Plan:
+    """Every rank's plan, agreed with rank 0's before anything starts
+    (SPEC 19): rank 0 plans and tells the others; each makes its own and
+    says whether it agrees; one refusal (a bad batch split, an identity
+    mismatch, a missing file) is every rank's."""
+    r = group.rank
+    if r == 0:
+        try:
+            plan = make_plan(args, resources, group.world, 0)
+        except CoppeliusError as e:
+            group.share({"refuse": str(e), "status": e.exit_status})
+            raise Refused(str(e), e.exit_status) from None
+        group.share({"plan": plan_summary(plan)})
+        for q, verdict in sorted(group.gather().items()):
+            if "refuse" in verdict:
+                status = verdict.get("status", 2)
+                group.share({"refuse": verdict["refuse"], "status": status})
+                raise Refused(verdict["refuse"], status)
+        return plan
+    message = group.receive()
+    if "refuse" in message:
+        raise Refused(message["refuse"], message.get("status", 2))
+    try:
+        plan = make_plan(args, resources, group.world, r, leader=message["plan"])
+        differs = plan_difference(plan_summary(plan), message["plan"])
+        if differs:
+            raise RunError(differs)
+    except CoppeliusError as e:
+        group.reply({"refuse": f"rank {r}: {e}", "status": e.exit_status})
+        raise Refused(f"rank {r}: {e}", e.exit_status) from None
+    group.reply({"agree": True})
+    return plan
+
+
+def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
+    """One rank of W (SPEC 19): meet the others, agree on the plan, open the
+    NCCL communicator on this rank's GPU, train in lockstep. -> the exit
+    status. Errors are printed here, once: a refused plan by rank 0; a
+    failure by the rank it happened on, and by the others (as "stopped:
+    rank r failed ...") unless they run under `--gpus`, whose own line
+    (for a rank killed by a signal) or the failed rank's says it all."""
+    from coppelius.accelerated import distributed
+
+    r = launch.rank
+    parent = os.environ.get(ranks.PARENT_ENV) == "1"
+
+    def say(text):
+        print_safely(f"coppelius train: error: {'' if r == 0 else f'rank {r}: '}{text}")
+
+    said = []
+
+    def say_stopped(text):  # once: by the main thread, or by the watcher ending a stuck rank
+        if not said:
+            said.append(text)
+            say(text)
+
+    def leave(status, seconds=ranks.EXIT_GRACE):  # the process ends within `seconds`
+        if hard_exit:
+            ranks.exit_within(status, seconds)
+
+    with contextlib.ExitStack() as resources:
+        t0 = time.perf_counter()
+        try:
+            group = ranks.Group.open(launch, mpi=mpi, bind="127.0.0.1" if parent else None)
+        except CoppeliusError as e:
+            say(str(e))
+            return e.exit_status
+        resources.callback(group.close)
+        dist = Dist(r, launch.world, group)
+
+        def on_failure(failure):  # the watcher's thread
+            dist.failure = failure
+            comm = dist.comm
+            if comm is not None:
+                comm.failure = failure  # raised by the program after its wait returns
+                threading.Thread(target=comm.abort, name="coppelius-nccl-abort",
+                                 daemon=True).start()
+
+        try:
+            plan = agree(args, resources, group)
+            if r == 0:
+                uid = group.go(distributed.new_unique_id)
+            else:
+                message = group.receive()
+                if "refuse" in message:
+                    raise Refused(message["refuse"], message.get("status", 2))
+                uid = group.went(message)
+            group.watch(on_failure, hard_exit=hard_exit, say=None if parent else say_stopped)
+            distributed.use_device(launch.local_rank, r)
+            dist.comm = distributed.Communicator(uid, r, launch.world)
+            resources.callback(dist.comm.abort)  # the end, normal too (after the next one)
+            resources.callback(dist.release)  # the programs' graphs go before the communicator
+            if dist.failure is not None:
+                dist.comm.failure = dist.failure
+                raise dist.failure
+            status = _run(args, plan, time.perf_counter() - t0, dist)
+            group.finish()
+            leave(status)  # everything is written: no teardown may hang the exit
+            return status
+        except Refused as e:  # every rank refuses; rank 0 says why
+            if r == 0:
+                say(str(e))
+            return e.exit_status
+        except NonFiniteError as e:  # every rank saw the same rows: rank 0 says it
+            group.finish()
+            if r == 0:
+                say(str(e))
+            leave(e.exit_status)
+            return e.exit_status
+        except BaseException as e:
+            failure = dist.failure or (e if isinstance(e, ranks.PeerFailure) else None)
+            if failure is not None:  # another rank's failure ended this one
+                if not parent:
+                    say_stopped(str(failure))
+                leave(failure.exit_status, ranks.ABORT_GRACE)
+                return failure.exit_status
+            group.fail(f"rank {r} failed: {e}")  # this rank's own: the others are told
+            if isinstance(e, CoppeliusError):
+                say(str(e))
+                leave(e.exit_status, ranks.ABORT_GRACE)
+                return e.exit_status
+            raise
+
+
+def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     K = plan.stream.n_contexts(plan.config.context)
+    leader = dist is None or dist.rank == 0
     if plan.steps == 0:
-        print(f"coppelius train: nothing to do: {plan.checkpoint} is at step {plan.state.t}, "
-              f"the run's final step (use --steps S or --until N to go further)")
+        if leader:
+            print(f"coppelius train: nothing to do: {plan.checkpoint} is at step "
+                  f"{plan.state.t}, the run's final step (use --steps S or --until N to go "
+                  f"further)")
         return 0
-    write_run_file(plan.run_dir, plan.remembered)
-    schedule = ("" if plan.hyper.schedule == "constant" else
-                f", cosine schedule (warm-up {plan.hyper.warmup}, total {plan.hyper.total})")
-    c = plan.config
-    shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
-    print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend {plan.backend}, "
-                 f"precision {plan.precision}, batch {plan.batch}, steps {plan.state.t}.."
-                 f"{plan.state.t + plan.steps}{schedule}, stream {plan.stream.path} "
-                 f"({K - plan.heldout} contexts for training{', repeated' if plan.repeat else ''}"
-                 f", {plan.heldout} held out); data and state ready in {prepared:.1f} s")
-    summary = train(plan)
+    if leader:
+        write_run_file(plan.run_dir, plan.remembered)
+        schedule = ("" if plan.hyper.schedule == "constant" else
+                    f", cosine schedule (warm-up {plan.hyper.warmup}, total {plan.hyper.total})")
+        c = plan.config
+        shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
+        gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
+        print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
+                     f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
+                     f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "
+                     f"{plan.stream.path} ({K - plan.heldout} contexts for training"
+                     f"{', repeated' if plan.repeat else ''}, {plan.heldout} held out); data "
+                     f"and state ready in {prepared:.1f} s")
+    summary = train(plan, quiet=not leader, dist=dist)
     losses = summary["losses"]
+    if not leader:
+        return 0 if summary["signal"] is None else 128 + summary["signal"]
     if summary["signal"] is not None:
         print_safely(f"stopped by signal {summary['signal']} after {summary['steps']} steps; "
                      f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}")

@@ -172,6 +172,7 @@ class StepRecords:
     row_losses: np.ndarray
     grad_norm: float
     device_seconds: float
+    stops: int = 0  # W > 1 ranks (SPEC 19): nonzero once a rank asked to stop; 0 on one
 
 
 class Submitted:

@@ -132,6 +132,10 @@ def test_cli_accumulate_must_divide_the_batch(capsys):
     status, out, _ = cli(["conformance", "--backend", "reference", "--precision", "fp32",
                           "--batch", "2", "--accumulate", "2", "--steps", "2"], capsys)
     assert status == 0 and "k=2" in out
+    # no --batch: the smallest batch K divides, K itself
+    status, out, _ = cli(["conformance", "--backend", "reference", "--precision", "fp32",
+                          "--accumulate", "2", "--steps", "2"], capsys)
+    assert status == 0 and "B=2" in out and "k=2" in out
 
 
 @pytest.mark.gpu

@@ -12,6 +12,12 @@ interface -- against reference.step through the conformance suite.
     python dev/cuda/emulate.py --pytest   # the CuPy tests and contract rows on the stand-ins
     python dev/cuda/emulate.py --script dev/cuda/attention/check.py --preset test
                                           # a dev/cuda script on the stand-ins
+    python dev/cuda/emulate.py --pytest-files FILE... [pytest args]
+                                          # those test files on the stand-ins
+
+NCCL's stand-in (cupy.cuda.nccl) joins the ranks of one process: data
+parallelism runs here with one thread per rank (SPEC 19), each thread with
+its own stream and capture, as each rank is a process of its own on GPUs.
 
 The NumPy kernels follow the CUDA kernels' contracts (accelerated/kernels/*.cu
 and their launchers in cuda_kernels.py), not their code; the CUDA source
@@ -26,6 +32,8 @@ import ctypes
 import os
 import runpy
 import sys
+import threading
+import time
 import types
 import weakref
 
@@ -35,14 +43,23 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
-_RECORDING = None  # the command list of the capturing stream, or None
-_CAPTURING = None  # the stream being captured, or None
-_CURRENT = []  # the streams entered with `with stream:`, innermost last
+class _ThreadState(threading.local):
+    """What a thread's stream work sees (one thread per rank in data
+    parallelism, as one process per rank on GPUs)."""
+
+    def __init__(self):
+        self.recording = None  # the command list of the capturing stream, or None
+        self.capturing = None  # the stream being captured, or None
+        self.current = []  # the streams entered with `with stream:`, innermost last
+        self.captured_comms = []  # NCCL communicators with work in the capture under way
+
+
+_STATE = _ThreadState()
 
 
 def _submit(command):
-    if _RECORDING is not None:
-        _RECORDING.append(command)
+    if _STATE.recording is not None:
+        _STATE.recording.append(command)
     else:
         command()
 
@@ -121,6 +138,9 @@ def asnumpy(a):
 class Graph:
     def __init__(self, commands):
         self.commands = commands
+        for comm in _STATE.captured_comms:  # NCCL ties its work to the graph's life
+            comm.graphs.add(self)
+        _STATE.captured_comms = []
 
     def launch(self, stream=None):
         for command in self.commands:
@@ -132,27 +152,26 @@ class Stream:
         self.ptr = 0
 
     def __enter__(self):
-        _CURRENT.append(self)
+        _STATE.current.append(self)
         return self
 
     def __exit__(self, *exc):
-        _CURRENT.pop()
+        _STATE.current.pop()
         return False
 
     def synchronize(self):
-        assert _RECORDING is None, "synchronize during capture"
+        assert _STATE.recording is None, "synchronize during capture"
 
     def is_capturing(self):
-        return _CAPTURING is self
+        return _STATE.capturing is self
 
     def begin_capture(self):
-        global _RECORDING, _CAPTURING
-        assert _RECORDING is None
-        _RECORDING, _CAPTURING = [], self
+        assert _STATE.recording is None
+        _STATE.recording, _STATE.capturing = [], self
 
     def end_capture(self):
-        global _RECORDING, _CAPTURING
-        graph, _RECORDING, _CAPTURING = Graph(_RECORDING), None, None
+        graph = Graph(_STATE.recording)
+        _STATE.recording = _STATE.capturing = None
         return graph
 
 
@@ -169,7 +188,7 @@ class Event:
         pass
 
     def record(self, stream=None):
-        assert _RECORDING is None, "event recorded during capture"
+        assert _STATE.recording is None, "event recorded during capture"
 
     def synchronize(self):
         pass
@@ -180,10 +199,14 @@ class Event:
 
 
 class Device:
-    id = 0
+    def __init__(self, device=0):
+        self.id = int(device)
+
+    def use(self):
+        pass
 
     def synchronize(self):
-        assert _RECORDING is None, "synchronize during capture"
+        assert _STATE.recording is None, "synchronize during capture"
 
 
 runtime = types.SimpleNamespace(
@@ -205,12 +228,107 @@ class RawModule:
         def launch(grid, block, args, shared_mem=0):
             # On a GPU a kernel launched during a capture on any stream but
             # the capturing one runs at once and is missing from the graph
-            if _CAPTURING is not None and (not _CURRENT or _CURRENT[-1] is not _CAPTURING):
+            capturing, current = _STATE.capturing, _STATE.current
+            if capturing is not None and (not current or current[-1] is not capturing):
                 raise AssertionError(f"kernel {name} launched outside the capturing stream")
             frozen = tuple(args)  # arguments are frozen at launch, as in a graph
             _submit(lambda: body(bf16, *frozen))
 
         return launch
+
+
+# ---------------------------------------------------------------- NCCL (ranks as threads)
+
+class _World:
+    """The ranks of one unique id: a barrier and one slot per rank."""
+
+    def __init__(self, n):
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=120)  # a lost rank breaks it, never hangs
+        self.slots = [None] * n
+
+
+_WORLDS = {}
+_WORLDS_LOCK = threading.Lock()
+
+
+def _floats(ptr, count):
+    return np.frombuffer((ctypes.c_float * count).from_address(ptr), dtype=np.float32)
+
+
+class NcclCommunicator:
+    """cupy.cuda.nccl.NcclCommunicator for ranks that are threads of this
+    process: the constructor returns once every rank joined the unique id;
+    a collective is a command of the rank's stream (recorded by a capture,
+    run at replay) that meets the other ranks at a barrier. abort() breaks
+    the barrier: a rank waiting in a collective returns with its buffer as
+    it was, as NCCL's kernels do after ncclCommAbort; then, as NCCL frees
+    a communicator only once the CUDA graphs holding its work are gone,
+    abort() waits for them (AssertionError after a while: a program still
+    holds one)."""
+
+    def __init__(self, ndev, commId, rank):
+        assert len(commId) == 128 and 0 <= rank < ndev
+        with _WORLDS_LOCK:
+            self.world = _WORLDS.setdefault(tuple(commId), _World(ndev))
+        assert self.world.n == ndev
+        self.rank = rank
+        self.graphs = weakref.WeakSet()
+        self._exchange(None)  # every rank has joined
+
+    def _exchange(self, mine):
+        """Every rank's contribution in rank order, or None once aborted."""
+        w = self.world
+        try:
+            w.slots[self.rank] = mine
+            w.barrier.wait()
+            parts = list(w.slots)
+            w.barrier.wait()  # every rank has read before a slot is written again
+            return parts
+        except threading.BrokenBarrierError:
+            return None
+
+    def _captured(self):
+        if _STATE.recording is not None:
+            _STATE.captured_comms.append(self)
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        assert (datatype, op) == (NCCL_FLOAT32, NCCL_SUM)
+        self._captured()
+
+        def run():
+            parts = self._exchange(_floats(sendbuf, count).copy())
+            if parts is not None:
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part  # rank order, one float32 rounding per addition
+                _floats(recvbuf, count)[...] = total
+
+        _submit(run)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        assert datatype == NCCL_FLOAT32
+        self._captured()
+
+        def run():
+            parts = self._exchange(_floats(sendbuf, count).copy())
+            if parts is not None:
+                _floats(recvbuf, count * len(parts))[...] = np.concatenate(parts)
+
+        _submit(run)
+
+    def abort(self):
+        self.world.barrier.abort()  # the abort flag: a waiting collective returns
+        deadline = time.monotonic() + 10
+        while len(self.graphs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not len(self.graphs), "ncclCommAbort while a CUDA graph holds its work"
+
+
+NCCL_FLOAT32, NCCL_SUM = 7, 0
+fake_nccl = types.SimpleNamespace(
+    NcclCommunicator=NcclCommunicator, NCCL_FLOAT32=NCCL_FLOAT32, NCCL_SUM=NCCL_SUM,
+    get_unique_id=lambda: tuple(b - 256 if b > 127 else b for b in os.urandom(128)))
 
 
 fake_cupy = types.SimpleNamespace(
@@ -219,9 +337,10 @@ fake_cupy = types.SimpleNamespace(
     ascontiguousarray=lambda a: _dev(np.ascontiguousarray(a)),
     concatenate=lambda xs, axis=0: _dev(np.concatenate([np.asarray(x) for x in xs], axis=axis)),
     cuda=types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device, runtime=runtime,
-                               alloc_pinned_memory=alloc_pinned_memory,
+                               nccl=fake_nccl, alloc_pinned_memory=alloc_pinned_memory,
                                get_elapsed_time=lambda a, b: 1.0,
-                               get_current_stream=lambda: _CURRENT[-1] if _CURRENT else _NULL))
+                               get_current_stream=lambda: (_STATE.current[-1] if _STATE.current
+                                                           else _NULL)))
 
 
 # ---------------------------------------------------------------- kernels (NumPy)
@@ -731,7 +850,8 @@ class FakeCudnnGraph:
         return 4096
 
     def execute(self, pack, workspace, handle=None):
-        if _CAPTURING is not None and (not _CURRENT or _CURRENT[-1] is not _CAPTURING):
+        capturing, current = _STATE.capturing, _STATE.current
+        if capturing is not None and (not current or current[-1] is not capturing):
             raise AssertionError("cuDNN executed outside the capturing stream")
         assert workspace and all(isinstance(p, int) for p in pack.values())
         direction, scale, inputs, outputs = self.node
@@ -824,12 +944,13 @@ class FakeCublas:
 def install():
     """Point the backend's modules at the stand-ins; returns the backend module."""
     from coppelius.accelerated import (cublas, cuda_kernels, cudnn_attention, cupy_backend,
-                                       cupy_debug)
+                                       cupy_debug, distributed)
 
     cupy_backend.cupy = fake_cupy
     cuda_kernels.cupy = fake_cupy
     cupy_debug.cupy = fake_cupy
     cudnn_attention.cupy = fake_cupy
+    distributed.cupy = fake_cupy
     cublas._LIB = FakeCublas()
     cupy_backend._KERNELS.clear()
     sys.modules["cudnn"] = fake_cudnn  # cudnn_attention imports it on first use
@@ -852,6 +973,13 @@ def main():
                                                                  "test_program_contract.py")]
         sys.exit(pytest.main([*tests, "-q", "-k", "cupy", "-p", "no:cacheprovider",
                               *sys.argv[2:]]))
+
+    if sys.argv[1:2] == ["--pytest-files"]:  # any test files, against the stand-ins
+        import pytest
+
+        sys.modules["cupy"] = fake_cupy
+        install()
+        sys.exit(pytest.main(["-p", "no:cacheprovider", *sys.argv[2:]]))
 
     if sys.argv[1:2] == ["--script"]:  # its plumbing (loading, launches), not its kernels
         sys.modules["cupy"] = fake_cupy

@@ -1,0 +1,31 @@
+#!/bin/bash
+# One call on the two-GPU machine (nvidia-h200-x2): the CuPy GPU tests on
+# GPU 0 and the accumulation conformance (--accumulate 2 and 4) on GPU 1,
+# beside the data-parallel checks (dev/cuda/dp_check.py, both GPUs); then
+# `coppelius bench --gpus 2` alone (coppelius preset, bf16, 8 contexts per
+# GPU). Logs under $OUT; a short summary last.   usage: bash dev/cuda/dp_device_run.sh
+cd "$(dirname "$0")/../.." || exit 2
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/dp_device}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+t0=$(date +%s)
+(CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider --tb=short \
+    tests/test_cupy_backend.py tests/test_program_contract.py -k cupy > "$OUT/pytest.log" 2>&1
+ echo "pytest exit $? after $(( $(date +%s) - t0 )) s" >> "$OUT/pytest.log") &
+(for k in 2 4; do
+    CUDA_VISIBLE_DEVICES=1 timeout 90 python -m coppelius.conformance --backend cupy \
+        --accumulate $k --failures-only
+    echo "conformance --accumulate $k exit $? after $(( $(date +%s) - t0 )) s"
+ done > "$OUT/conformance.log" 2>&1) &
+timeout 190 python dev/cuda/dp_check.py --out "$OUT" > "$OUT/dp_check.txt" 2>&1
+echo "dp_check exit $? after $(( $(date +%s) - t0 )) s" >> "$OUT/dp_check.txt"
+wait
+timeout 100 python -m coppelius bench --gpus 2 --preset coppelius --batch 8 --steps 30 \
+    --warmup 5 > "$OUT/bench.log" 2>&1
+echo "bench exit $? after $(( $(date +%s) - t0 )) s" >> "$OUT/bench.log"
+echo "================================================================ summary"
+tail -3 "$OUT/pytest.log"
+grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | cut -c1-250 | head -20
+cat "$OUT/conformance.log" | cut -c1-250 | tail -20
+cat "$OUT/dp_check.txt"
+cat "$OUT/bench.log"
