@@ -50,6 +50,7 @@ echo "kernel_bench exit $?" >> "$OUT/kernel_bench.log"
 for tree in new old; do
     dir=$([ $tree = new ] && echo "$NEW" || echo "$OLD")
     for B in 8 1 32; do
+        [ $SECONDS -lt 220 ] || { echo "skipped: out of time" > "$OUT/step-$tree-B$B.log"; continue; }
         extra=$([ $tree$B = new8 ] && echo --breakdown)
         steps=$([ "$B" = 32 ] && echo 6 || echo 12)
         (cd "$dir" && PYTHONPATH=$FE$dir timeout 60 python3 dev/cuda/bench_step.py --batch $B \
