@@ -134,8 +134,8 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
         reinterpret_cast<float4*>(Vm)[i] = v;
         if (Pb != 0) {
             uint2 u;
-            u.x = (unsigned)bf16_bits(p.x) | ((unsigned)bf16_bits(p.y) << 16);
-            u.y = (unsigned)bf16_bits(p.z) | ((unsigned)bf16_bits(p.w) << 16);
+            u.x = pack_bf16x2(p.x, p.y);
+            u.y = pack_bf16x2(p.z, p.w);
             reinterpret_cast<uint2*>(Pb)[i] = u;
         }
         return;

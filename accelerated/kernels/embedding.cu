@@ -55,6 +55,7 @@ extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_
 // occurrence (the count). A thread owns a chunk of 4 features (vec: D/4 <=
 // EMB_THREADS) or the features d = thread + EMB_THREADS k (D <= 4 EMB_THREADS).
 #define EMB_THREADS 256
+#define EMB_BATCH 16  // rows loaded before they are added
 extern "C" __global__ void __launch_bounds__(EMB_THREADS)
 embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, int ids_stride,
                    int T, int BT, float* __restrict__ dW, int D, const int* __restrict__ index,
@@ -79,22 +80,44 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
         }
         if (hit) hits[before + __popc(mask & ((1u << lane) - 1u))] = q;
         __syncthreads();
-        for (int h = 0; h < total; h++) {
-            const float* row = dx + (long long)hits[h] * D;
-            if (vec) {
-                if (threadIdx.x < D / 4) {
-                    float4 g = reinterpret_cast<const float4*>(row)[threadIdx.x];
-                    acc[0] += g.x;
-                    acc[1] += g.y;
-                    acc[2] += g.z;
-                    acc[3] += g.w;
-                }
-            } else {
+        // the rows in order; loads EMB_BATCH rows ahead of the adds (an id
+        // frequent in the text has thousands of rows: a dependent chain of
+        // adds, which must not also wait for each load in turn)
+        if (vec) {
+            if (threadIdx.x < D / 4) {
+                for (int h0 = 0; h0 < total; h0 += EMB_BATCH) {
+                    float4 g[EMB_BATCH];
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    int d = threadIdx.x + EMB_THREADS * k;
-                    if (d < D) acc[k] += row[d];
+                    for (int b = 0; b < EMB_BATCH; b++)
+                        if (h0 + b < total)
+                            g[b] = reinterpret_cast<const float4*>(
+                                dx + (long long)hits[h0 + b] * D)[threadIdx.x];
+#pragma unroll
+                    for (int b = 0; b < EMB_BATCH; b++) {
+                        if (h0 + b < total) {
+                            acc[0] += g[b].x;
+                            acc[1] += g[b].y;
+                            acc[2] += g[b].z;
+                            acc[3] += g[b].w;
+                        }
+                    }
                 }
+            }
+        } else {
+            for (int h0 = 0; h0 < total; h0 += EMB_BATCH) {
+                float g[EMB_BATCH][4];
+#pragma unroll
+                for (int b = 0; b < EMB_BATCH; b++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        int d = threadIdx.x + EMB_THREADS * k;
+                        if (h0 + b < total && d < D) g[b][k] = dx[(long long)hits[h0 + b] * D + d];
+                    }
+#pragma unroll
+                for (int b = 0; b < EMB_BATCH; b++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        if (h0 + b < total && threadIdx.x + EMB_THREADS * k < D) acc[k] += g[b][k];
             }
         }
         found += total;

@@ -7,6 +7,9 @@
 // chunks. vec: 16-byte loads and stores (load_chunk, common.cuh).
 #define LN_CHUNKS 8   // the largest NC: rows of up to 1024 features
 #define LN_WARPS 8    // warps (rows at once) per block
+// blocks per SM the backward's registers are held to: three (24 warps) up to
+// 512 features per row, so enough loads are in flight; one for wider rows
+#define LN_BLOCKS(NC) ((NC) <= 4 ? 2 : 1)
 
 template <int NC>
 __device__ __forceinline__ void layernorm_forward_row(
@@ -91,39 +94,45 @@ __device__ __forceinline__ void layernorm_backward_rows(
         float* __restrict__ partials, int rows, int D, int chunk, bool vec) {
     __shared__ float sums[2 * 128 * NC];  // the block's dw, db
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float gw[NC][4], gb[NC][4], wv[NC][4];
+    float gw[NC][4], gb[NC][4];
 #pragma unroll
-    for (int k = 0; k < NC; k++) {
-        load_chunk(wv[k], w, 4 * (lane + 32 * k) < D ? lane + 32 * k : 0, D, vec, 0.0f);
+    for (int k = 0; k < NC; k++)
 #pragma unroll
         for (int i = 0; i < 4; i++) gw[k][i] = gb[k][i] = 0.0f;
-    }
     int last = min(rows, ((int)blockIdx.x + 1) * chunk);
     for (int row = (int)blockIdx.x * chunk + warp; row < last; row += warps) {
         long long o = (long long)row * D;
+        // every load of the row first (x, dout and dres), so they are in
+        // flight together; x becomes xhat and dout dxhat in place
+        float xh[NC][4], dxh[NC][4], r[NC][4];
+#pragma unroll
+        for (int k = 0; k < NC; k++) {
+            int c = lane + 32 * k;
+            if (4 * c < D) {
+                load_chunk(xh[k], x + o, c, D, vec, 0.0f);
+                load_chunk(dxh[k], dout + o, c, D, vec, 0.0f);
+                if (dres != 0) load_chunk(r[k], dres + o, c, D, vec, 0.0f);
+            }
+        }
         float mu = mean[row], rs = rstd[row];
-        float xh[NC][4], dxh[NC][4];
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
         for (int k = 0; k < NC; k++) {
             int c = lane + 32 * k;
-            float xv[4], dy[4];
-            if (4 * c < D) {
-                load_chunk(xv, x + o, c, D, vec, 0.0f);
-                load_chunk(dy, dout + o, c, D, vec, 0.0f);
-            }
+            float wk[4];
+            if (4 * c < D) load_chunk(wk, w, c, D, vec, 0.0f);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                xh[k][i] = dxh[k][i] = 0.0f;
                 if (4 * c + i < D) {
-                    float xhat = __fmul_rn(__fsub_rn(xv[i], mu), rs);
-                    float dxhat = __fmul_rn(dy[i], wv[k][i]);
+                    float dy = dxh[k][i];
+                    float xhat = __fmul_rn(__fsub_rn(xh[k][i], mu), rs);
+                    float dxhat = __fmul_rn(dy, wk[i]);
                     xh[k][i] = xhat;
                     dxh[k][i] = dxhat;
                     s1 += dxhat;
                     s2 += dxhat * xhat;
-                    gw[k][i] = __fadd_rn(gw[k][i], __fmul_rn(dy[i], xhat));
-                    gb[k][i] = __fadd_rn(gb[k][i], dy[i]);
+                    gw[k][i] = __fadd_rn(gw[k][i], __fmul_rn(dy, xhat));
+                    gb[k][i] = __fadd_rn(gb[k][i], dy);
                 }
             }
         }
@@ -133,13 +142,12 @@ __device__ __forceinline__ void layernorm_backward_rows(
         for (int k = 0; k < NC; k++) {
             int c = lane + 32 * k;
             if (4 * c < D) {
-                float r[4], v[4];
-                if (dres != 0) load_chunk(r, dres + o, c, D, vec, 0.0f);
+                float v[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     v[i] = __fmul_rn(rs, __fsub_rn(__fsub_rn(dxh[k][i], m1),
                                                    __fmul_rn(xh[k][i], m2)));
-                    if (dres != 0) v[i] = __fadd_rn(r[i], v[i]);
+                    if (dres != 0) v[i] = __fadd_rn(r[k][i], v[i]);
                 }
                 store_chunk(dx + o, c, D, vec, v);
                 if (dx_op != 0) store_operand_chunk(dx_op + o, c, D, vec, v);
@@ -176,7 +184,8 @@ __device__ __forceinline__ void layernorm_backward_rows(
         layernorm_forward_row<NC>(x_prev, add, x_out, h, mean, rstd, w, b, rows, D, eps,         \
                                   vec != 0);                                                     \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_backward_c##NC(        \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS, LN_BLOCKS(NC))                   \
+    layernorm_backward_c##NC(                                                                    \
             const float* __restrict__ dout, const float* dres, const float* __restrict__ x,      \
             const float* __restrict__ mean, const float* __restrict__ rstd,                      \
             const float* __restrict__ w, float* dx, floatX* __restrict__ dx_op,                  \

@@ -9,8 +9,8 @@ extern "C" __global__ void round_bf16(const float* __restrict__ x, unsigned shor
     if (i < n4) {
         float4 v = reinterpret_cast<const float4*>(x)[i];
         uint2 u;
-        u.x = (unsigned)bf16_bits(v.x) | ((unsigned)bf16_bits(v.y) << 16);
-        u.y = (unsigned)bf16_bits(v.z) | ((unsigned)bf16_bits(v.w) << 16);
+        u.x = pack_bf16x2(v.x, v.y);
+        u.y = pack_bf16x2(v.z, v.w);
         reinterpret_cast<uint2*>(out)[i] = u;
         return;
     }

@@ -6,7 +6,8 @@
 # two micro-batches, and a model of odd sizes: D=18, E=6, F=13, V=37, so the
 # element-by-element paths run end to end) on GPU 1 meanwhile, or after the
 # timings where there is one GPU. Logs under $OUT; a summary last.
-#   usage: OLD=path/to/tree [WHEELS=dir] bash dev/cuda/kernel_device_run.sh
+#   usage: OLD=path/to/tree [WHEELS=dir] [TREES=new] bash dev/cuda/kernel_device_run.sh
+# TREES: whose steps to time (default: new old).
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel (cuDNN's
 # attention; the device has cuDNN, not the frontend).
 cd "$(dirname "$0")/../.." || exit 2
@@ -56,7 +57,7 @@ PYTHONPATH=$FE$NEW timeout 80 python3 dev/cuda/kernel_bench.py --old "$OLD" --la
 echo "kernel_bench exit $?" >> "$OUT/kernel_bench.log"
 LIMIT=$([ "$GPUS" -gt 1 ] && echo 220 || echo 120)
 for B in 8 1 32; do
-    for tree in new old; do
+    for tree in ${TREES:-new old}; do
         dir=$([ $tree = new ] && echo "$NEW" || echo "$OLD")
         [ $SECONDS -lt $LIMIT ] || { echo "skipped: out of time" > "$OUT/step-$tree-B$B.log"; continue; }
         extra=$([ $tree$B = new8 ] && echo --breakdown)

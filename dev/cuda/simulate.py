@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 
@@ -36,8 +37,8 @@ import emulate  # noqa: E402
 
 # files whose kernels stay NumPy (inline PTX)
 NOT_SIMULATED = ("attention_fused.cu",)
-KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)',
-                    re.S)
+KERNEL = re.compile(r'extern "C" __global__ void\s+(\w+)\s*\(([^)]*)\)', re.S)
+_LOCK = threading.Lock()
 CACHE = os.environ.get("COPPELIUS_SIMULATE_CACHE",
                        os.path.join(tempfile.gettempdir(), "coppelius-simulate"))
 
@@ -50,7 +51,24 @@ def _strip_files(code: str) -> str:
                                                 for n in NOT_SIMULATED))
 
 
+def _strip_launch_bounds(code: str) -> str:
+    """The source without its __launch_bounds__(...) (nested parentheses
+    allowed): the simulation has no registers to bound."""
+    out, i = [], 0
+    while (j := code.find("__launch_bounds__(", i)) >= 0:
+        out.append(code[i:j])
+        depth, k = 0, j + len("__launch_bounds__")
+        while True:
+            depth += {"(": 1, ")": -1}.get(code[k], 0)
+            k += 1
+            if depth == 0:
+                break
+        i = k
+    return "".join(out) + code[i:]
+
+
 def _to_cpp(code: str) -> str:
+    code = _strip_launch_bounds(code)
     code = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w[\w ]*?)\s+(\w+)\[\];",
                   r"\1* \2 = (\1*)__sim_dynamic_shared;", code)
     return code.replace("__shared__", "static")
@@ -146,8 +164,8 @@ class RawModule:
         types = self.kernels[name]
 
         def launch(grid, block, args, shared_mem=0):
-            if emulate._CAPTURING is not None and (not emulate._CURRENT
-                                                   or emulate._CURRENT[-1] is not emulate._CAPTURING):
+            capturing, current = emulate._STATE.capturing, emulate._STATE.current
+            if capturing is not None and (not current or current[-1] is not capturing):
                 raise AssertionError(f"kernel {name} launched outside the capturing stream")
             assert len(args) == len(types), (name, len(args), types)
             values = [_argument(t, a) for t, a in zip(types, args)]
@@ -156,8 +174,9 @@ class RawModule:
             b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
 
             def run(values=values, pointers=pointers):
-                status = entry(*[ctypes.c_uint32(x) for x in g + b], ctypes.c_uint64(shared_mem),
-                               pointers)
+                with _LOCK:  # one simulated launch at a time (ranks run as threads)
+                    status = entry(*[ctypes.c_uint32(x) for x in g + b],
+                                   ctypes.c_uint64(shared_mem), pointers)
                 assert status == 0, f"simulated launch of {name} refused"
 
             emulate._submit(run)
