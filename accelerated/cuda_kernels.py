@@ -242,9 +242,12 @@ class Kernels:
         assert index.shape == (V, 2) and index.dtype == np.int32, (index.shape, index.dtype)
         vec = _vector(dx, dW, lengths=(D,))
         assert D <= 4 * EMBEDDING_THREADS, D  # a thread holds 4 features
+        # 128 threads where they hold a row's chunks: most blocks leave at
+        # once, and small blocks retire fast
+        threads = 128 if vec and D <= 4 * 128 else EMBEDDING_THREADS
         self._elementwise("embedding_index_reset", V, (index, i32(V)))
         self._elementwise("embedding_index", BT, (ids, i32(ids_stride), i32(T), i32(BT), index))
-        self._launch("embedding_backward", BT, EMBEDDING_THREADS,
+        self._launch("embedding_backward", BT, threads,
                      (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D), index, i32(vec)))
 
     # -- layernorm

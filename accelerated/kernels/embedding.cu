@@ -48,14 +48,15 @@ extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_
     atomicAdd(&index[2 * v + 1], 1);
 }
 
-// One block (EMB_THREADS) per position p; only the block of v's first
-// position works. It walks the positions from p on, EMB_THREADS at a time,
-// listing those holding v in order (a ballot per warp, the warps' counts
-// added in warp order), and adds their rows of dx; it stops at v's last
-// occurrence (the count). A thread owns a chunk of 4 features (vec: D/4 <=
-// EMB_THREADS) or the features d = thread + EMB_THREADS k (D <= 4 EMB_THREADS).
-#define EMB_THREADS 256
-#define EMB_BATCH 16  // rows loaded before they are added
+// One block per position p; only the block of v's first position works. It
+// walks the positions from p on, blockDim at a time, listing those holding v
+// in order (a ballot per warp, the warps' counts added in warp order), and
+// adds their rows of dx; it stops at v's last occurrence (the count). vec: a
+// thread owns a chunk of 4 features (D/4 <= blockDim; the launcher gives 128
+// threads where that holds them, so most blocks, which leave at once, hold
+// few registers); else the features d = thread + blockDim k, k < 4.
+#define EMB_THREADS 256  // at most
+#define EMB_BATCH 8      // rows of dx loaded before they are added (vec)
 extern "C" __global__ void __launch_bounds__(EMB_THREADS)
 embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, int ids_stride,
                    int T, int BT, float* __restrict__ dW, int D, const int* __restrict__ index,
@@ -63,26 +64,27 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
     __shared__ int hits[EMB_THREADS];  // positions holding v among those of this pass, in order
     __shared__ int counts[EMB_THREADS / 32];
     int p = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int nt = blockDim.x, warps = nt >> 5;
     int v = id_at(ids, ids_stride, T, p);
     if (index[2 * v] != p) return;  // uniform: the whole block leaves
     int n = index[2 * v + 1];
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int base = p, found = 0; found < n && base < BT; base += EMB_THREADS) {
+    for (int base = p, found = 0; found < n && base < BT; base += nt) {
         int q = base + threadIdx.x;
         bool hit = q < BT && id_at(ids, ids_stride, T, q) == v;
         unsigned mask = __ballot_sync(0xffffffffu, hit);
         if (lane == 0) counts[warp] = __popc(mask);
         __syncthreads();
         int before = 0, total = 0;
-        for (int w = 0; w < EMB_THREADS / 32; w++) {
+        for (int w = 0; w < warps; w++) {
             before += w < warp ? counts[w] : 0;
             total += counts[w];
         }
         if (hit) hits[before + __popc(mask & ((1u << lane) - 1u))] = q;
         __syncthreads();
-        // the rows in order; loads EMB_BATCH rows ahead of the adds (an id
-        // frequent in the text has thousands of rows: a dependent chain of
-        // adds, which must not also wait for each load in turn)
+        // the rows in order, EMB_BATCH loads issued before their adds: an id
+        // frequent in the text has thousands of rows, a chain of dependent
+        // adds that must not also wait for each load in turn
         if (vec) {
             if (threadIdx.x < D / 4) {
                 for (int h0 = 0; h0 < total; h0 += EMB_BATCH) {
@@ -104,20 +106,13 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
                 }
             }
         } else {
-            for (int h0 = 0; h0 < total; h0 += EMB_BATCH) {
-                float g[EMB_BATCH][4];
+            for (int h = 0; h < total; h++) {
+                const float* row = dx + (long long)hits[h] * D;
 #pragma unroll
-                for (int b = 0; b < EMB_BATCH; b++)
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        int d = threadIdx.x + EMB_THREADS * k;
-                        if (h0 + b < total && d < D) g[b][k] = dx[(long long)hits[h0 + b] * D + d];
-                    }
-#pragma unroll
-                for (int b = 0; b < EMB_BATCH; b++)
-#pragma unroll
-                    for (int k = 0; k < 4; k++)
-                        if (h0 + b < total && threadIdx.x + EMB_THREADS * k < D) acc[k] += g[b][k];
+                for (int k = 0; k < 4; k++) {
+                    int d = threadIdx.x + nt * k;
+                    if (d < D) acc[k] += row[d];
+                }
             }
         }
         found += total;
@@ -133,7 +128,7 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
     } else {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int d = threadIdx.x + EMB_THREADS * k;
+            int d = threadIdx.x + nt * k;
             if (d < D) out[d] = out[d] + acc[k];
         }
     }
