@@ -635,6 +635,13 @@ class TimedEvent(Event):
         return cupy.cuda.get_elapsed_time(self.start, self.event) / 1e3
 
 
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized host array in page-locked memory."""
+    n = int(np.prod(shape))
+    memory = cupy.cuda.alloc_pinned_memory(max(n, 1) * np.dtype(dtype).itemsize)
+    return np.frombuffer(memory, dtype, n).reshape(shape)
+
+
 class StagingSlot:
     """Pinned host buffers for one submitted step: its tokens on the way in,
     its row losses, loss and norm on the way out. With W ranks the tokens
@@ -642,14 +649,9 @@ class StagingSlot:
     scalar is the stop count (SPEC 19)."""
 
     def __init__(self, B: int, T: int, b: int | None = None):
-        def pinned(shape, dtype):
-            n = int(np.prod(shape))
-            memory = cupy.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
-            return np.frombuffer(memory, dtype, n).reshape(shape)
-
-        self.ids = pinned((B if b is None else b, T + 1), np.int32)
-        self.rows = pinned((B * T,), np.float32)
-        self.scalars = pinned((3,), np.float32)  # the loss, the norm, the stop count
+        self.ids = pinned_empty((B if b is None else b, T + 1), np.int32)
+        self.rows = pinned_empty((B * T,), np.float32)
+        self.scalars = pinned_empty((3,), np.float32)  # the loss, the norm, the stop count
         self.copied = None  # the event recorded after the copies out
         self.submitted = None  # the step whose records the slot holds
 
@@ -1215,9 +1217,19 @@ class CupyProgram(CapturedProgram):
         return rows.reshape(self.batch, self.config.context)
 
     def state(self) -> State:
+        """P, M and V copied into page-locked host memory (CuPy's pinned
+        pool: a publication's copy runs at the link's speed, and its blocks
+        return to the pool once the State is dropped), then t; one wait."""
         self._done.synchronize()
-        get = lambda a: a.get(stream=self.stream)  # noqa: E731
-        return State(get(self.P), get(self.M), get(self.V), int(get(self.t)[0]))
+
+        def get(a):
+            out = pinned_empty(a.shape, a.dtype)
+            a.get(stream=self.stream, out=out, blocking=False)
+            return out
+
+        P, M, V = get(self.P), get(self.M), get(self.V)
+        t = int(self.t.get(stream=self.stream)[0])  # waits, after the copies above
+        return State(P, M, V, t)
 
     def logits(self, tokens) -> np.ndarray:
         """tokens (B', T') with T' <= T -> logits (B', T', V) with the current
