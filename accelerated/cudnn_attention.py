@@ -294,6 +294,12 @@ def _trial(graphs: list) -> str:
             runs.append({name: cupy.asnumpy(a) for name, a in outputs.items()})
     except Exception as e:
         return f"cuDNN fails to execute the attention of {shape} ({_one_line(e)})"
+    finally:
+        # the trial's device buffers go back to the device, not to the
+        # pool's cache, where they would count in the program's memory
+        del qkv, dy, y, stats, dqk, dqkv, workspace
+        outputs.clear()
+        cupy.get_default_memory_pool().free_all_blocks()
     written = {"y": np.s_[:], "stats": np.s_[:]}
     if len(graphs) > 1:
         written.update(dqk=np.s_[:], dqkv=np.s_[:, 2 * D:])  # of dqkv only dv
