@@ -57,7 +57,7 @@ except ImportError:  # the backend is simply unavailable
 # order of the step.
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 FILES = ("common.cuh", "precision.cu", "embedding.cu", "layernorm.cu", "rope.cu", "attention.cu",
-         "attention_fused.cu", "attention_cudnn.cu", "swiglu.cu", "crossentropy.cu", "adamw.cu")
+         "attention_fused.cu", "swiglu.cu", "crossentropy.cu", "adamw.cu")
 
 
 def module_source(replace: dict | None = None) -> str:

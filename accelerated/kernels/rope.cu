@@ -102,13 +102,23 @@ extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* _
     }
 }
 
-// dqk (BT,2D) float32 gradients of the rotated q, k -> dqkv[:, :2D] (row
-// stride 3D) operands: the rotation by -theta (the rotation is orthogonal).
-// vec: D/4 items of pairs per row; else 2D elements.
-extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* __restrict__ dqkv,
-                                         const float* __restrict__ cos_t,
-                                         const float* __restrict__ sin_t, int BT, int T, int D,
-                                         int H, int vec) {
+// One value of x: float32, or a bfloat16 operand widened exactly
+__device__ __forceinline__ float value_of(float x) { return x; }
+__device__ __forceinline__ float value_of(unsigned short x) {
+    return __uint_as_float(((unsigned int)x) << 16);
+}
+
+// dqk (BT,2D) gradients of the rotated q, k -> dqkv[:, :2D] (row stride 3D)
+// operands: the rotation by -theta (the rotation is orthogonal). X: float32
+// gradients (the project's attention backward), or the bfloat16 operands
+// cuDNN's attention backward writes. vec: D/4 items of pairs per row; else
+// 2D elements.
+template <class X>
+__device__ __forceinline__ void rope_backward_rows(const X* __restrict__ dqk,
+                                                   floatX* __restrict__ dqkv,
+                                                   const float* __restrict__ cos_t,
+                                                   const float* __restrict__ sin_t, int BT, int T,
+                                                   int D, int H, int vec) {
     int item = blockIdx.x * blockDim.x + threadIdx.x;
     int E = D / H, half = E / 2;
     if (vec) {
@@ -117,9 +127,8 @@ extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* 
         int head = item / groups, j = 4 * (item - head * groups);
         for (int row = blockIdx.y; row < BT; row += gridDim.y) {
             int t = row % T;
-            const float* g = dqk + (long long)row * 2 * D;
-            floatX* o = dqkv + (long long)row * 3 * D;
-            rope_pairs(g, o, head * E + j, half, cos_t + t * half, sin_t + t * half, j, true);
+            rope_pairs(dqk + (long long)row * 2 * D, dqkv + (long long)row * 3 * D, head * E + j,
+                       half, cos_t + t * half, sin_t + t * half, j, true);
         }
         return;
     }
@@ -129,12 +138,28 @@ extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* 
     int head = col - e;
     int j = e < half ? e : e - half;
     for (int row = blockIdx.y; row < BT; row += gridDim.y) {
-        const float* g = dqk + (long long)row * 2 * D;
+        const X* g = dqk + (long long)row * 2 * D;
         int t = row % T;
-        float d1 = g[head + j], d2 = g[head + j + half];
+        float d1 = value_of(g[head + j]), d2 = value_of(g[head + j + half]);
         float c = cos_t[t * half + j], s = sin_t[t * half + j];
         float v = e < half ? __fadd_rn(__fmul_rn(d1, c), __fmul_rn(d2, s))
                            : __fsub_rn(__fmul_rn(d2, c), __fmul_rn(d1, s));
         dqkv[(long long)row * 3 * D + col] = to_operand(v);
     }
+}
+
+extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* __restrict__ dqkv,
+                                         const float* __restrict__ cos_t,
+                                         const float* __restrict__ sin_t, int BT, int T, int D,
+                                         int H, int vec) {
+    rope_backward_rows(dqk, dqkv, cos_t, sin_t, BT, T, D, H, vec);
+}
+
+// after cuDNN's attention: dq, dk as the bfloat16 operands it writes
+extern "C" __global__ void rope_backward_operand(const floatX* __restrict__ dqk,
+                                                 floatX* __restrict__ dqkv,
+                                                 const float* __restrict__ cos_t,
+                                                 const float* __restrict__ sin_t, int BT, int T,
+                                                 int D, int H, int vec) {
+    rope_backward_rows(dqk, dqkv, cos_t, sin_t, BT, T, D, H, vec);
 }
