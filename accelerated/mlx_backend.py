@@ -119,8 +119,14 @@ class Model:
         self.cos, self.sin = mx.array(cos), mx.array(sin)
         self.scale = mx.array(np.float32(1.0 / math.sqrt(E)))  # float32(1/sqrt(E))
         self.eps = mx.array(np.float32(float(LAYERNORM_EPS)))
-        # True where j > i: the future positions a row must not see
-        self.future = mx.array(np.triu(np.ones((T, T), dtype=bool), k=1))
+        # -inf where j > i (the future positions a row must not see), else 0:
+        # added to the scores, exactly where's result (s + 0 is s, s + -inf is
+        # -inf; the masked entries' gradient is p = 0 times what comes back).
+        # An add, not mx.where: MLX 0.32's compile fails (`_Map_base::at`) on
+        # the where's gradient in two or more layers and three or more
+        # micro-batches (SPEC 19's accumulation).
+        future = np.triu(np.ones((T, T), dtype=bool), k=1)
+        self.mask = mx.array(np.where(future, -np.inf, 0.0).astype(np.float32))
 
     def linear_forward(self, x, W):
         # x (B,T,in), W (out,in) -> (B,T,out): y = x @ W.T, as one 2-D product
@@ -145,7 +151,7 @@ class Model:
         # q, k, v (B,H,T,E) -> (B,H,T,E)
         T = q.shape[2]
         s = self.matmul(q, k.swapaxes(-1, -2)) * self.scale  # (B,H,T,T)
-        s = mx.where(self.future[:T, :T], -mx.inf, s)
+        s = s + self.mask[:T, :T]
         # softmax is invariant to the shift, so the row maximum carries no gradient
         s = s - mx.stop_gradient(mx.max(s, axis=-1, keepdims=True))
         p = mx.exp(s)
@@ -385,14 +391,7 @@ class MLXProgram(CapturedProgram):
         Nothing is evaluated, so no update happens."""
         compiled = mx.compile(self._traced_step)
         s = self.device_state
-        try:
-            compiled(s.params, s.m, s.v, s.t, self._placeholder())  # traces; errors surface here
-        except IndexError as e:
-            # MLX 0.32's compile fails so (`_Map_base::at`) on three or more
-            # value_and_grad calls in one function (accumulate k >= 3): a
-            # refused capture, the step then runs uncaptured, same results
-            raise RuntimeError(f"mx.compile failed ({e}) with accumulate={self.accumulate}") \
-                from None
+        compiled(s.params, s.m, s.v, s.t, self._placeholder())  # traces; errors surface here
         self._step = compiled
 
     def _count_graph(self) -> dict:

@@ -207,6 +207,7 @@ def test_accumulated_step_matches_the_unaccumulated_reference(backend, precision
     state = random_state(CONFIG, seed=3, t=41)
     program = backend.capture(CONFIG, Hyper(), precision, 4, state.copy(), accumulate=k)
     assert program.accumulate == k and program.batch == 4
+    assert program.capture_refused is None  # the k passes inside the one captured step
     rows = step_rows(program, CONFIG, Hyper(), precision, state, windows(1, seed=4, batch=4)[0])
     assert not failures(rows), failures(rows)
 
