@@ -457,20 +457,19 @@ class Group:
         if self._failed.is_set():
             return  # the failure came from elsewhere: they know
         self._failed.set()
-        for sock in self.peers.values():
-            try:
-                with self._send_lock:
-                    _send(sock, {"failed": reason})
-            except OSError:
-                pass
+        self._tell_all({"failed": reason})
 
     def finish(self) -> None:
         """This rank ends normally: the others are told, the watcher stops."""
         self._closing = True
+        self._tell_all({"done": True})
+
+    def _tell_all(self, message: dict) -> None:
+        """The message to every peer; a peer already gone is passed over."""
         for sock in self.peers.values():
             try:
                 with self._send_lock:
-                    _send(sock, {"done": True})
+                    _send(sock, message)
             except OSError:
                 pass
 
