@@ -289,10 +289,18 @@ class Kernels:
 
     def rope_backward(self, dqk, dqkv, cos, sin, T, H):
         # dqk (BT,2D) float32 -> dqkv[:, :2D] (BT,3D) operands
+        self._rope_backward("rope_backward", dqk, dqkv, cos, sin, T, H)
+
+    def rope_backward_operand(self, dqk, dqkv, cos, sin, T, H):
+        # dqk (BT,2D) operands (cuDNN's attention writes dq, dk so) -> dqkv[:, :2D]
+        # (BT,3D) operands: rope_backward on the widened values
+        self._rope_backward("rope_backward_operand", dqk, dqkv, cos, sin, T, H)
+
+    def _rope_backward(self, name, dqk, dqkv, cos, sin, T, H):
         BT, D2 = dqk.shape
         D = D2 // 2
         vec = _vector(dqk, dqkv, cos, sin, lengths=(D // H // 2,))
-        self._rowwise("rope_backward", BT, D // 4 if vec else D2,
+        self._rowwise(name, BT, D // 4 if vec else D2,
                       (dqk, dqkv, cos, sin, i32(BT), i32(T), i32(D), i32(H), i32(vec)))
 
     # -- attention
@@ -331,15 +339,6 @@ class Kernels:
                                                     f32(scale)))
         self._attention("backward_dkdv", E, B, T, H, (qkv, dy, m, l, dot, dqk, dqkv, i32(T),
                                                       i32(H), f32(scale)))
-
-    def rope_backward_operand(self, dqk, dqkv, cos, sin, T, H):
-        # dqk (BT,2D) operands (cuDNN's attention writes dq, dk so) -> dqkv[:, :2D]
-        # (BT,3D) operands: rope_backward on the widened values
-        BT, D2 = dqk.shape
-        D = D2 // 2
-        vec = _vector(dqk, dqkv, cos, sin, lengths=(D // H // 2,))
-        self._rowwise("rope_backward_operand", BT, D // 4 if vec else D2,
-                      (dqk, dqkv, cos, sin, i32(BT), i32(T), i32(D), i32(H), i32(vec)))
 
     # -- swiglu
     def swiglu_forward(self, gu, a):
