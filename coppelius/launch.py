@@ -205,6 +205,15 @@ def _recv_exactly(sock, n: int) -> bytes | None:
     return data
 
 
+def _recv_within(sock, timeout: float) -> dict | None:
+    """_recv with a deadline; the socket blocks again afterwards."""
+    sock.settimeout(timeout)
+    try:
+        return _recv(sock)
+    finally:
+        sock.settimeout(None)
+
+
 def _recv(sock) -> dict | None:
     """One message; None when the peer closed the connection (or it broke)."""
     try:
@@ -343,12 +352,7 @@ class Group:
 
     def receive(self, timeout: float = PLAN_TIMEOUT) -> dict:
         """A rank > 0: rank 0's next message."""
-        sock = self.peers[0]
-        sock.settimeout(timeout)
-        try:
-            message = _recv(sock)
-        finally:
-            sock.settimeout(None)
+        message = _recv_within(self.peers[0], timeout)
         if message is None:
             raise PeerFailure("rank 0 ended before the run started")
         return message
@@ -361,11 +365,7 @@ class Group:
         """Rank 0: every other rank's next message, by rank."""
         out = {}
         for r, sock in sorted(self.peers.items()):
-            sock.settimeout(timeout)
-            try:
-                message = _recv(sock)
-            finally:
-                sock.settimeout(None)
+            message = _recv_within(sock, timeout)
             if message is None:
                 message = {"refuse": f"rank {r} ({self.who.get(r)}) ended before the run "
                                      f"started", "status": 2}
