@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from .params import registry
 from .state import State
 
 CHUNK_BYTES = 4194304  # 4 MiB: the unit of streamed reads, writes and hashing
+SYNC_BYTES = 16 * CHUNK_BYTES  # a checkpoint being written is synced every 64 MiB
 MAGIC = b"CPLSCKPT"
 VERSION = 1
 TRAILER_MAGIC = b"CPLSDONE"
@@ -125,25 +127,45 @@ def write_checkpoint(path, config: Config, identities: dict, state: State, conte
     payload_bytes = 12 * reg.total
 
     def write_body(f):
-        sha = hashlib.sha256()
+        # The SHA-256 pass and the writes overlap: each piece is hashed on a
+        # second thread while it is written (both release the GIL), and the
+        # file is synced every SYNC_BYTES, so the disk works while the rest is
+        # hashed. The pieces are hashed in order; the trailer waits for all.
+        with ThreadPoolExecutor(1, thread_name_prefix="coppelius-sha256") as hasher:
+            sha, hashed, written = hashlib.sha256(), None, 0
 
-        def put(data):
-            sha.update(data)
-            f.write(data)
+            def put(data):
+                nonlocal hashed, written
+                if hashed is not None:
+                    hashed.result()  # the previous piece first: the digest is of the bytes in order
+                hashed = hasher.submit(sha.update, data)
+                f.write(data)
+                written += len(data)
+                if written >= SYNC_BYTES:
+                    f.flush()
+                    _datasync(f.fileno())
+                    written = 0
 
-        put(PREFIX.pack(MAGIC, VERSION, len(raw)))
-        put(raw)
-        put(bytes(payload_offset - PREFIX.size - len(raw)))
-        for a in arrays:  # P, then M, then V
-            view = memoryview(a).cast("B")
-            for start in range(0, len(view), CHUNK_BYTES):
-                put(view[start:start + CHUNK_BYTES])
+            put(PREFIX.pack(MAGIC, VERSION, len(raw)))
+            put(raw)
+            put(bytes(payload_offset - PREFIX.size - len(raw)))
+            for a in arrays:  # P, then M, then V
+                view = memoryview(a).cast("B")
+                for start in range(0, len(view), CHUNK_BYTES):
+                    put(view[start:start + CHUNK_BYTES])
+            hashed.result()
         f.write(TRAILER.pack(TRAILER_MAGIC, payload_bytes, sha.digest()))
 
     try:
         publish(path, write_body)
     except OSError as e:
         raise _error(path, f"cannot publish: {e}") from None
+
+
+def _datasync(fd: int) -> None:
+    # the data written so far on its way to the disk (the final fsync of
+    # fsutil.stage still makes the whole file durable before it is renamed)
+    getattr(os, "fdatasync", os.fsync)(fd)
 
 
 # ------------------------------------------------------------------- reading

@@ -135,9 +135,16 @@ def test_chunking_does_not_change_the_bytes(tmp_path, saved, monkeypatch):
     """Chunks that split floats and arrays unevenly give the same file and arrays."""
     ids = run_identities()  # chunk_bytes=4194304 in the envelope, as in `saved`
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 4096 * 3 + 6)
+    # synced on the way every 40 pages: each sync sees the file grown by at least that
+    monkeypatch.setattr(checkpoint, "SYNC_BYTES", 4096 * 40)
+    synced = []
+    monkeypatch.setattr(checkpoint, "_datasync", lambda fd: synced.append(os.fstat(fd).st_size))
     path = tmp_path / "chunked.ckpt"
     write_checkpoint(path, CONFIG, ids, saved[1], contexts=28)
     assert path.read_bytes() == saved[2]
+    # a sync after at least 40 pages and before a piece more
+    assert len(saved[2]) // (4096 * 43 + 6) <= len(synced) <= len(saved[2]) // (4096 * 40)
+    assert all(size >= (i + 1) * 4096 * 40 for i, size in enumerate(synced))
     ck = load_state(path, CONFIG, expect=ids)
     assert ck.state.M.tobytes() == saved[1].M.tobytes()
     assert validate(path).sha256 == hashlib.sha256(saved[2][:-48]).hexdigest()
