@@ -616,11 +616,16 @@ class Publisher:
 
     def __init__(self, plan: Plan):
         self.plan = plan
+        self.submitted = None  # the state of the publication in flight
         self._thread = None
         self._error = None
 
-    def submit(self, state: State, contexts: int) -> None:
+    def submit(self, program, contexts: int) -> None:
+        """Copy the program's state off the device and write it in the
+        background. The previous publication is waited for first (its error
+        raised here), so that its host copy is free again for this one."""
         self.finish()
+        self.submitted = state = program.state()
         self._thread = threading.Thread(target=self._publish, args=(state, contexts),
                                         name="coppelius-publish")
         self._thread.start()
@@ -636,6 +641,7 @@ class Publisher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.submitted = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -708,7 +714,13 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
 
     def publish_after(steps_done):  # rank 0's: the state copied off the device, then written
         if leader:
-            publisher.submit(program.state(), c0 + steps_done * B)
+            publisher.submit(program, c0 + steps_done * B)
+    if leader:
+        # the first copy of the state off the device allocates its host
+        # buffers (page-locked on CUDA, kept by the backend's pool for every
+        # later copy): made here, before the clock starts, not at the first
+        # publication
+        program.state()
 
     first = batch_at(0)
     rows = results.prediction_rows(T)
@@ -805,7 +817,8 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                         publisher.finish()
                     raise
             if done == plan.steps and leader:
-                _final_record(writer, program, config, batch_at(plan.steps - 1))
+                _final_record(writer, program, config, batch_at(plan.steps - 1),
+                              publisher.submitted)
             publisher.finish()  # the run's last checkpoint is published when train() returns
     finally:
         if progress:
@@ -822,11 +835,13 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
 
 
-def _final_record(writer, program, config, last_tokens):
+def _final_record(writer, program, config, last_tokens, state=None):
+    """The result file's final record; `state`: the program's state after the
+    last step when already copied off the device (the last publication's)."""
     T = config.context
     reg = registry(config)
     emb = reg["tok_embedding.weight"]
-    state = program.state()
+    state = program.state() if state is None else state
     grads = program.gradients()
     block = np.stack([
         program.row_losses()[0],  # last step's row losses, batch element 0
