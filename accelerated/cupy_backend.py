@@ -167,6 +167,24 @@ def fused_attention(config: Config, precision: str, batch: int) -> bool:
     return attention_path(config, precision, batch).kind != "materialized"
 
 
+# The training step's classifier and cross-entropy run by chunks of rows
+# (Model.loss): a chunk's float32 logits are at most this many bytes, so
+# the whole (BT, V) logits never exist; the cross-entropy reads each chunk
+# right after its product wrote it.
+LOGITS_CHUNK_BYTES = 48 << 20
+
+
+def logits_chunk_rows(rows: int, vocab: int) -> int:
+    """Rows of one chunk of the step's logits (of `rows` in all): as many
+    as LOGITS_CHUNK_BYTES of float32 logits hold, a multiple of 128 (whole
+    tiles of the product) when that is at least 128, at least 1, at most
+    `rows`."""
+    n = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+    if n >= 128:
+        n -= n % 128
+    return min(rows, n)
+
+
 def _ptr(a, offset: int = 0) -> int:
     """Device address of element `offset` of the contiguous array a."""
     return a.data.ptr + offset * a.itemsize
@@ -256,13 +274,14 @@ def norm_offsets(config: Config) -> np.ndarray:
 
 class Activations:
     """Every buffer one step of (B, T) needs. With train=False (an eager
-    forward) one layer's buffers serve every layer and the backward's are
-    not allocated."""
+    forward) one layer's buffers serve every layer, the logits are whole
+    and the backward's buffers are not allocated; with train=True the
+    logits buffer holds one chunk of logits_chunk_rows(BT, V) rows."""
 
     def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
         BT = B * T
-        self.B, self.T = B, T
+        self.B, self.T, self.train = B, T, train
         f32 = np.float32
         bf16 = op_dtype == np.uint16
         self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
@@ -300,7 +319,9 @@ class Activations:
         self.a = per_layer((BT, F), op_dtype)  # silu(g) * u, operand
         self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
-        self.logits = alloc((BT, V), f32)
+        # the logits: whole for the eager forward; the step's classifier and
+        # cross-entropy take them one chunk of rows at a time (Model.loss)
+        self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
         # scratch
         self.qkv32 = alloc((BT, 3 * D), f32)  # projections before rope
         self.proj = alloc((BT, D), f32)  # output of the o and down products
@@ -399,7 +420,9 @@ class Model:
 
     def forward(self, a: Activations, ids, ids_stride: int) -> None:
         """ids (B, ids_stride) int32, the first T of each row the inputs ->
-        a.logits (BT, V), every activation of the backward kept in a."""
+        a.hf (BT, D), the final norm's output, every activation of the
+        backward kept in a; an eager forward's a (train=False) also gets the
+        whole logits (BT, V). The step's logits are loss()'s, by chunks."""
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T = a.T
@@ -435,8 +458,28 @@ class Model:
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
                             *self.norm(self.final_norm), EPS)
-        self.at("lm_head")
-        self.linear_forward(a.hf, self.emb, a.logits, V, D)
+        if not a.train:
+            self.at("lm_head")
+            self.linear_forward(a.hf, self.emb, a.logits, V, D)
+
+    def loss(self, a: Activations, ids, ids_stride: int, ce, dce) -> None:
+        """a.hf (BT, D) -> the row losses ce (BT) and a.dlogits (BT, V) for
+        the mean's gradient dce, by chunks of a.logits' rows: each chunk's
+        logits = hf W_emb^T into a.logits, then the cross-entropy on them
+        writes the chunk's rows of ce and dlogits. A row's logits are the
+        product's over that row alone, so the chunks change no row's
+        arithmetic; the float32 logits are never whole."""
+        V, D = self.config.vocab, self.config.d_model
+        BT, rows = a.B * a.T, a.logits.shape[0]
+        for r0 in range(0, BT, rows):
+            n = min(rows, BT - r0)
+            logits = a.logits[:n]
+            self.at("lm_head")
+            self.linear_forward(a.hf[r0:r0 + n], self.emb, logits, V, D)
+            self._tap("logits", logits)
+            self.at("loss", "loss.backward")
+            self.k.crossentropy_forward_backward(logits, ids, ids_stride, a.T, ce[r0:r0 + n],
+                                                 a.dlogits[r0:r0 + n], dce, row0=r0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]
@@ -472,7 +515,8 @@ class Model:
 
     def backward(self, a: Activations, ids, ids_stride: int, rows: int | None = None,
                  ce=None) -> None:
-        """Row losses, mean loss and every parameter's gradient into G. A
+        """Logits (by chunks: loss()), row losses, mean loss and every
+        parameter's gradient into G, after forward(). A
         micro-batch of an accumulated step (SPEC 19) passes `rows`, the
         whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
         slice of the whole batch's row losses; it computes no mean loss."""
@@ -480,9 +524,7 @@ class Model:
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
-        self.at("loss", "loss.backward")
-        k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce if ce is None else ce,
-                                        a.dlogits, dce)
+        self.loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)  # and the logits
         self._tap("dlogits", a.dlogits)
         if rows is None:
             self.at("loss.mean")
@@ -999,19 +1041,12 @@ class CupyProgram(CapturedProgram):
         buffer of its own, so the last step's row losses, loss and gradient
         stay readable."""
         a, T = self.acts, self.config.context
-        if self.accumulate == 1:
-            self.model.forward(a, self.eval_ids, T + 1)
-            dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
-            self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
-                                                       self.eval_ce, a.dlogits, dce)
-        else:
-            b, dce = a.B, np.float32(1.0 / (a.B * T))  # the activations hold B/(W*k) contexts
-            for i in range(self.accumulate):
-                ids = self.eval_ids[i * b:(i + 1) * b]
-                self.model.forward(a, ids, T + 1)
-                self.kernels.crossentropy_forward_backward(
-                    a.logits, ids, T + 1, T, self.eval_ce[i * b * T:(i + 1) * b * T], a.dlogits,
-                    dce)
+        # the activations hold B/(W*k) contexts; the logits' gradient is scratch here
+        b, dce = a.B, np.float32(1.0 / (a.B * T))
+        for i in range(self.accumulate):
+            ids = self.eval_ids[i * b:(i + 1) * b]
+            self.model.forward(a, ids, T + 1)
+            self.model.loss(a, ids, T + 1, self.eval_ce[i * b * T:(i + 1) * b * T], dce)
         if self.world > 1:  # every rank's rows, in batch order
             self.collectives.all_gather(self.eval_ce, self.eval_rows)
 
@@ -1256,7 +1291,7 @@ class CupyProgram(CapturedProgram):
         a gradient buffer of its own; no AdamW), so the program's state and
         last results stay as they are. The backward's intermediates are
         read as the step makes them (Model.tap): its buffers serve every
-        layer in turn."""
+        layer in turn, as the logits' buffer serves every chunk of rows."""
         tokens = check_tokens(self.config, self.batch, tokens,
                               "activations input").astype(np.int32)
         c = self.config
@@ -1277,8 +1312,15 @@ class CupyProgram(CapturedProgram):
                 x = x[:, i * width:(i + 1) * width]
             return x.reshape(B, T, -1)
 
-        out = {}
-        model.tap = lambda name, buffer, part: out.__setitem__(name, read(buffer, part))
+        out, logits = {}, []
+
+        def tap(name, buffer, part):
+            if name == "logits":  # one chunk of rows at a time (Model.loss), in order
+                logits.append(_as_float32(buffer.get(stream=self.stream)))
+            else:
+                out[name] = read(buffer, part)
+
+        model.tap = tap
         with self.stream:
             model.forward(acts, ids, T + 1)
             model.backward(acts, ids, T + 1)
@@ -1297,7 +1339,7 @@ class CupyProgram(CapturedProgram):
             out[p + "mlp.h"] = read(acts.a[l])
             out[p + "out"] = read(acts.x[l + 1])
         out["final_norm.out"] = read(acts.hf)
-        out["logits"] = read(acts.logits)
+        out["logits"] = np.concatenate(logits).reshape(B, T, -1)
         out["row_losses"] = read(acts.ce).reshape(B, T)
         return {name: out[name] for name, _ in activation_names(c)}
 

@@ -502,6 +502,32 @@ def test_crossentropy_forward_backward(Bn, T, V, precision, aligned, seed):
 
 
 @small
+@given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([7, 64, 1000]), st.integers(1, 9),
+       st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
+def test_crossentropy_by_row_chunks(Bn, T, V, rows, precision, seed):
+    """The step's loss runs the kernel on chunks of rows (Model.loss): each
+    chunk's rows r0.. of the batch, their targets found from row0, give
+    the bits of one launch over every row."""
+    rng = np.random.default_rng(seed)
+    n = Bn * T
+    logits = (rng.standard_normal((n, V)) * 5).astype(np.float32)
+    ids = dev(rng.integers(0, V, (Bn, T + 1)).astype(np.int32))
+    dce = np.float32(1.0 / n)
+    k = kernels(precision)
+    ce, dl = empty((n,)), empty((n, V), op_dtype(precision))
+    k.crossentropy_forward_backward(dev(logits), ids, T + 1, T, ce, dl, dce)
+    ce2, dl2 = empty((n,)), empty((n, V), op_dtype(precision))
+    chunk = empty((rows, V))
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        chunk[:m].set(logits[r0:r0 + m])
+        k.crossentropy_forward_backward(chunk[:m], ids, T + 1, T, ce2[r0:r0 + m],
+                                        dl2[r0:r0 + m], dce, row0=r0)
+    check_bitwise("ce", host(ce2), host(ce))
+    check_bitwise("dlogits", as_float(dl2, precision), as_float(dl, precision))
+
+
+@small
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50),
        st.sampled_from([1, 5, 32, 70, 512, 1000, 1024]), st.booleans(), st.integers(0, 2**31 - 1))
 def test_embedding_forward_backward(Bn, T, V, D, aligned, seed):
@@ -975,6 +1001,53 @@ def test_memory_plan_shares_storage_only_between_disjoint_lifetimes(config, batc
     # every command lowers at least one semantic operation of the step
     names = {o.name for o in semantic_graph(config, batch, precision).operations}
     assert all(c.operations and set(c.operations) <= names for c in plan.commands)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**6), st.integers(1, 10**6))
+def test_logits_chunk_rows_rule(rows, vocab):
+    """At most LOGITS_CHUNK_BYTES of float32 logits (or one row), whole
+    128-row tiles where at least one fits, never more rows than there are."""
+    n = cupy_backend.logits_chunk_rows(rows, vocab)
+    fit = cupy_backend.LOGITS_CHUNK_BYTES // (4 * vocab)
+    assert 1 <= n <= rows
+    assert n == 1 or 4 * vocab * n <= cupy_backend.LOGITS_CHUNK_BYTES
+    if n < rows:  # a chunk as large as the rule allows
+        assert n == (fit - fit % 128 if fit >= 128 else max(fit, 1))
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_the_step_never_holds_whole_logits(batch):
+    """The production model's plan (the dry run: no device memory): the
+    float32 logits are one chunk of rows, every chunk of rows runs its
+    product and its cross-entropy, and the arena is smaller than with the
+    whole (BT, V) logits by at least their bytes less the chunk's."""
+    config = preset("coppelius")
+    BT, V = batch * config.context, config.vocab
+    plan = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
+    sizes = {b.name: b.nbytes for b in plan.buffers}
+    rows = cupy_backend.logits_chunk_rows(BT, V)
+    assert sizes["acts.logits"] == rows * V * 4 and rows == min(BT, 1024)
+    assert not any(n >= BT * V * 4 for n in sizes.values()) or rows == BT
+    ce = [c for c in plan.commands if c.name == "crossentropy_forward_backward"]
+    heads = [c for c in plan.commands if c.operations == ("lm_head",)]
+    assert len(ce) == len(heads) == -(-BT // rows)
+    assert [c.launch["grid"][0] for c in ce] == [min(rows, BT - r) for r in range(0, BT, rows)]
+
+
+def test_a_step_by_small_chunks_of_logits(monkeypatch):
+    """Chunks of 7 rows (the last one shorter) against reference.step, the
+    held-out losses and the logits of activations() included."""
+    monkeypatch.setattr(cupy_backend, "LOGITS_CHUNK_BYTES", 7 * 4 * CONFIG.vocab)
+    state = random_state(CONFIG, seed=23, t=4)
+    tokens = windows(1, seed=24)[0]
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    assert program.acts.logits.shape == (7, CONFIG.vocab) and B * CONFIG.context % 7
+    seen = program.activations(tokens)["logits"]
+    check_close("activations' logits", seen, program.logits(tokens[:, :-1]), 1e-2)
+    rows = step_rows(program, CONFIG, Hyper(), "bf16", state, tokens)
+    failures = [r for r in rows if not r.passed]
+    assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e}" for r in failures)
 
 
 def test_reset_returns_the_device_memory():

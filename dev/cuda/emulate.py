@@ -618,10 +618,11 @@ def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
     _store(dgu, np.concatenate([dg, du], axis=1), bf16)
 
 
-def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, ce, dlogits, V, dce, vec):
+def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, row0, ce, dlogits, V, dce,
+                                    vec):
     l = _a(logits)
     BT = l.shape[0]
-    target = _rows_ids(ids, int(stride), int(T), BT, shift=1)
+    target = _rows_ids(ids, int(stride), int(T), int(row0) + BT, shift=1)[int(row0):]
     mx = l.max(-1, keepdims=True)
     e = np.exp(l - mx)
     se = e.sum(-1, keepdims=True)
