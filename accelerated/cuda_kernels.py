@@ -348,12 +348,13 @@ class Kernels:
         self._rowwise("swiglu_forward", BT, F // 4 if vec else F, (gu, a, i32(BT), i32(F),
                                                                    i32(vec)))
 
-    def swiglu_backward(self, da, gu, dgu):
-        # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands
+    def swiglu_backward(self, da, gu, dgu, a=None):
+        # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands, and (a: not None) the
+        # forward's a (BT,F) = silu(g) * u operand again, bitwise
         BT, F = da.shape
-        vec = _vector(da, gu, dgu, lengths=(F,))
+        vec = _vector(da, gu, dgu, a, lengths=(F,))
         self._rowwise("swiglu_backward", BT, F // 4 if vec else F,
-                      (da, gu, dgu, i32(BT), i32(F), i32(vec)))
+                      (da, gu, dgu, _opt(a), i32(BT), i32(F), i32(vec)))
 
     # -- loss
     def crossentropy_forward_backward(self, logits, ids, ids_stride, T, ce, dlogits, dce,

@@ -316,7 +316,10 @@ class Activations:
             self.att_workspace = alloc((nbytes,), np.uint8) if nbytes else None
         self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
-        self.a = per_layer((BT, F), op_dtype)  # silu(g) * u, operand
+        # silu(g) * u, operand: one for every layer, read at once by the down
+        # product; the backward writes it again (swiglu_backward) for the down
+        # weight's gradient
+        self.a = alloc((BT, F), op_dtype)
         self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
         # the logits: whole for the eager forward; the step's classifier and
@@ -451,9 +454,10 @@ class Model:
             self.at(p + "mlp.gate", p + "mlp.up")
             self.linear_forward(a.h2[l], w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
             self.at(p + "mlp.swiglu")
-            k.swiglu_forward(a.gu[l], a.a[l])
+            k.swiglu_forward(a.gu[l], a.a)
+            self._tap(p + "mlp.h", a.a)
             self.at(p + "mlp.down")
-            self.linear_forward(a.a[l], w.down, a.proj, D, F)
+            self.linear_forward(a.a, w.down, a.proj, D, F)
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
@@ -542,11 +546,18 @@ class Model:
             p = f"layers.{l}."
             self._tap(p + "dout", a.dres)
             # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
+            # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
+            # the swiglu backward writes a again (the forward's bits) for the
+            # down weight's gradient dres^T a
             self.at(p + "mlp.down.backward")
-            self.linear_backward(dres_op, a.a[l], w.down, a.da, D, F)
+            self.gemm(False, False, BT, F, D, _ptr(dres_op), D, _ptr(self.Pop, w.down), F,
+                      _ptr(a.da), F)
             self._tap(p + "mlp.dh", a.da)
-            self.at(p + "mlp.swiglu.backward")
-            k.swiglu_backward(a.da, a.gu[l], a.dgu)
+            self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
+            k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a)
+            self.at(p + "mlp.down.backward")
+            self.gemm(True, False, D, F, BT, _ptr(dres_op), D, _ptr(a.a), F, _ptr(self.G, w.down),
+                      F)
             self._tap(p + "mlp.dgate", a.dgu, (0, 2))
             self._tap(p + "mlp.dup", a.dgu, (1, 2))
             # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product
@@ -1336,7 +1347,6 @@ class CupyProgram(CapturedProgram):
             out[p + "mlp_norm.out"] = read(acts.h2[l])
             out[p + "mlp.gate"] = read(acts.gu[l], (0, 2))
             out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
-            out[p + "mlp.h"] = read(acts.a[l])
             out[p + "out"] = read(acts.x[l + 1])
         out["final_norm.out"] = read(acts.hf)
         out["logits"] = np.concatenate(logits).reshape(B, T, -1)

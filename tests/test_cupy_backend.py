@@ -474,6 +474,12 @@ def test_swiglu_forward_backward(BT, F, precision, aligned, seed):
     got = as_float(dgu, precision)
     check_close("dg", got[:, :F], policy(want_dg, precision), operand_tol(precision))
     check_close("du", got[:, F:], policy(want_du, precision), operand_tol(precision))
+    # the step keeps no a per layer: the backward writes the forward's a again
+    again, dgu2 = empty_placed((BT, F), op_dtype(precision), aligned), empty(dgu.shape, dgu.dtype)
+    k.swiglu_backward(placed(da, aligned), placed(gu, aligned), dgu2, again)
+    check_bitwise("a (written again by the backward)", as_float(again, precision),
+                  as_float(a, precision))
+    check_bitwise("dgu (with a)", as_float(dgu2, precision), got)
 
 
 @small

@@ -608,7 +608,7 @@ def k_swiglu_forward(bf16, gu, a, BT, F, vec):
     _store(a, g * sig * u, bf16)
 
 
-def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
+def k_swiglu_backward(bf16, da, gu, dgu, a, BT, F, vec):
     F = int(F)
     g, u = _a(gu)[:, :F], _a(gu)[:, F:]
     sig = f32(1.0) / (f32(1.0) + np.exp(-g))
@@ -616,6 +616,8 @@ def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
     du = d * g * sig
     dg = d * u * (sig + g * sig * (f32(1.0) - sig))
     _store(dgu, np.concatenate([dg, du], axis=1), bf16)
+    if not _null(a):
+        _store(a, g * sig * u, bf16)  # the forward's value, as k_swiglu_forward computes it
 
 
 def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, row0, ce, dlogits, V, dce,
