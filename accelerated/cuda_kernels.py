@@ -389,14 +389,16 @@ class Kernels:
                           (ts, c1, c2, i32(ts.size), f64(beta1), f64(beta2)))
 
     def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k):
-        # P, M, V, G (N) float32, decay (N) uint8, Pb (N) bfloat16 bits or None,
-        # c (4) c1, c2, a_t, b_t; norm (2) with the clip scale norm[1];
-        # k: reference.adamw.AdamWConstants (the betas and epsilon)
+        # P, M, V, G (N) float32, decay (R, 2) int64: the decayed elements'
+        # sorted, disjoint [start, end) runs (Registry.decay_ranges), Pb (N)
+        # bfloat16 bits or None, c (4) c1, c2, a_t, b_t; norm (2) with the clip
+        # scale norm[1]; k: reference.adamw.AdamWConstants (the betas and epsilon)
         n = P.size
-        n4 = n // 4 if _vector(P, M, V, G, decay, Pb) else 0
+        assert decay.dtype == np.int64 and decay.shape[1:] == (2,), decay.shape
+        n4 = n // 4 if _vector(P, M, V, G, Pb) else 0
         self._launch("adamw_update", max(1, _cdiv(n4 + n - 4 * n4, THREADS)), THREADS,
-                     (P, M, V, G, decay, _opt(Pb), c, norm, i64(n), i64(n4), f32(k.b1),
-                      f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
+                     (P, M, V, G, decay, i32(decay.shape[0]), _opt(Pb), c, norm, i64(n), i64(n4),
+                      f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
 
     def accumulate_gradient(self, G, Gm):
         # G, Gm (N) float32: G += Gm (a micro-batch's gradient, SPEC 19)

@@ -743,7 +743,7 @@ class StepBuffers:
     rates: object  # (R, 2) float32: the schedule's a_t, b_t (SPEC 7), read by the device's t
     partial: object  # (NORM_BLOCKS,) float32: the norm's first pass
     norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
-    decay: object  # (N,) uint8
+    decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
     cos: object  # (T, E/2) float32 each, from float64 angles
     sin: object
     ids: object  # (B, T+1) int32: the input slot
@@ -778,7 +778,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     rates = alloc.upload(schedule_table(hyper))
     partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)
     norm = alloc((2,), np.float32)
-    decay = alloc.upload(reg.decay_mask().astype(np.uint8))
+    decay = alloc.upload(reg.decay_ranges())
     cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
     ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)

@@ -626,18 +626,50 @@ def test_adamw_update_bitwise(precision, n, aligned):
     M = (1e-3 * rng.standard_normal(n)).astype(np.float32)
     V = (1e-5 * rng.random(n)).astype(np.float32)
     G = (1e-2 * rng.standard_normal(n)).astype(np.float32)
-    decay = rng.random(n) < 0.7
+    # runs of 1 to 9 elements, decayed or not: boundaries inside 16-byte chunks
+    decay = np.repeat(rng.random(n) < 0.5, rng.integers(1, 10, n))[:n]
     want = adamw_update(P, M, V, G, decay, hyper, t)
     dP, dM, dV = placed(P, aligned), dev(M), dev(V)
     Pb = empty((n,), np.uint16) if precision == "bf16" else None
     c = dev(np.array([*bias_corrections(hyper, t), *learning_rates(hyper, t)], np.float32))
     unclipped = dev(np.array([0.0, 1.0], np.float32))  # (norm, scale): scale 1 leaves G's bits
-    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(decay.astype(np.uint8)), Pb, c,
+    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(runs_of(decay)), Pb, c,
                                     unclipped, AdamWConstants.of(hyper))
     for name, got, w in zip("PMV", (dP, dM, dV), want):
         check_bitwise(name, host(got), w)
     if Pb is not None:
         check_bitwise("Pb", as_float(Pb, "bf16"), round_bf16(want[0]))
+
+
+def runs_of(mask):
+    """(R, 2) int64 [start, end) of the runs of True in mask, as the kernel takes them."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return edges.reshape(-1, 2).astype(np.int64)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("decayed", ["none", "all", "registry"])
+def test_adamw_update_decay_runs(precision, decayed):
+    """No run, one run over everything, and the registry's own runs of the
+    test preset (the step's), against the reference's update with the mask."""
+    reg = registry(CONFIG)
+    n = reg.total
+    mask = {"none": np.zeros(n, bool), "all": np.ones(n, bool),
+            "registry": reg.decay_mask()}[decayed]
+    ranges = reg.decay_ranges() if decayed == "registry" else runs_of(mask)
+    rng = np.random.default_rng(8)
+    hyper = Hyper(lr="1/100", weight_decay="1/2")
+    P, G = rng.standard_normal((2, n)).astype(np.float32)
+    M, V = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    want = adamw_update(P, M, V, G, mask, hyper, 1)
+    dP, dM, dV = dev(P), dev(M), dev(V)
+    c = dev(np.array([*bias_corrections(hyper, 1), *learning_rates(hyper, 1)], np.float32))
+    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(ranges.reshape(-1, 2)),
+                                    empty((n,), np.uint16) if precision == "bf16" else None, c,
+                                    dev(np.array([0.0, 1.0], np.float32)),
+                                    AdamWConstants.of(hyper))
+    for name, got, w in zip("PMV", (dP, dM, dV), want):
+        check_bitwise(name, host(got), w)
 
 
 @pytest.mark.parametrize("n, aligned", [(100_003, True), (1_001, False), (2, True)])

@@ -672,13 +672,16 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
+def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
     p, m, v = _a(P), _a(M), _a(V)
+    mask = np.zeros(p.size, dtype=bool)
+    for start, end in _a(decay).reshape(-1, 2)[:int(R)]:
+        mask[start:end] = True
     g = _a(G) * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
     m[...] = b1 * m + omb1 * g
     v[...] = b2 * v + omb2 * g * g
-    p[...] = np.where(_a(decay).astype(bool), p - lrwd * p, p)
+    p[...] = np.where(mask, p - lrwd * p, p)
     p[...] = p - lr * (m / c1) / (np.sqrt(v / c2) + eps)
     if not _null(Pb):
         _store(Pb, p, True)
