@@ -260,17 +260,20 @@ class Kernels:
                      (x_prev, _opt(add), _opt(x_out), h, mean, rstd, w, b, i32(rows), i32(D),
                       f32(eps), i32(vec)))
 
-    def layernorm_backward(self, dout, dres, x, mean, rstd, w, dx, dx_op, partials):
+    def layernorm_backward(self, dout, dres, x, mean, rstd, w, dx, dx_op, partials, b=None,
+                           h=None):
         # dout (rows,D) -> dx (rows,D) (+ dres), dx_op, partials (chunks, 2D):
-        # chunks = layernorm_chunks(rows), each the sums over layernorm_chunk(rows) rows
+        # chunks = layernorm_chunks(rows), each the sums over layernorm_chunk(rows) rows;
+        # h (not None; b the bias): the forward's output h (rows,D) operand again, bitwise
         rows, D = dout.shape
         chunks = layernorm_chunks(rows)
         assert partials.shape == (chunks, 2 * D), (partials.shape, chunks, D)
-        vec = _vector(dout, dres, x, w, dx, dx_op, lengths=(D,))
+        assert h is None or b is not None, "h is written from the bias b"
+        vec = _vector(dout, dres, x, w, b, h, dx, dx_op, lengths=(D,))
         self._launch(f"layernorm_backward_c{layernorm_variant(D)}", chunks,
                      32 * LAYERNORM_WARPS,
-                     (dout, _opt(dres), x, mean, rstd, w, dx, _opt(dx_op), partials, i32(rows),
-                      i32(D), i32(layernorm_chunk(rows)), i32(vec)))
+                     (dout, _opt(dres), x, mean, rstd, w, _opt(b), _opt(h), dx, _opt(dx_op),
+                      partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
     def layernorm_param_grads(self, partials, offsets, G):
         # partials (norms, chunks, 2D), offsets (norms) int64 -> G[offset : offset + 2D]

@@ -298,7 +298,10 @@ class Activations:
         self.x_mid = per_layer((BT, D), f32)  # residual after attention
         self.mean1, self.rstd1 = per_layer((BT,), f32), per_layer((BT,), f32)
         self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
-        self.h1 = per_layer((BT, D), op_dtype)  # attn_norm(x), operand
+        # a norm's output, operand: one for both norms of every layer, read at
+        # once by the product after it (q,k,v or gate,up); the backward's
+        # layernorm writes it again for that product's weight gradient
+        self.h = alloc((BT, D), op_dtype)
         self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
         if cudnn:  # per row: the softmax's log-sum-exp, for the backward
             self.att_stats = per_layer((B, H, T), f32)
@@ -314,7 +317,6 @@ class Activations:
                                                      cuda_kernels.attention_scale(config.head_dim),
                                                      train)
             self.att_workspace = alloc((nbytes,), np.uint8) if nbytes else None
-        self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
         # silu(g) * u, operand: one for every layer, read at once by the down
         # product; the backward writes it again (swiglu_backward) for the down
@@ -413,10 +415,17 @@ class Model:
 
     def linear_backward(self, dy, x, W, dx, n_out, n_in):
         # dy (rows, out) operand -> dx (rows, in) = dy @ W ; G[W] (out, in) = dy.T @ x
-        rows = dy.shape[0]
-        self.gemm(False, False, rows, n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W), n_in,
-                  _ptr(dx), n_in)
-        self.gemm(True, False, n_out, n_in, rows, _ptr(dy), n_out, _ptr(x), n_in,
+        self.linear_backward_input(dy, W, dx, n_out, n_in)
+        self.linear_backward_weight(dy, x, W, n_out, n_in)
+
+    def linear_backward_input(self, dy, W, dx, n_out, n_in):
+        # dy (rows, out) operand -> dx (rows, in) = dy @ W
+        self.gemm(False, False, dy.shape[0], n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W),
+                  n_in, _ptr(dx), n_in)
+
+    def linear_backward_weight(self, dy, x, W, n_out, n_in):
+        # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x
+        self.gemm(True, False, n_out, n_in, dy.shape[0], _ptr(dy), n_out, _ptr(x), n_in,
                   _ptr(self.G, W), n_in)
 
     # -- forward ----------------------------------------------------------------
@@ -437,10 +446,11 @@ class Model:
             # h = attn_norm(x), after the previous layer's residual add
             prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
             self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
-            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h1[l], a.mean1[l], a.rstd1[l],
+            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
                                 *self.norm(w.attn_norm), EPS)
+            self._tap(p + "attn_norm.out", a.h)
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-            self.linear_forward(a.h1[l], w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
+            self.linear_forward(a.h, w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
             self.at(p + "attn.core")
@@ -449,10 +459,11 @@ class Model:
             self.linear_forward(a.y[l], w.o, a.proj, D, D)
             # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
             self.at(p + "attn.residual", p + "mlp_norm")
-            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h2[l], a.mean2[l], a.rstd2[l],
+            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
                                 *self.norm(w.mlp_norm), EPS)
+            self._tap(p + "mlp_norm.out", a.h)
             self.at(p + "mlp.gate", p + "mlp.up")
-            self.linear_forward(a.h2[l], w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
+            self.linear_forward(a.h, w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
             self.at(p + "mlp.swiglu")
             k.swiglu_forward(a.gu[l], a.a)
             self._tap(p + "mlp.h", a.a)
@@ -550,24 +561,27 @@ class Model:
             # the swiglu backward writes a again (the forward's bits) for the
             # down weight's gradient dres^T a
             self.at(p + "mlp.down.backward")
-            self.gemm(False, False, BT, F, D, _ptr(dres_op), D, _ptr(self.Pop, w.down), F,
-                      _ptr(a.da), F)
+            self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
             self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
             k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a)
             self.at(p + "mlp.down.backward")
-            self.gemm(True, False, D, F, BT, _ptr(dres_op), D, _ptr(a.a), F, _ptr(self.G, w.down),
-                      F)
+            self.linear_backward_weight(dres_op, a.a, w.down, D, F)
             self._tap(p + "mlp.dgate", a.dgu, (0, 2))
             self._tap(p + "mlp.dup", a.dgu, (1, 2))
-            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product
+            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
+            # h = mlp_norm(x_mid) is not kept per layer either: the layernorm
+            # backward writes it again (the forward's bits) for the gate and up
+            # weights' gradient dgu^T h
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
-            self.linear_backward(a.dgu, a.h2[l], w.gate_up, a.dh, 2 * F, D)
+            self.linear_backward_input(a.dgu, w.gate_up, a.dh, 2 * F, D)
             self._tap(p + "mlp_norm.dout", a.dh)
-            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward")
-            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l],
-                                 self.norm(w.mlp_norm)[0], a.dres, a.dres_op,
-                                 a.ln_partials[2 * l + 1])
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward", p + "mlp_norm")
+            weight, bias = self.norm(w.mlp_norm)
+            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l + 1], b=bias, h=a.h)
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
+            self.linear_backward_weight(a.dgu, a.h, w.gate_up, 2 * F, D)
             self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
             self.at(p + "attn.o.backward")
@@ -579,14 +593,17 @@ class Model:
             self.at(p + "attn.core.backward")
             self.attention_backward(a, l)  # -> a.dqkv (BT,3D)
             # dh = dh_q + dh_k + dh_v: the sum inside one (BT,3D) x (3D,D) product
+            # (h = attn_norm(x) written again by the layernorm backward, as above)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
                     p + "attn_norm.dout_sum")
-            self.linear_backward(a.dqkv, a.h1[l], w.qkv, a.dh, 3 * D, D)
+            self.linear_backward_input(a.dqkv, w.qkv, a.dh, 3 * D, D)
             self._tap(p + "attn_norm.dout", a.dh)
-            self.at(p + "attn_norm.backward", p + "attn.residual.backward")
-            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l],
-                                 self.norm(w.attn_norm)[0], a.dres, a.dres_op,
-                                 a.ln_partials[2 * l])
+            self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
+            weight, bias = self.norm(w.attn_norm)
+            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h)
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
+            self.linear_backward_weight(a.dqkv, a.h, w.qkv, 3 * D, D)
         self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
         self.at("embedding.backward", "tok_embedding.dweight_sum")
@@ -1339,12 +1356,10 @@ class CupyProgram(CapturedProgram):
         out["embedding.out"] = read(acts.x[0])
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            out[p + "attn_norm.out"] = read(acts.h1[l])
             for i, part in enumerate("qkv"):
                 out[p + f"attn.{part}"] = read(acts.qkv[l], (i, 3))
             out[p + "attn.y"] = read(acts.y[l])
             out[p + "mid"] = read(acts.x_mid[l])
-            out[p + "mlp_norm.out"] = read(acts.h2[l])
             out[p + "mlp.gate"] = read(acts.gu[l], (0, 2))
             out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
             out[p + "out"] = read(acts.x[l + 1])

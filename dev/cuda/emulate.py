@@ -411,11 +411,13 @@ def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, 
     _a(rstd)[...] = rs[:, 0]
 
 
-def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D,
-                         chunk, vec):
+def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, b, h, dx, dx_op, partials, rows,
+                         D, chunk, vec):
     dy = _a(dout)
     rs = _a(rstd)[:, None]
     xhat = (_a(x) - _a(mean)[:, None]) * rs
+    if not _null(h):  # the forward's h, as k_layernorm_forward computes it
+        _store(h, xhat * _a(w) + _a(b), bf16)
     dxhat = dy * _a(w)
     v = rs * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
     if not _null(dres):
