@@ -394,8 +394,11 @@ def check_attention_softmax(Bn, H, T, E, precision, seed):
     k.attention_softmax_backward(dev(p), dev(dp), ds, p_op2, scale)
     p64, dp64 = np.where(causal, p, 0).astype(np.float64), dp.astype(np.float64)
     want = p64 * (dp64 - (dp64 * p64).sum(-1, keepdims=True)) * scale
-    check_close("ds", as_float(ds, precision), policy(want.astype(np.float32), precision),
-                operand_tol(precision))
+    # ds cancels where one p is near 1 (a row of T = 2, say: both ds near 0):
+    # float32's error is relative to its terms' magnitudes, not to ds
+    terms = p64 * (np.abs(dp64) + (np.abs(dp64) * p64).sum(-1, keepdims=True)) * scale
+    check_sum_close("ds", as_float(ds, precision), policy(want.astype(np.float32), precision),
+                    terms, operand_tol(precision))
     if bf16:
         check_close("p operand (backward)", as_float(p_op2, "bf16"),
                     round_bf16(np.where(causal, p, 0)), 0)
