@@ -285,9 +285,9 @@ def _trial(graphs: list) -> str:
     stream = cupy.cuda.get_current_stream()
     try:
         for _ in range(2):
-            with stream:
-                for a in outputs.values():
-                    a.fill(0xFFFF if a.dtype == np.uint16 else np.nan)  # NaN, bfloat16 or not
+            with stream:  # (no loop variable: it would keep an output alive past the trial)
+                for name in outputs:
+                    outputs[name].fill(0xFFFF if outputs[name].dtype == np.uint16 else np.nan)
             for x, ptrs in zip(graphs, pointers):
                 x.execute(ptrs, p(workspace))
             stream.synchronize()

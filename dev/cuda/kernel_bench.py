@@ -125,16 +125,17 @@ def cases(config, B):
     new_chunks = cuda_kernels.layernorm_chunks(BT)
     old_chunks = -(-BT // 4)  # before: 4 rows per block of layernorm_backward
 
-    def ln_back(chunks):
+    def ln_back(chunks, h=False):
         def make():
             return dict(dout=randn((BT, D)), dres=randn((BT, D)), x=randn((BT, D)),
                         m=randn((BT,), 0.1), r=randn((BT,), 0.1) ** 2 + 1, w=randn((D,)),
-                        op=empty((BT, D), bf), part=empty((chunks, 2 * D)))
+                        op=empty((BT, D), bf), part=empty((chunks, 2 * D)),
+                        **(dict(b=randn((D,)), h=empty((BT, D), bf)) if h else {}))
         return make
 
     def ln_back_run(k, b):
         k.layernorm_backward(b["dout"], b["dres"], b["x"], b["m"], b["r"], b["w"], b["dres"],
-                             b["op"], b["part"])
+                             b["op"], b["part"], **{n: b[n] for n in ("b", "h") if n in b})
 
     def param_grads(chunks):
         return lambda: dict(part=randn((norms, chunks, 2 * D)), G=empty((norms * 2 * D,)))
@@ -164,9 +165,16 @@ def cases(config, B):
                           b=randn((D,))),
              lambda k, b: k.layernorm_forward(b["x"], b["add"], b["xo"], b["h"], b["m"], b["r"],
                                               b["w"], b["b"], eps), BT * D * (3 * 4 + 2)),
-        Case("layernorm_backward (residual)", 2 * L + 1, ln_back(new_chunks), ln_back_run,
+        Case("layernorm_backward (residual)", 1, ln_back(new_chunks), ln_back_run,
              ln_bytes + new_chunks * 2 * D * 4, old_make=ln_back(old_chunks),
              old_bytes=ln_bytes + old_chunks * 2 * D * 4),
+        # the step's in the layers: it also writes the norm's output h again
+        Case("layernorm_backward (and h)", 2 * L, ln_back(new_chunks, h=True), ln_back_run,
+             ln_bytes + BT * D * 2 + new_chunks * 2 * D * 4,
+             old_run=lambda k, b: k.layernorm_backward(b["dout"], b["dres"], b["x"], b["m"],
+                                                       b["r"], b["w"], b["dres"], b["op"],
+                                                       b["part"]),
+             old_bytes=ln_bytes + new_chunks * 2 * D * 4),
         Case("layernorm_param_grads", 1, param_grads(new_chunks), param_grads_run,
              norms * new_chunks * 2 * D * 4, old_make=param_grads(old_chunks),
              old_bytes=norms * old_chunks * 2 * D * 4),
