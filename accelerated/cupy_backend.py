@@ -300,7 +300,8 @@ class Activations:
         self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
         # a norm's output, operand: one for both norms of every layer, read at
         # once by the product after it (q,k,v or gate,up); the backward's
-        # layernorm writes it again for that product's weight gradient
+        # layernorm writes it again, into h_back, for that product's weight
+        # gradient
         self.h = alloc((BT, D), op_dtype)
         self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
         if cudnn:  # per row: the softmax's log-sum-exp, for the backward
@@ -310,17 +311,19 @@ class Activations:
         else:
             self.att = per_layer((B, H, T, T), f32)  # probabilities p
         self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
-        # cuDNN's workspace, scratch of each attention execution
-        self.att_workspace = None
-        if cudnn:
-            nbytes = cudnn_attention.workspace_bytes(B, T, H, config.head_dim,
-                                                     cuda_kernels.attention_scale(config.head_dim),
-                                                     train)
-            self.att_workspace = alloc((nbytes,), np.uint8) if nbytes else None
+        # cuDNN's workspaces, scratch of each attention execution: one per
+        # direction, so that the backward's (16 MiB per context of the
+        # coppelius preset) is not live in the forward and at the loss, the
+        # step's peak, where the plan puts it over buffers dead by then
+        self.att_workspace = {"forward": None, "backward": None}
+        for direction in ("forward", "backward")[:1 + train] if cudnn else ():
+            nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
+                                                     cuda_kernels.attention_scale(config.head_dim))
+            self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
         # silu(g) * u, operand: one for every layer, read at once by the down
-        # product; the backward writes it again (swiglu_backward) for the down
-        # weight's gradient
+        # product; the backward writes it again (swiglu_backward), into
+        # a_back, for the down weight's gradient
         self.a = alloc((BT, F), op_dtype)
         self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
@@ -344,6 +347,10 @@ class Activations:
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, 2 * F), op_dtype)
+        # the forward's h and a, written again by the backward: buffers of
+        # their own, so that the forward's are not live from the last layer's
+        # forward to the loss, the step's peak, nor these before the backward
+        self.h_back, self.a_back = alloc((BT, D), op_dtype), alloc((BT, F), op_dtype)
         self.dy = alloc((BT, D), op_dtype)
         if self.path.kind == "fused":  # (cuDNN's row terms live in its workspace)
             self.att_dot = alloc((B, H, T), f32)  # sum_j dp p per row
@@ -564,9 +571,9 @@ class Model:
             self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
             self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
-            k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a)
+            k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a_back)
             self.at(p + "mlp.down.backward")
-            self.linear_backward_weight(dres_op, a.a, w.down, D, F)
+            self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
             self._tap(p + "mlp.dgate", a.dgu, (0, 2))
             self._tap(p + "mlp.dup", a.dgu, (1, 2))
             # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
@@ -579,9 +586,9 @@ class Model:
             self.at(p + "mlp_norm.backward", p + "mlp.residual.backward", p + "mlp_norm")
             weight, bias = self.norm(w.mlp_norm)
             k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
-                                 a.dres_op, a.ln_partials[2 * l + 1], b=bias, h=a.h)
+                                 a.dres_op, a.ln_partials[2 * l + 1], b=bias, h=a.h_back)
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
-            self.linear_backward_weight(a.dgu, a.h, w.gate_up, 2 * F, D)
+            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, 2 * F, D)
             self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
             self.at(p + "attn.o.backward")
@@ -601,9 +608,9 @@ class Model:
             self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
             weight, bias = self.norm(w.attn_norm)
             k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
-                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h)
+                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h_back)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
-            self.linear_backward_weight(a.dqkv, a.h, w.qkv, 3 * D, D)
+            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, 3 * D, D)
         self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
         self.at("embedding.backward", "tok_embedding.dweight_sum")
@@ -656,11 +663,12 @@ class Model:
     def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
         """One execution of cuDNN's attention graph for a's shape on the
         addresses `pointers` (cudnn_attention.Graph.tensors' order) with the
-        workspace a.att_workspace; in the memory plan's dry run (buffers
-        without storage) only recorded."""
+        workspace a.att_workspace[direction]; in the memory plan's dry run
+        (buffers without storage) only recorded."""
         c = self.config
         g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale)
-        workspace = 0 if a.att_workspace is None else _ptr(a.att_workspace)
+        buffer = a.att_workspace[direction]
+        workspace = 0 if buffer is None else _ptr(buffer)
         if self.k.log is not None:
             self.k.log.add("library", f"cudnn_sdpa_{direction}", g.launch(),
                            (*pointers, workspace))
@@ -888,6 +896,10 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
         elif isinstance(value, list):
             for l, x in enumerate(value):
                 names.setdefault(x.ptr, f"acts.{attr}[{l}]")
+        elif isinstance(value, dict):
+            for key, x in value.items():
+                if x is not None:
+                    names[x.ptr] = f"acts.{attr}.{key}"
     log = CommandLog()
     kernels = cuda_kernels.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)
