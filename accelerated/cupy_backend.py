@@ -171,7 +171,7 @@ def fused_attention(config: Config, precision: str, batch: int) -> bool:
 # (Model.loss): a chunk's float32 logits are at most this many bytes, so
 # the whole (BT, V) logits never exist; the cross-entropy reads each chunk
 # right after its product wrote it.
-LOGITS_CHUNK_BYTES = 48 << 20
+LOGITS_CHUNK_BYTES = 96 << 20
 
 
 def logits_chunk_rows(rows: int, vocab: int) -> int:
