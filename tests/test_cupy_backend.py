@@ -1084,6 +1084,28 @@ def test_the_step_never_holds_whole_logits(batch):
     assert [c.launch["grid"][0] for c in ce] == [min(rows, BT - r) for r in range(0, BT, rows)]
 
 
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_the_production_plan_is_tight_at_the_loss(batch):
+    """The production model's plan (the dry run): none of the buffers that
+    only the forward or only the backward uses is live at the loss (the
+    step's fullest point: every saved activation and dlogits), and the
+    arena is within 1% of the bytes live at once."""
+    plan = cupy_backend.memory_plan(preset("coppelius"), Hyper(), "bf16", batch)
+    by_name = {b.name: b for b in plan.buffers}
+    loss = [c.index for c in plan.commands if c.name == "crossentropy_forward_backward"]
+    for name in ("acts.a", "acts.h", "acts.qkv32", "acts.att_workspace.forward"):
+        if name in by_name:
+            assert by_name[name].last < loss[0], (name, by_name[name].last, loss[0])
+    for name in ("acts.a_back", "acts.h_back", "acts.att_workspace.backward", "acts.da",
+                 "acts.dgu"):
+        if name in by_name:
+            assert by_name[name].first > loss[-1], (name, by_name[name].first, loss[-1])
+    acts = [plan.buffers[i] for i in plan.activations]
+    live = max(sum(b.nbytes for b in acts if not b.candidate or b.first <= t <= b.last)
+               for t in range(len(plan.commands)))
+    assert plan.arena_bytes <= 1.01 * live, (plan.arena_bytes, live)
+
+
 def test_a_step_by_small_chunks_of_logits(monkeypatch):
     """Chunks of 7 rows (the last one shorter) against reference.step, the
     held-out losses and the logits of activations() included."""
