@@ -200,6 +200,7 @@ def main():
         print(f"B={batch}: pool growth {r['growth_mib']:.1f} MiB, the plan's {r['plan_mib']:.1f} "
               f"(arena {r['arena_mib']:.1f}), device_bytes {r['device_bytes_mib']:.1f}; "
               f"loss {r['loss']:.4f}{step}", flush=True)
+        print("    bits: " + ", ".join(f"{what} {h}" for what, h in r["hashes"].items()))
         for s, n in sorted(r["sites"], key=lambda x: -x[1])[:12]:
             print(f"    {n:10.1f} MiB  {s}")
     if args.chunk_bytes and hasattr(cupy_backend, "LOGITS_CHUNK_BYTES"):

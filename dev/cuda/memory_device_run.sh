@@ -7,7 +7,9 @@
 # B = 1, 8, 32 in this tree with the PyTorch peers and in OLD without them,
 # the logits chunk sizes (memory_check.py --chunk-bytes) and the changed
 # kernels beside OLD's (kernel_bench.py). Logs under $OUT; a summary last.
-#   usage: OLD=path/to/tree [WHEELS=dir] bash dev/cuda/memory_device_run.sh
+#   usage: OLD=path/to/tree [WHEELS=dir] [QUICK=1] bash dev/cuda/memory_device_run.sh
+# QUICK=1: a check after a change: the tests, the test preset's conformance,
+# this tree's memory_check and the two benches without the peers, nothing else.
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel (cuDNN's
 # attention; the device has cuDNN, not the frontend).
 cd "$(dirname "$0")/../.." || exit 2
@@ -35,14 +37,17 @@ cp dev/cuda/memory_check.py "$OLD/dev/cuda/"  # run from OLD's root: it imports 
 tests=$!
 (
     export PYTHONPATH=$FE$NEW
-    for args in "" "--preset tiny --precision bf16"; do
+    runs=("")
+    [ -n "$QUICK" ] || runs+=("--preset tiny --precision bf16")
+    for args in "${runs[@]}"; do
         timeout 80 python3 -m coppelius.conformance --backend cupy --failures-only $args \
             >> "$WORK/conformance.log" 2>&1
         echo "conformance $args: exit $?" >> "$WORK/conformance.log"
     done
 ) &
 suite=$!
-for tree in new old; do
+trees=$([ -n "$QUICK" ] && echo new || echo "new old")
+for tree in $trees; do
     (
         dir=$([ $tree = new ] && echo "$NEW" || echo "$OLD")
         batches=$([ $tree = new ] && echo "--batch 1 --batch 8 --batch 32" || echo "--batch 8 --batch 32")
@@ -52,10 +57,10 @@ for tree in new old; do
     ) &
 done
 wait
-PYTHONPATH=$FE$NEW python3 dev/cuda/memory_check.py --compare "$WORK/memcheck-new.json" \
-    "$WORK/memcheck-old.json" > "$WORK/compare.log" 2>&1
+[ -n "$QUICK" ] || PYTHONPATH=$FE$NEW python3 dev/cuda/memory_check.py --compare \
+    "$WORK/memcheck-new.json" "$WORK/memcheck-old.json" > "$WORK/compare.log" 2>&1
 cat "$WORK/pytest.log" "$WORK/conformance.log" > "$OUT/tests.log"
-cat "$WORK/memcheck-new.log" "$WORK/memcheck-old.log" "$WORK/compare.log" > "$OUT/memcheck.log"
+cat "$WORK"/memcheck-*.log "$WORK"/compare.log > "$OUT/memcheck.log" 2>/dev/null
 
 # -- timed, alone on the GPU
 LIMIT=${LIMIT:-330}
@@ -66,8 +71,9 @@ bench() {  # tree, extra arguments
         > "$OUT/bench-$1.log" 2>&1
     echo "bench $1 exit $?" >> "$OUT/bench-$1.log"
 }
-bench new 200
+bench new 200 ${QUICK:+--no-peer}
 [ $SECONDS -lt $LIMIT ] && bench old 60 --no-peer
+[ -n "$QUICK" ] && LIMIT=0  # no chunk sizes, no kernels
 M=$((1 << 20))
 [ $SECONDS -lt $LIMIT ] && PYTHONPATH=$FE$NEW timeout 60 python3 dev/cuda/memory_check.py \
     --time 15 --chunk-batch 8 --chunk-batch 32 --chunk-bytes $((24 * M)) \
@@ -82,7 +88,7 @@ echo "kernel_bench exit $? (at ${SECONDS} s)" >> "$OUT/timing.log"
 echo "================================================================ summary"
 grep -E "^(FAILED|ERROR)|^E  |passed|failed|exit" "$OUT/tests.log" | cut -c1-300 | head -20
 grep "^conformance cupy" "$OUT/tests.log" | cut -c1-200
-grep -E "^B=|exit" "$OUT/memcheck.log"
+grep -E "^B=|bits|exit" "$OUT/memcheck.log"
 grep -E " MiB  " "$OUT/memcheck.log" | head -24
 sed -n '/^  B what/,$p' "$OUT/memcheck.log"
 grep -E "logits chunk|exit" "$OUT/timing.log"
