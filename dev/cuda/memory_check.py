@@ -10,9 +10,11 @@ inputs, hashed.
 Memory: the pool's growth over the capture (what `coppelius bench` reports
 as peak memory: CuPy's pool never shrinks by itself) beside the memory
 plan's account of it (the arena plus the state, constants, input slot and
-workspace), and the growth by the code that allocated it (the innermost
-frames of the project's source), so bytes the plan does not know about
-(a library's scratch, a buffer kept alive by mistake) have a name.
+workspace), and the pool's device allocations by the code that made them
+(the innermost frames of the project's source; those given back to the
+device before the capture ends, as the cuDNN trial's, included), so bytes
+the plan does not know about (a library's scratch, a buffer kept alive by
+mistake) have a name.
 
 Bits: SHA-256 of the row losses of `--steps` steps, then the gradient, P, M
 and V, and the held-out row losses of one evaluation; `--compare` lists
