@@ -260,17 +260,20 @@ class Kernels:
                      (x_prev, _opt(add), _opt(x_out), h, mean, rstd, w, b, i32(rows), i32(D),
                       f32(eps), i32(vec)))
 
-    def layernorm_backward(self, dout, dres, x, mean, rstd, w, dx, dx_op, partials):
+    def layernorm_backward(self, dout, dres, x, mean, rstd, w, dx, dx_op, partials, b=None,
+                           h=None):
         # dout (rows,D) -> dx (rows,D) (+ dres), dx_op, partials (chunks, 2D):
-        # chunks = layernorm_chunks(rows), each the sums over layernorm_chunk(rows) rows
+        # chunks = layernorm_chunks(rows), each the sums over layernorm_chunk(rows) rows;
+        # h (not None; b the bias): the forward's output h (rows,D) operand again, bitwise
         rows, D = dout.shape
         chunks = layernorm_chunks(rows)
         assert partials.shape == (chunks, 2 * D), (partials.shape, chunks, D)
-        vec = _vector(dout, dres, x, w, dx, dx_op, lengths=(D,))
+        assert h is None or b is not None, "h is written from the bias b"
+        vec = _vector(dout, dres, x, w, b, h, dx, dx_op, lengths=(D,))
         self._launch(f"layernorm_backward_c{layernorm_variant(D)}", chunks,
                      32 * LAYERNORM_WARPS,
-                     (dout, _opt(dres), x, mean, rstd, w, dx, _opt(dx_op), partials, i32(rows),
-                      i32(D), i32(layernorm_chunk(rows)), i32(vec)))
+                     (dout, _opt(dres), x, mean, rstd, w, _opt(b), _opt(h), dx, _opt(dx_op),
+                      partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
     def layernorm_param_grads(self, partials, offsets, G):
         # partials (norms, chunks, 2D), offsets (norms) int64 -> G[offset : offset + 2D]
@@ -348,21 +351,25 @@ class Kernels:
         self._rowwise("swiglu_forward", BT, F // 4 if vec else F, (gu, a, i32(BT), i32(F),
                                                                    i32(vec)))
 
-    def swiglu_backward(self, da, gu, dgu):
-        # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands
+    def swiglu_backward(self, da, gu, dgu, a=None):
+        # da (BT,F), gu (BT,2F) -> dgu (BT,2F) operands, and (a: not None) the
+        # forward's a (BT,F) = silu(g) * u operand again, bitwise
         BT, F = da.shape
-        vec = _vector(da, gu, dgu, lengths=(F,))
+        vec = _vector(da, gu, dgu, a, lengths=(F,))
         self._rowwise("swiglu_backward", BT, F // 4 if vec else F,
-                      (da, gu, dgu, i32(BT), i32(F), i32(vec)))
+                      (da, gu, dgu, _opt(a), i32(BT), i32(F), i32(vec)))
 
     # -- loss
-    def crossentropy_forward_backward(self, logits, ids, ids_stride, T, ce, dlogits, dce):
-        # logits (BT,V) -> ce (BT), dlogits (BT,V) operands for the mean's gradient dce
-        BT, V = logits.shape
+    def crossentropy_forward_backward(self, logits, ids, ids_stride, T, ce, dlogits, dce,
+                                      row0=0):
+        # logits (rows,V) -> ce (rows), dlogits (rows,V) operands for the mean's
+        # gradient dce; the rows are rows row0.. of the batch's BT (their targets)
+        rows, V = logits.shape
+        assert ce.shape == (rows,) and dlogits.shape == (rows, V), (ce.shape, dlogits.shape)
         vec = _vector(logits, dlogits, lengths=(V,))
-        self._launch("crossentropy_forward_backward", BT, _threads_over(_cdiv(V, 4), CE_THREADS),
-                     (logits, ids, i32(ids_stride), i32(T), ce, dlogits, i32(V), f32(dce),
-                      i32(vec)))
+        self._launch("crossentropy_forward_backward", rows, _threads_over(_cdiv(V, 4), CE_THREADS),
+                     (logits, ids, i32(ids_stride), i32(T), i32(row0), ce, dlogits, i32(V),
+                      f32(dce), i32(vec)))
 
     def mean_loss(self, ce, loss):
         self._launch("mean_loss", 1, 1024, (ce, loss, i32(ce.size)))
@@ -385,14 +392,16 @@ class Kernels:
                           (ts, c1, c2, i32(ts.size), f64(beta1), f64(beta2)))
 
     def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k):
-        # P, M, V, G (N) float32, decay (N) uint8, Pb (N) bfloat16 bits or None,
-        # c (4) c1, c2, a_t, b_t; norm (2) with the clip scale norm[1];
-        # k: reference.adamw.AdamWConstants (the betas and epsilon)
+        # P, M, V, G (N) float32, decay (R, 2) int64: the decayed elements'
+        # sorted, disjoint [start, end) runs (Registry.decay_ranges), Pb (N)
+        # bfloat16 bits or None, c (4) c1, c2, a_t, b_t; norm (2) with the clip
+        # scale norm[1]; k: reference.adamw.AdamWConstants (the betas and epsilon)
         n = P.size
-        n4 = n // 4 if _vector(P, M, V, G, decay, Pb) else 0
+        assert decay.dtype == np.int64 and decay.shape[1:] == (2,), decay.shape
+        n4 = n // 4 if _vector(P, M, V, G, Pb) else 0
         self._launch("adamw_update", max(1, _cdiv(n4 + n - 4 * n4, THREADS)), THREADS,
-                     (P, M, V, G, decay, _opt(Pb), c, norm, i64(n), i64(n4), f32(k.b1),
-                      f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
+                     (P, M, V, G, decay, i32(decay.shape[0]), _opt(Pb), c, norm, i64(n), i64(n4),
+                      f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
 
     def accumulate_gradient(self, G, Gm):
         # G, Gm (N) float32: G += Gm (a micro-batch's gradient, SPEC 19)

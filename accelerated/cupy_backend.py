@@ -167,6 +167,24 @@ def fused_attention(config: Config, precision: str, batch: int) -> bool:
     return attention_path(config, precision, batch).kind != "materialized"
 
 
+# The training step's classifier and cross-entropy run by chunks of rows
+# (Model.loss): a chunk's float32 logits are at most this many bytes, so
+# the whole (BT, V) logits never exist; the cross-entropy reads each chunk
+# right after its product wrote it.
+LOGITS_CHUNK_BYTES = 96 << 20
+
+
+def logits_chunk_rows(rows: int, vocab: int) -> int:
+    """Rows of one chunk of the step's logits (of `rows` in all): as many
+    as LOGITS_CHUNK_BYTES of float32 logits hold, a multiple of 128 (whole
+    tiles of the product) when that is at least 128, at least 1, at most
+    `rows`."""
+    n = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+    if n >= 128:
+        n -= n % 128
+    return min(rows, n)
+
+
 def _ptr(a, offset: int = 0) -> int:
     """Device address of element `offset` of the contiguous array a."""
     return a.data.ptr + offset * a.itemsize
@@ -256,13 +274,14 @@ def norm_offsets(config: Config) -> np.ndarray:
 
 class Activations:
     """Every buffer one step of (B, T) needs. With train=False (an eager
-    forward) one layer's buffers serve every layer and the backward's are
-    not allocated."""
+    forward) one layer's buffers serve every layer, the logits are whole
+    and the backward's buffers are not allocated; with train=True the
+    logits buffer holds one chunk of logits_chunk_rows(BT, V) rows."""
 
     def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
         BT = B * T
-        self.B, self.T = B, T
+        self.B, self.T, self.train = B, T, train
         f32 = np.float32
         bf16 = op_dtype == np.uint16
         self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
@@ -279,7 +298,11 @@ class Activations:
         self.x_mid = per_layer((BT, D), f32)  # residual after attention
         self.mean1, self.rstd1 = per_layer((BT,), f32), per_layer((BT,), f32)
         self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
-        self.h1 = per_layer((BT, D), op_dtype)  # attn_norm(x), operand
+        # a norm's output, operand: one for both norms of every layer, read at
+        # once by the product after it (q,k,v or gate,up); the backward's
+        # layernorm writes it again, into h_back, for that product's weight
+        # gradient
+        self.h = alloc((BT, D), op_dtype)
         self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
         if cudnn:  # per row: the softmax's log-sum-exp, for the backward
             self.att_stats = per_layer((B, H, T), f32)
@@ -288,19 +311,25 @@ class Activations:
         else:
             self.att = per_layer((B, H, T, T), f32)  # probabilities p
         self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
-        # cuDNN's workspace, scratch of each attention execution
-        self.att_workspace = None
-        if cudnn:
-            nbytes = cudnn_attention.workspace_bytes(B, T, H, config.head_dim,
-                                                     cuda_kernels.attention_scale(config.head_dim),
-                                                     train)
-            self.att_workspace = alloc((nbytes,), np.uint8) if nbytes else None
-        self.h2 = per_layer((BT, D), op_dtype)  # mlp_norm(x_mid), operand
+        # cuDNN's workspaces, scratch of each attention execution: one per
+        # direction, so that the backward's (16 MiB per context of the
+        # coppelius preset) is not live in the forward and at the loss, the
+        # step's peak, where the plan puts it over buffers dead by then
+        self.att_workspace = {"forward": None, "backward": None}
+        for direction in ("forward", "backward")[:1 + train] if cudnn else ():
+            nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
+                                                     cuda_kernels.attention_scale(config.head_dim))
+            self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
         self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
-        self.a = per_layer((BT, F), op_dtype)  # silu(g) * u, operand
+        # silu(g) * u, operand: one for every layer, read at once by the down
+        # product; the backward writes it again (swiglu_backward), into
+        # a_back, for the down weight's gradient
+        self.a = alloc((BT, F), op_dtype)
         self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
-        self.logits = alloc((BT, V), f32)
+        # the logits: whole for the eager forward; the step's classifier and
+        # cross-entropy take them one chunk of rows at a time (Model.loss)
+        self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
         # scratch
         self.qkv32 = alloc((BT, 3 * D), f32)  # projections before rope
         self.proj = alloc((BT, D), f32)  # output of the o and down products
@@ -318,6 +347,10 @@ class Activations:
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, 2 * F), op_dtype)
+        # the forward's h and a, written again by the backward: buffers of
+        # their own, so that the forward's are not live from the last layer's
+        # forward to the loss, the step's peak, nor these before the backward
+        self.h_back, self.a_back = alloc((BT, D), op_dtype), alloc((BT, F), op_dtype)
         self.dy = alloc((BT, D), op_dtype)
         if self.path.kind == "fused":  # (cuDNN's row terms live in its workspace)
             self.att_dot = alloc((B, H, T), f32)  # sum_j dp p per row
@@ -389,17 +422,26 @@ class Model:
 
     def linear_backward(self, dy, x, W, dx, n_out, n_in):
         # dy (rows, out) operand -> dx (rows, in) = dy @ W ; G[W] (out, in) = dy.T @ x
-        rows = dy.shape[0]
-        self.gemm(False, False, rows, n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W), n_in,
-                  _ptr(dx), n_in)
-        self.gemm(True, False, n_out, n_in, rows, _ptr(dy), n_out, _ptr(x), n_in,
+        self.linear_backward_input(dy, W, dx, n_out, n_in)
+        self.linear_backward_weight(dy, x, W, n_out, n_in)
+
+    def linear_backward_input(self, dy, W, dx, n_out, n_in):
+        # dy (rows, out) operand -> dx (rows, in) = dy @ W
+        self.gemm(False, False, dy.shape[0], n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W),
+                  n_in, _ptr(dx), n_in)
+
+    def linear_backward_weight(self, dy, x, W, n_out, n_in):
+        # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x
+        self.gemm(True, False, n_out, n_in, dy.shape[0], _ptr(dy), n_out, _ptr(x), n_in,
                   _ptr(self.G, W), n_in)
 
     # -- forward ----------------------------------------------------------------
 
     def forward(self, a: Activations, ids, ids_stride: int) -> None:
         """ids (B, ids_stride) int32, the first T of each row the inputs ->
-        a.logits (BT, V), every activation of the backward kept in a."""
+        a.hf (BT, D), the final norm's output, every activation of the
+        backward kept in a; an eager forward's a (train=False) also gets the
+        whole logits (BT, V). The step's logits are loss()'s, by chunks."""
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T = a.T
@@ -411,10 +453,11 @@ class Model:
             # h = attn_norm(x), after the previous layer's residual add
             prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
             self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
-            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h1[l], a.mean1[l], a.rstd1[l],
+            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
                                 *self.norm(w.attn_norm), EPS)
+            self._tap(p + "attn_norm.out", a.h)
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-            self.linear_forward(a.h1[l], w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
+            self.linear_forward(a.h, w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
             self.at(p + "attn.core")
@@ -423,20 +466,42 @@ class Model:
             self.linear_forward(a.y[l], w.o, a.proj, D, D)
             # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
             self.at(p + "attn.residual", p + "mlp_norm")
-            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h2[l], a.mean2[l], a.rstd2[l],
+            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
                                 *self.norm(w.mlp_norm), EPS)
+            self._tap(p + "mlp_norm.out", a.h)
             self.at(p + "mlp.gate", p + "mlp.up")
-            self.linear_forward(a.h2[l], w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
+            self.linear_forward(a.h, w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
             self.at(p + "mlp.swiglu")
-            k.swiglu_forward(a.gu[l], a.a[l])
+            k.swiglu_forward(a.gu[l], a.a)
+            self._tap(p + "mlp.h", a.a)
             self.at(p + "mlp.down")
-            self.linear_forward(a.a[l], w.down, a.proj, D, F)
+            self.linear_forward(a.a, w.down, a.proj, D, F)
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
                             *self.norm(self.final_norm), EPS)
-        self.at("lm_head")
-        self.linear_forward(a.hf, self.emb, a.logits, V, D)
+        if not a.train:
+            self.at("lm_head")
+            self.linear_forward(a.hf, self.emb, a.logits, V, D)
+
+    def loss(self, a: Activations, ids, ids_stride: int, ce, dce) -> None:
+        """a.hf (BT, D) -> the row losses ce (BT) and a.dlogits (BT, V) for
+        the mean's gradient dce, by chunks of a.logits' rows: each chunk's
+        logits = hf W_emb^T into a.logits, then the cross-entropy on them
+        writes the chunk's rows of ce and dlogits. A row's logits are the
+        product's over that row alone, so the chunks change no row's
+        arithmetic; the float32 logits are never whole."""
+        V, D = self.config.vocab, self.config.d_model
+        BT, rows = a.B * a.T, a.logits.shape[0]
+        for r0 in range(0, BT, rows):
+            n = min(rows, BT - r0)
+            logits = a.logits[:n]
+            self.at("lm_head")
+            self.linear_forward(a.hf[r0:r0 + n], self.emb, logits, V, D)
+            self._tap("logits", logits)
+            self.at("loss", "loss.backward")
+            self.k.crossentropy_forward_backward(logits, ids, ids_stride, a.T, ce[r0:r0 + n],
+                                                 a.dlogits[r0:r0 + n], dce, row0=r0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]
@@ -472,7 +537,8 @@ class Model:
 
     def backward(self, a: Activations, ids, ids_stride: int, rows: int | None = None,
                  ce=None) -> None:
-        """Row losses, mean loss and every parameter's gradient into G. A
+        """Logits (by chunks: loss()), row losses, mean loss and every
+        parameter's gradient into G, after forward(). A
         micro-batch of an accumulated step (SPEC 19) passes `rows`, the
         whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
         slice of the whole batch's row losses; it computes no mean loss."""
@@ -480,9 +546,7 @@ class Model:
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
-        self.at("loss", "loss.backward")
-        k.crossentropy_forward_backward(a.logits, ids, ids_stride, T, a.ce if ce is None else ce,
-                                        a.dlogits, dce)
+        self.loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)  # and the logits
         self._tap("dlogits", a.dlogits)
         if rows is None:
             self.at("loss.mean")
@@ -500,21 +564,31 @@ class Model:
             p = f"layers.{l}."
             self._tap(p + "dout", a.dres)
             # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
+            # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
+            # the swiglu backward writes a again (the forward's bits) for the
+            # down weight's gradient dres^T a
             self.at(p + "mlp.down.backward")
-            self.linear_backward(dres_op, a.a[l], w.down, a.da, D, F)
+            self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
-            self.at(p + "mlp.swiglu.backward")
-            k.swiglu_backward(a.da, a.gu[l], a.dgu)
+            self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
+            k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a_back)
+            self.at(p + "mlp.down.backward")
+            self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
             self._tap(p + "mlp.dgate", a.dgu, (0, 2))
             self._tap(p + "mlp.dup", a.dgu, (1, 2))
-            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product
+            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
+            # h = mlp_norm(x_mid) is not kept per layer either: the layernorm
+            # backward writes it again (the forward's bits) for the gate and up
+            # weights' gradient dgu^T h
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
-            self.linear_backward(a.dgu, a.h2[l], w.gate_up, a.dh, 2 * F, D)
+            self.linear_backward_input(a.dgu, w.gate_up, a.dh, 2 * F, D)
             self._tap(p + "mlp_norm.dout", a.dh)
-            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward")
-            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l],
-                                 self.norm(w.mlp_norm)[0], a.dres, a.dres_op,
-                                 a.ln_partials[2 * l + 1])
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward", p + "mlp_norm")
+            weight, bias = self.norm(w.mlp_norm)
+            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l + 1], b=bias, h=a.h_back)
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
+            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, 2 * F, D)
             self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
             self.at(p + "attn.o.backward")
@@ -526,14 +600,17 @@ class Model:
             self.at(p + "attn.core.backward")
             self.attention_backward(a, l)  # -> a.dqkv (BT,3D)
             # dh = dh_q + dh_k + dh_v: the sum inside one (BT,3D) x (3D,D) product
+            # (h = attn_norm(x) written again by the layernorm backward, as above)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
                     p + "attn_norm.dout_sum")
-            self.linear_backward(a.dqkv, a.h1[l], w.qkv, a.dh, 3 * D, D)
+            self.linear_backward_input(a.dqkv, w.qkv, a.dh, 3 * D, D)
             self._tap(p + "attn_norm.dout", a.dh)
-            self.at(p + "attn_norm.backward", p + "attn.residual.backward")
-            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l],
-                                 self.norm(w.attn_norm)[0], a.dres, a.dres_op,
-                                 a.ln_partials[2 * l])
+            self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
+            weight, bias = self.norm(w.attn_norm)
+            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h_back)
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
+            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, 3 * D, D)
         self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
         self.at("embedding.backward", "tok_embedding.dweight_sum")
@@ -586,11 +663,12 @@ class Model:
     def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
         """One execution of cuDNN's attention graph for a's shape on the
         addresses `pointers` (cudnn_attention.Graph.tensors' order) with the
-        workspace a.att_workspace; in the memory plan's dry run (buffers
-        without storage) only recorded."""
+        workspace a.att_workspace[direction]; in the memory plan's dry run
+        (buffers without storage) only recorded."""
         c = self.config
         g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale)
-        workspace = 0 if a.att_workspace is None else _ptr(a.att_workspace)
+        buffer = a.att_workspace[direction]
+        workspace = 0 if buffer is None else _ptr(buffer)
         if self.k.log is not None:
             self.k.log.add("library", f"cudnn_sdpa_{direction}", g.launch(),
                            (*pointers, workspace))
@@ -690,7 +768,7 @@ class StepBuffers:
     rates: object  # (R, 2) float32: the schedule's a_t, b_t (SPEC 7), read by the device's t
     partial: object  # (NORM_BLOCKS,) float32: the norm's first pass
     norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
-    decay: object  # (N,) uint8
+    decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
     cos: object  # (T, E/2) float32 each, from float64 angles
     sin: object
     ids: object  # (B, T+1) int32: the input slot
@@ -725,7 +803,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     rates = alloc.upload(schedule_table(hyper))
     partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)
     norm = alloc((2,), np.float32)
-    decay = alloc.upload(reg.decay_mask().astype(np.uint8))
+    decay = alloc.upload(reg.decay_ranges())
     cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
     ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
@@ -818,6 +896,10 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
         elif isinstance(value, list):
             for l, x in enumerate(value):
                 names.setdefault(x.ptr, f"acts.{attr}[{l}]")
+        elif isinstance(value, dict):
+            for key, x in value.items():
+                if x is not None:
+                    names[x.ptr] = f"acts.{attr}.{key}"
     log = CommandLog()
     kernels = cuda_kernels.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)
@@ -999,19 +1081,12 @@ class CupyProgram(CapturedProgram):
         buffer of its own, so the last step's row losses, loss and gradient
         stay readable."""
         a, T = self.acts, self.config.context
-        if self.accumulate == 1:
-            self.model.forward(a, self.eval_ids, T + 1)
-            dce = np.float32(1.0 / (a.B * T))  # the logits' gradient is scratch here
-            self.kernels.crossentropy_forward_backward(a.logits, self.eval_ids, T + 1, T,
-                                                       self.eval_ce, a.dlogits, dce)
-        else:
-            b, dce = a.B, np.float32(1.0 / (a.B * T))  # the activations hold B/(W*k) contexts
-            for i in range(self.accumulate):
-                ids = self.eval_ids[i * b:(i + 1) * b]
-                self.model.forward(a, ids, T + 1)
-                self.kernels.crossentropy_forward_backward(
-                    a.logits, ids, T + 1, T, self.eval_ce[i * b * T:(i + 1) * b * T], a.dlogits,
-                    dce)
+        # the activations hold B/(W*k) contexts; the logits' gradient is scratch here
+        b, dce = a.B, np.float32(1.0 / (a.B * T))
+        for i in range(self.accumulate):
+            ids = self.eval_ids[i * b:(i + 1) * b]
+            self.model.forward(a, ids, T + 1)
+            self.model.loss(a, ids, T + 1, self.eval_ce[i * b * T:(i + 1) * b * T], dce)
         if self.world > 1:  # every rank's rows, in batch order
             self.collectives.all_gather(self.eval_ce, self.eval_rows)
 
@@ -1256,7 +1331,7 @@ class CupyProgram(CapturedProgram):
         a gradient buffer of its own; no AdamW), so the program's state and
         last results stay as they are. The backward's intermediates are
         read as the step makes them (Model.tap): its buffers serve every
-        layer in turn."""
+        layer in turn, as the logits' buffer serves every chunk of rows."""
         tokens = check_tokens(self.config, self.batch, tokens,
                               "activations input").astype(np.int32)
         c = self.config
@@ -1277,8 +1352,15 @@ class CupyProgram(CapturedProgram):
                 x = x[:, i * width:(i + 1) * width]
             return x.reshape(B, T, -1)
 
-        out = {}
-        model.tap = lambda name, buffer, part: out.__setitem__(name, read(buffer, part))
+        out, logits = {}, []
+
+        def tap(name, buffer, part):
+            if name == "logits":  # one chunk of rows at a time (Model.loss), in order
+                logits.append(_as_float32(buffer.get(stream=self.stream)))
+            else:
+                out[name] = read(buffer, part)
+
+        model.tap = tap
         with self.stream:
             model.forward(acts, ids, T + 1)
             model.backward(acts, ids, T + 1)
@@ -1286,18 +1368,15 @@ class CupyProgram(CapturedProgram):
         out["embedding.out"] = read(acts.x[0])
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            out[p + "attn_norm.out"] = read(acts.h1[l])
             for i, part in enumerate("qkv"):
                 out[p + f"attn.{part}"] = read(acts.qkv[l], (i, 3))
             out[p + "attn.y"] = read(acts.y[l])
             out[p + "mid"] = read(acts.x_mid[l])
-            out[p + "mlp_norm.out"] = read(acts.h2[l])
             out[p + "mlp.gate"] = read(acts.gu[l], (0, 2))
             out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
-            out[p + "mlp.h"] = read(acts.a[l])
             out[p + "out"] = read(acts.x[l + 1])
         out["final_norm.out"] = read(acts.hf)
-        out["logits"] = read(acts.logits)
+        out["logits"] = np.concatenate(logits).reshape(B, T, -1)
         out["row_losses"] = read(acts.ce).reshape(B, T)
         return {name: out[name] for name, _ in activation_names(c)}
 

@@ -14,8 +14,10 @@ How the plan is made, before anything is allocated on the device:
    buffer whose address range holds it. A buffer lives from the first
    command that touches it to the last.
 3. Placement. The buffers are laid out in one arena by greedy interval
-   colouring: largest first, each at the lowest offset where it overlaps
-   no buffer already placed whose lifetime overlaps its own.
+   colouring: each at the lowest offset where it overlaps no buffer
+   already placed whose lifetime overlaps its own, in two orders (largest
+   first; the buffers live at the fullest command first, by first use),
+   the smaller arena kept.
 
 Some buffers must keep their own storage whatever their lifetimes (pinned,
 lifetime = the whole step): what the host reads after a replay (row losses,
@@ -224,28 +226,60 @@ def liveness(buffers: list, starts: list, commands: list) -> list:
 
 
 def place(buffers: list, indices: list, horizon: int) -> int:
-    """Greedy interval colouring of buffers[indices] into one arena: largest
-    first (then earliest, then in allocation order: deterministic), each at
-    the lowest aligned offset where no placed buffer with an overlapping
-    lifetime overlaps it. A buffer that is not a candidate lives over the
-    whole step [0, horizon]. Sets each offset; returns the arena's bytes."""
-    def span(b):
+    """Greedy interval colouring of buffers[indices] into one arena, in two
+    orders, the smaller arena kept: each buffer in turn at the lowest
+    aligned offset where no placed buffer with an overlapping lifetime
+    overlaps it. Orders: largest first; and first the buffers live at the
+    step's fullest command, by first use (the forward's saved activations,
+    freed by the backward in reverse: stacked, they leave no holes), then
+    the others largest first. Ties: earlier, then in allocation order
+    (deterministic). A buffer that is not a candidate lives over the whole
+    step [0, horizon]. Sets each offset; returns the arena's bytes."""
+    def span(i):
+        b = buffers[i]
         return (0, horizon) if not b.candidate or b.first is None else (b.first, b.last)
 
-    placed = []  # (offset, end, first, last)
-    for i in sorted(indices, key=lambda i: (-buffers[i].nbytes, span(buffers[i])[0], i)):
-        b = buffers[i]
-        first, last = span(b)
+    spans = {i: span(i) for i in indices}
+    live = np.zeros(horizon + 2, dtype=np.int64)  # bytes live at each command
+    for i in indices:
+        live[spans[i][0]] += buffers[i].nbytes
+        live[spans[i][1] + 1] -= buffers[i].nbytes
+    fullest = int(np.argmax(np.cumsum(live)))
+
+    def at_fullest(i):
+        return spans[i][0] <= fullest <= spans[i][1]
+
+    orders = (sorted(indices, key=lambda i: (-buffers[i].nbytes, spans[i][0], i)),
+              sorted(indices, key=lambda i: (0, spans[i][0], -spans[i][1], i) if at_fullest(i)
+                     else (1, -buffers[i].nbytes, spans[i][0], i)))
+    best = None
+    for order in orders:
+        offsets = _first_fit(buffers, order, spans)
+        arena = max((offsets[i] + _aligned(max(buffers[i].nbytes, 1)) for i in indices),
+                    default=0)
+        if best is None or arena < best[0]:
+            best = (arena, offsets)
+    for i in indices:
+        buffers[i].offset = best[1][i]
+    return best[0]
+
+
+def _first_fit(buffers: list, order: list, spans: dict) -> dict:
+    """Each of buffers[order] in turn at the lowest aligned offset where no
+    buffer placed before it with an overlapping lifetime (spans) overlaps
+    it -> {index: offset}."""
+    offsets, placed = {}, []  # placed: (offset, end, first, last)
+    for i in order:
+        nbytes, (first, last) = buffers[i].nbytes, spans[i]
         busy = sorted((o, e) for o, e, f, l in placed if f <= last and first <= l)
         offset = 0
         for o, e in busy:
-            if offset + b.nbytes <= o:
+            if offset + nbytes <= o:
                 break
             offset = max(offset, _aligned(e))
-        b.offset = offset
-        placed.append((offset, offset + b.nbytes, first, last))
-    return max((buffers[i].offset + _aligned(max(buffers[i].nbytes, 1)) for i in indices),
-               default=0)
+        offsets[i] = offset
+        placed.append((offset, offset + nbytes, first, last))
+    return offsets
 
 
 class PlannedBuffers:

@@ -100,6 +100,20 @@ class Registry:
                 mask[s.slice] = True
         return mask
 
+    def decay_ranges(self) -> np.ndarray:
+        """(R, 2) int64: the decayed elements as R sorted, disjoint [start,
+        end) runs, each as long as it can be (adjacent decayed parameters
+        form one run): at most one per parameter, the mask in a few bytes."""
+        runs = []
+        for s in self.specs:
+            if not s.decay:
+                continue
+            if runs and runs[-1][1] == s.offset:
+                runs[-1][1] = s.offset + s.size
+            else:
+                runs.append([s.offset, s.offset + s.size])
+        return np.array(runs, dtype=np.int64).reshape(-1, 2)
+
     def describe(self) -> list:
         """[{name, shape, offset}] in canonical order (the checkpoint header)."""
         return [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in self.specs]

@@ -177,6 +177,22 @@ def test_decay_only_on_two_dimensional_parameters(name):
         assert mask[spec.slice].all() == want and mask[spec.slice].any() == want, tname
 
 
+@pytest.mark.parametrize("name", sorted(reference.PRESETS))
+def test_decay_ranges_are_the_mask(name):
+    """The mask as sorted, disjoint, maximal runs: one per run of adjacent
+    matrices (the embedding, then per layer q..o and gate..down)."""
+    config = reference.preset(name)
+    reg = reference.registry(config)
+    ranges = reg.decay_ranges()
+    assert ranges.dtype == np.int64 and ranges.shape == (2 * config.n_layer + 1, 2)
+    mask = np.zeros(reg.total, dtype=bool)
+    for start, end in ranges:
+        assert not mask[start:end].any() and start < end
+        mask[start:end] = True
+    assert np.array_equal(mask, reg.decay_mask())
+    assert (ranges[1:, 0] > ranges[:-1, 1]).all()  # sorted, and never two that touch
+
+
 def test_lm_head_is_an_alias_of_the_embedding():
     config = reference.preset("test")
     reg = reference.registry(config)

@@ -104,14 +104,38 @@ struct AdamW {
     }
 };
 
+// Weight decay: decay (R, 2) holds the decayed elements as R sorted,
+// disjoint [start, end) runs (Registry.decay_ranges: one per run of adjacent
+// matrices, 2L+1 of them), a few hundred bytes instead of a byte per
+// parameter. The first run that ends after element j, by bisection (R: none);
+// every thread of a block looks up the same few entries, from the L1 cache.
+__device__ __forceinline__ int decay_run(const long long* __restrict__ decay, int R,
+                                         long long j) {
+    int lo = 0, hi = R;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (decay[2 * mid + 1] <= j) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// Whether element j decays, r the first run that ends after some element
+// <= j (advanced past the runs that end at or before j)
+__device__ __forceinline__ bool decays(const long long* __restrict__ decay, int R, int& r,
+                                       long long j) {
+    while (r < R && decay[2 * r + 1] <= j) r++;
+    return r < R && decay[2 * r] <= j;
+}
+
 // Under bf16 the new parameters are also written as bfloat16 operands (Pb),
 // so the next step's products need no rounding pass over P. Item i < n4:
-// chunk i of every vector (16-byte loads and stores; 4 bytes of decay, 8 of
-// Pb); then one item per element from 4 * n4 on (n4 = 0: every element
-// alone). The pass moves about 31 bytes per parameter: bandwidth-bound.
+// chunk i of every vector (16-byte loads and stores; 8 bytes of Pb); then
+// one item per element from 4 * n4 on (n4 = 0: every element alone). The
+// pass moves about 30 bytes per parameter: bandwidth-bound.
 extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict__ M,
                                         float* __restrict__ Vm, const float* __restrict__ G,
-                                        const unsigned char* __restrict__ decay,
+                                        const long long* __restrict__ decay, int R,
                                         unsigned short* __restrict__ Pb,
                                         const float* __restrict__ c,
                                         const float* __restrict__ norm, long long n,
@@ -124,11 +148,12 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
         float4 p = reinterpret_cast<float4*>(P)[i], m = reinterpret_cast<float4*>(M)[i];
         float4 v = reinterpret_cast<float4*>(Vm)[i];
         float4 g = reinterpret_cast<const float4*>(G)[i];
-        uchar4 d = reinterpret_cast<const uchar4*>(decay)[i];
-        k.update(p.x, m.x, v.x, g.x, d.x != 0);
-        k.update(p.y, m.y, v.y, g.y, d.y != 0);
-        k.update(p.z, m.z, v.z, g.z, d.z != 0);
-        k.update(p.w, m.w, v.w, g.w, d.w != 0);
+        long long j = 4 * i;
+        int r = decay_run(decay, R, j);
+        k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, j));
+        k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, j + 1));
+        k.update(p.z, m.z, v.z, g.z, decays(decay, R, r, j + 2));
+        k.update(p.w, m.w, v.w, g.w, decays(decay, R, r, j + 3));
         reinterpret_cast<float4*>(P)[i] = p;
         reinterpret_cast<float4*>(M)[i] = m;
         reinterpret_cast<float4*>(Vm)[i] = v;
@@ -142,7 +167,8 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
     }
     i += 3 * n4;  // element 4 * n4 + (i - n4)
     float p = P[i], m = M[i], v = Vm[i];
-    k.update(p, m, v, G[i], decay[i] != 0);
+    int r = decay_run(decay, R, i);
+    k.update(p, m, v, G[i], decays(decay, R, r, i));
     P[i] = p;
     M[i] = m;
     Vm[i] = v;

@@ -1,7 +1,10 @@
 // ---------------------------------------------------------------- loss
 
-// One block per row of logits (BT,V); the target of row r = (b, t) is
-// ids[b * ids_stride + t + 1]. ce = logsumexp(logits) - logits[target] and,
+// One block per row of a chunk of logits (rows,V): block i is row
+// r = row0 + i of the batch's BT, r = (b, t), whose target is
+// ids[b * ids_stride + t + 1]; logits, ce and dlogits point at the chunk's
+// first row (the training step runs the classifier by row chunks, so the
+// float32 logits are never whole). ce = logsumexp(logits) - logits[target] and,
 // for the mean over n rows (dce = 1/n), dlogits = (softmax - onehot) * dce
 // as an operand. Loss and its gradient in one pass over the row: a thread
 // reads the chunks c = thread + blockDim k (vec: 16-byte loads) and keeps
@@ -14,15 +17,15 @@
 #define CE_THREADS 512
 extern "C" __global__ void __launch_bounds__(CE_THREADS, 2) crossentropy_forward_backward(const float* __restrict__ logits,
                                                          const int* __restrict__ ids,
-                                                         int ids_stride, int T,
+                                                         int ids_stride, int T, int row0,
                                                          float* __restrict__ ce,
                                                          floatX* __restrict__ dlogits, int V,
                                                          float dce, int vec) {
     __shared__ float red[32];
-    int r = blockIdx.x;
+    int r = blockIdx.x, row = row0 + r;
     const float* l = logits + (long long)r * V;
     floatX* dl = dlogits + (long long)r * V;
-    int target = ids[(r / T) * ids_stride + r % T + 1];
+    int target = ids[(row / T) * ids_stride + row % T + 1];
     int chunks = (V + 3) / 4, nt = blockDim.x;
     float e[CE_STASH][4];
     float mx = NEG_INF;

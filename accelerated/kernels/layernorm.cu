@@ -11,6 +11,16 @@
 // 512 features per row, so enough loads are in flight; one for wider rows
 #define LN_BLOCKS(NC) ((NC) <= 4 ? 2 : 1)
 
+// h = xhat * w + b, xhat = (x - mean) * rstd: the forward's output, and the
+// backward's recomputation of it from the kept x, mean and rstd (the same
+// operations: the same bits)
+__device__ __forceinline__ float layernorm_xhat(float x, float mu, float rs) {
+    return __fmul_rn(__fsub_rn(x, mu), rs);
+}
+__device__ __forceinline__ float layernorm_out(float xhat, float w, float b) {
+    return __fadd_rn(__fmul_rn(xhat, w), b);
+}
+
 template <int NC>
 __device__ __forceinline__ void layernorm_forward_row(
         const float* __restrict__ x_prev, const float* __restrict__ add, float* __restrict__ x_out,
@@ -61,10 +71,8 @@ __device__ __forceinline__ void layernorm_forward_row(
             load_chunk(wk, w, c, D, vec, 0.0f);
             load_chunk(bk, b, c, D, vec, 0.0f);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float xhat = __fmul_rn(__fsub_rn(v[k][i], mu), rs);
-                y[i] = __fadd_rn(__fmul_rn(xhat, wk[i]), bk[i]);
-            }
+            for (int i = 0; i < 4; i++) y[i] = layernorm_out(layernorm_xhat(v[k][i], mu, rs),
+                                                             wk[i], bk[i]);
             store_operand_chunk(h + o, c, D, vec, y);
         }
     }
@@ -81,7 +89,10 @@ __device__ __forceinline__ void layernorm_forward_row(
 //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 // plus the residual gradient dres when given (dx may be dres: a thread
 // reads its chunk, then writes it). dx_op: the same values as an operand
-// (null under fp32, where the products read dx). The weight and bias
+// (null under fp32, where the products read dx). h (null: not written):
+// the forward's output h = xhat * w + b again, as an operand (the step
+// keeps no h per layer; the weight gradient of the product that read it
+// runs after this kernel). The weight and bias
 // gradient terms dout * xhat and dout are summed per lane over its warp's
 // rows in row order, then over the warps in warp order, into
 // partials[block] (2D: dw then db); layernorm_param_grads adds the blocks
@@ -90,8 +101,9 @@ template <int NC>
 __device__ __forceinline__ void layernorm_backward_rows(
         const float* __restrict__ dout, const float* dres, const float* __restrict__ x,
         const float* __restrict__ mean, const float* __restrict__ rstd,
-        const float* __restrict__ w, float* dx, floatX* __restrict__ dx_op,
-        float* __restrict__ partials, int rows, int D, int chunk, bool vec) {
+        const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,
+        float* dx, floatX* __restrict__ dx_op, float* __restrict__ partials, int rows, int D,
+        int chunk, bool vec) {
     __shared__ float sums[2 * 128 * NC];  // the block's dw, db
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float gw[NC][4], gb[NC][4];
@@ -125,7 +137,7 @@ __device__ __forceinline__ void layernorm_backward_rows(
             for (int i = 0; i < 4; i++) {
                 if (4 * c + i < D) {
                     float dy = dxh[k][i];
-                    float xhat = __fmul_rn(__fsub_rn(xh[k][i], mu), rs);
+                    float xhat = layernorm_xhat(xh[k][i], mu, rs);
                     float dxhat = __fmul_rn(dy, wk[i]);
                     xh[k][i] = xhat;
                     dxh[k][i] = dxhat;
@@ -151,6 +163,14 @@ __device__ __forceinline__ void layernorm_backward_rows(
                 }
                 store_chunk(dx + o, c, D, vec, v);
                 if (dx_op != 0) store_operand_chunk(dx_op + o, c, D, vec, v);
+                if (h != 0) {  // w again (from the L1 cache), not held in registers
+                    float wk[4], bk[4];
+                    load_chunk(wk, w, c, D, vec, 0.0f);
+                    load_chunk(bk, b, c, D, vec, 0.0f);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) v[i] = layernorm_out(xh[k][i], wk[i], bk[i]);
+                    store_operand_chunk(h + o, c, D, vec, v);
+                }
             }
         }
     }
@@ -188,10 +208,11 @@ __device__ __forceinline__ void layernorm_backward_rows(
     layernorm_backward_c##NC(                                                                    \
             const float* __restrict__ dout, const float* dres, const float* __restrict__ x,      \
             const float* __restrict__ mean, const float* __restrict__ rstd,                      \
-            const float* __restrict__ w, float* dx, floatX* __restrict__ dx_op,                  \
-            float* __restrict__ partials, int rows, int D, int chunk, int vec) {                 \
-        layernorm_backward_rows<NC>(dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D,  \
-                                    chunk, vec != 0);                                            \
+            const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,    \
+            float* dx, floatX* __restrict__ dx_op, float* __restrict__ partials, int rows,       \
+            int D, int chunk, int vec) {                                                         \
+        layernorm_backward_rows<NC>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, partials,     \
+                                    rows, D, chunk, vec != 0);                                   \
     }
 
 LAYERNORM_KERNELS(1)

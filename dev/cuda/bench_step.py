@@ -67,8 +67,8 @@ def breakdown(program):
     m, a, k, T = program.model, program.acts, program.kernels, program.config.context
     rows = []
     parts = {
-        "forward": lambda: m.forward(a, program.ids, T + 1),
-        "loss + backward": lambda: m.backward(a, program.ids, T + 1),
+        "forward (to the final norm)": lambda: m.forward(a, program.ids, T + 1),
+        "classifier, loss + backward": lambda: m.backward(a, program.ids, T + 1),
         "norm + adamw": lambda: (k.gradient_norm(program.G, program.partial, program.norm,
                                                  program.clip),
                                  k.adamw_bias_corrections(program.t, program.c, *program.betas,

@@ -411,11 +411,13 @@ def k_layernorm_forward(bf16, x_prev, add, x_out, h, mean, rstd, w, b, rows, D, 
     _a(rstd)[...] = rs[:, 0]
 
 
-def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, dx, dx_op, partials, rows, D,
-                         chunk, vec):
+def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, b, h, dx, dx_op, partials, rows,
+                         D, chunk, vec):
     dy = _a(dout)
     rs = _a(rstd)[:, None]
     xhat = (_a(x) - _a(mean)[:, None]) * rs
+    if not _null(h):  # the forward's h, as k_layernorm_forward computes it
+        _store(h, xhat * _a(w) + _a(b), bf16)
     dxhat = dy * _a(w)
     v = rs * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
     if not _null(dres):
@@ -608,7 +610,7 @@ def k_swiglu_forward(bf16, gu, a, BT, F, vec):
     _store(a, g * sig * u, bf16)
 
 
-def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
+def k_swiglu_backward(bf16, da, gu, dgu, a, BT, F, vec):
     F = int(F)
     g, u = _a(gu)[:, :F], _a(gu)[:, F:]
     sig = f32(1.0) / (f32(1.0) + np.exp(-g))
@@ -616,12 +618,15 @@ def k_swiglu_backward(bf16, da, gu, dgu, BT, F, vec):
     du = d * g * sig
     dg = d * u * (sig + g * sig * (f32(1.0) - sig))
     _store(dgu, np.concatenate([dg, du], axis=1), bf16)
+    if not _null(a):
+        _store(a, g * sig * u, bf16)  # the forward's value, as k_swiglu_forward computes it
 
 
-def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, ce, dlogits, V, dce, vec):
+def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, row0, ce, dlogits, V, dce,
+                                    vec):
     l = _a(logits)
     BT = l.shape[0]
-    target = _rows_ids(ids, int(stride), int(T), BT, shift=1)
+    target = _rows_ids(ids, int(stride), int(T), int(row0) + BT, shift=1)[int(row0):]
     mx = l.max(-1, keepdims=True)
     e = np.exp(l - mx)
     se = e.sum(-1, keepdims=True)
@@ -669,13 +674,16 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
+def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
     p, m, v = _a(P), _a(M), _a(V)
+    mask = np.zeros(p.size, dtype=bool)
+    for start, end in _a(decay).reshape(-1, 2)[:int(R)]:
+        mask[start:end] = True
     g = _a(G) * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
     m[...] = b1 * m + omb1 * g
     v[...] = b2 * v + omb2 * g * g
-    p[...] = np.where(_a(decay).astype(bool), p - lrwd * p, p)
+    p[...] = np.where(mask, p - lrwd * p, p)
     p[...] = p - lr * (m / c1) / (np.sqrt(v / c2) + eps)
     if not _null(Pb):
         _store(Pb, p, True)

@@ -121,19 +121,21 @@ def cases(config, B):
     from coppelius.accelerated import cupy_backend
 
     cudnn = cupy_backend.attention_path(config, "bf16", B).kind == "cudnn"
+    chunk = cupy_backend.logits_chunk_rows(BT, V)
     new_chunks = cuda_kernels.layernorm_chunks(BT)
     old_chunks = -(-BT // 4)  # before: 4 rows per block of layernorm_backward
 
-    def ln_back(chunks):
+    def ln_back(chunks, h=False):
         def make():
             return dict(dout=randn((BT, D)), dres=randn((BT, D)), x=randn((BT, D)),
                         m=randn((BT,), 0.1), r=randn((BT,), 0.1) ** 2 + 1, w=randn((D,)),
-                        op=empty((BT, D), bf), part=empty((chunks, 2 * D)))
+                        op=empty((BT, D), bf), part=empty((chunks, 2 * D)),
+                        **(dict(b=randn((D,)), h=empty((BT, D), bf)) if h else {}))
         return make
 
     def ln_back_run(k, b):
         k.layernorm_backward(b["dout"], b["dres"], b["x"], b["m"], b["r"], b["w"], b["dres"],
-                             b["op"], b["part"])
+                             b["op"], b["part"], **{n: b[n] for n in ("b", "h") if n in b})
 
     def param_grads(chunks):
         return lambda: dict(part=randn((norms, chunks, 2 * D)), G=empty((norms * 2 * D,)))
@@ -141,10 +143,12 @@ def cases(config, B):
     def param_grads_run(k, b):
         k.layernorm_param_grads(b["part"], offsets, b["G"])
 
-    def adamw_make():
-        return dict(P=randn((N,)), M=randn((N,), 1e-3), V=randn((N,), 1e-3) ** 2,
-                    G=randn((N,), 1e-3),
-                    d=cupy.asarray((np.arange(N) % 3 != 0).astype(np.uint8)), Pb=empty((N,), bf))
+    def adamw_make(mask=False):
+        # the registry's weight decay: runs of elements (old trees: a byte per element)
+        reg = registry(config)
+        decay = reg.decay_mask().astype(np.uint8) if mask else reg.decay_ranges()
+        return lambda: dict(P=randn((N,)), M=randn((N,), 1e-3), V=randn((N,), 1e-3) ** 2,
+                            G=randn((N,), 1e-3), d=cupy.asarray(decay), Pb=empty((N,), bf))
 
     ln_bytes = BT * D * (4 * 4 + 2)
     return [
@@ -161,9 +165,16 @@ def cases(config, B):
                           b=randn((D,))),
              lambda k, b: k.layernorm_forward(b["x"], b["add"], b["xo"], b["h"], b["m"], b["r"],
                                               b["w"], b["b"], eps), BT * D * (3 * 4 + 2)),
-        Case("layernorm_backward (residual)", 2 * L + 1, ln_back(new_chunks), ln_back_run,
+        Case("layernorm_backward (residual)", 1, ln_back(new_chunks), ln_back_run,
              ln_bytes + new_chunks * 2 * D * 4, old_make=ln_back(old_chunks),
              old_bytes=ln_bytes + old_chunks * 2 * D * 4),
+        # the step's in the layers: it also writes the norm's output h again
+        Case("layernorm_backward (and h)", 2 * L, ln_back(new_chunks, h=True), ln_back_run,
+             ln_bytes + BT * D * 2 + new_chunks * 2 * D * 4,
+             old_run=lambda k, b: k.layernorm_backward(b["dout"], b["dres"], b["x"], b["m"],
+                                                       b["r"], b["w"], b["dres"], b["op"],
+                                                       b["part"]),
+             old_bytes=ln_bytes + new_chunks * 2 * D * 4),
         Case("layernorm_param_grads", 1, param_grads(new_chunks), param_grads_run,
              norms * new_chunks * 2 * D * 4, old_make=param_grads(old_chunks),
              old_bytes=norms * old_chunks * 2 * D * 4),
@@ -178,20 +189,31 @@ def cases(config, B):
              BT * 2 * D * 4),
         Case("swiglu_forward", L, lambda: dict(gu=randn((BT, 2 * F), 3), a=empty((BT, F), bf)),
              lambda k, b: k.swiglu_forward(b["gu"], b["a"]), BT * F * (2 * 4 + 2)),
-        Case("swiglu_backward", L,
-             lambda: dict(da=randn((BT, F)), gu=randn((BT, 2 * F), 3), dgu=empty((BT, 2 * F), bf)),
-             lambda k, b: k.swiglu_backward(b["da"], b["gu"], b["dgu"]), BT * F * (3 * 4 + 2 * 2)),
+        # the step's: it also writes a again (old trees: dgu only)
+        Case("swiglu_backward (and a)", L,
+             lambda: dict(da=randn((BT, F)), gu=randn((BT, 2 * F), 3), dgu=empty((BT, 2 * F), bf),
+                          a=empty((BT, F), bf)),
+             lambda k, b: k.swiglu_backward(b["da"], b["gu"], b["dgu"], b["a"]),
+             BT * F * (3 * 4 + 3 * 2),
+             old_run=lambda k, b: k.swiglu_backward(b["da"], b["gu"], b["dgu"]),
+             old_bytes=BT * F * (3 * 4 + 2 * 2)),
         Case("crossentropy_forward_backward", 1,
              lambda: dict(l=randn((BT, V), 4), ce=empty((BT,)), dl=empty((BT, V), bf)),
              lambda k, b: k.crossentropy_forward_backward(b["l"], ids, T + 1, T, b["ce"], b["dl"],
                                                           dce), BT * V * 6),
+        # the step's: one chunk of rows at a time (here from L2-cold logits)
+        Case(f"crossentropy ({chunk} rows)", -(-BT // chunk),
+             lambda: dict(l=randn((chunk, V), 4), ce=empty((chunk,)), dl=empty((chunk, V), bf)),
+             lambda k, b: k.crossentropy_forward_backward(b["l"], ids, T + 1, T, b["ce"], b["dl"],
+                                                          dce), chunk * V * 6),
         Case("gradient_norm (2 kernels)", 1,
              lambda: dict(G=randn((N,), 1e-3), part=empty((cuda_kernels.NORM_BLOCKS,)),
                           n=empty((2,))),
              lambda k, b: k.gradient_norm(b["G"], b["part"], b["n"], 1.0), N * 4),
-        Case("adamw_update", 1, adamw_make,
+        Case("adamw_update", 1, adamw_make(),
              lambda k, b: k.adamw_update(b["P"], b["M"], b["V"], b["G"], b["d"], b["Pb"], c4,
-                                         norm2, k_adamw), N * (4 * 4 + 1 + 3 * 4 + 2)),
+                                         norm2, k_adamw), N * (4 * 4 + 3 * 4 + 2),
+             old_make=adamw_make(mask=True), old_bytes=N * (4 * 4 + 1 + 3 * 4 + 2)),
         Case("accumulate_gradient (k > 1)", 0, lambda: dict(G=randn((N,)), Gm=randn((N,))),
              lambda k, b: k.accumulate_gradient(b["G"], b["Gm"]), N * 12),
         Case("round_bf16 (at capture)", 0, lambda: dict(x=randn((N,)), out=empty((N,), bf)),
@@ -206,6 +228,8 @@ def main():
     parser.add_argument("--old", help="another tree of the project: its kernels beside these")
     parser.add_argument("--launches", type=int, default=20)
     parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="time only the kernels whose name holds TEXT; repeatable")
     args = parser.parse_args()
     config = preset(args.preset)
     kernels = {"new": cuda_kernels.Kernels("bf16")}
@@ -213,6 +237,8 @@ def main():
         kernels["old"] = load_old(args.old).Kernels("bf16")
     stream = cupy.cuda.Stream(non_blocking=True)
     table, distinct = cases(config, args.batch)
+    if args.only:
+        table = [c for c in table if any(text in c.name for text in args.only)]
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"device {props['name'].decode()}, preset {args.preset}, B={args.batch} "
           f"({args.batch * config.context} rows), bf16; ids: {distinct} distinct", flush=True)
