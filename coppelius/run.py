@@ -729,7 +729,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
 
     losses, held_out = [], []
     done = 0
-    t_start = time.perf_counter()
+    t_start = t_trained = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
 
     def boundary(n):  # after n steps the host acts on the state: nothing may be queued
@@ -816,6 +816,9 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                         publish_after(done)
                         publisher.finish()
                     raise
+            # the clock of the training stops here: every step read, every
+            # evaluation and publication but the last one's write done
+            t_trained = time.perf_counter()
             if done == plan.steps and leader:
                 _final_record(writer, program, config, batch_at(plan.steps - 1),
                               publisher.submitted)
@@ -826,11 +829,14 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
         writer.close()
         if leader and publisher._thread is not None:  # leaving by an error: it still ends
             publisher._thread.join()
-    elapsed = time.perf_counter() - t_start
+    t_end = time.perf_counter()
+    elapsed = t_trained - t_start
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,
             "first_step": first_step, "losses": losses, "held_out": held_out,
             "seconds": elapsed,
             "tokens_per_second": done * B * T / elapsed if elapsed > 0 else math.nan,
+            # the final record and the wait for the last checkpoint's write and sync
+            "finish_seconds": t_end - t_trained,
             "signal": stopper.signum if dist is None else (stopper.signum or (
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
 
@@ -1075,7 +1081,8 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
     out = sys.stdout
     print_safely(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
-                 f"({summary['tokens_per_second']:,.0f} tokens/s); mean loss "
+                 f"({summary['tokens_per_second']:,.0f} tokens/s; the last checkpoint written "
+                 f"and synced {summary['finish_seconds']:.1f} s later); mean loss "
                  f"{np.mean(losses[:k]):.4f} over the first {k} steps, "
                  f"{np.mean(losses[-k:]):.4f} over the last {k}", out)
     if summary["held_out"]:
