@@ -316,7 +316,8 @@ class Activations:
         # coppelius preset) is not live in the forward and at the loss, the
         # step's peak, where the plan puts it over buffers dead by then
         self.att_workspace = {"forward": None, "backward": None}
-        for direction in ("forward", "backward")[:1 + train] if cudnn else ():
+        directions = (("forward", "backward") if train else ("forward",)) if cudnn else ()
+        for direction in directions:
             nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
                                                      cuda_kernels.attention_scale(config.head_dim))
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
@@ -484,13 +485,16 @@ class Model:
             self.at("lm_head")
             self.linear_forward(a.hf, self.emb, a.logits, V, D)
 
-    def loss(self, a: Activations, ids, ids_stride: int, ce, dce) -> None:
+    def classifier_loss(self, a: Activations, ids, ids_stride: int, ce, dce) -> None:
         """a.hf (BT, D) -> the row losses ce (BT) and a.dlogits (BT, V) for
         the mean's gradient dce, by chunks of a.logits' rows: each chunk's
         logits = hf W_emb^T into a.logits, then the cross-entropy on them
-        writes the chunk's rows of ce and dlogits. A row's logits are the
-        product's over that row alone, so the chunks change no row's
-        arithmetic; the float32 logits are never whole."""
+        writes the chunk's rows of ce and dlogits; the float32 logits are
+        never whole. A row's logits are a product over that row alone, but
+        cuBLAS may choose another algorithm for another number of rows: at
+        the coppelius shapes the chunks' bits were measured equal to the
+        whole product's (dev/cuda/NOTES.md, "Memory"), elsewhere they agree
+        within SPEC 14."""
         V, D = self.config.vocab, self.config.d_model
         BT, rows = a.B * a.T, a.logits.shape[0]
         for r0 in range(0, BT, rows):
@@ -546,7 +550,7 @@ class Model:
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
-        self.loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)  # and the logits
+        self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)  # and the logits
         self._tap("dlogits", a.dlogits)
         if rows is None:
             self.at("loss.mean")
@@ -1086,7 +1090,8 @@ class CupyProgram(CapturedProgram):
         for i in range(self.accumulate):
             ids = self.eval_ids[i * b:(i + 1) * b]
             self.model.forward(a, ids, T + 1)
-            self.model.loss(a, ids, T + 1, self.eval_ce[i * b * T:(i + 1) * b * T], dce)
+            rows = self.eval_ce[i * b * T:(i + 1) * b * T]
+            self.model.classifier_loss(a, ids, T + 1, rows, dce)
         if self.world > 1:  # every rank's rows, in batch order
             self.collectives.all_gather(self.eval_ce, self.eval_rows)
 

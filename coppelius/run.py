@@ -25,6 +25,7 @@ import stat
 import sys
 import tempfile
 import threading
+import traceback
 import time
 from dataclasses import dataclass, field
 
@@ -616,7 +617,7 @@ class Publisher:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.submitted = None  # the state of the publication in flight
+        self.in_flight = None  # the state of the publication in flight, until it is waited for
         self._thread = None
         self._error = None
 
@@ -625,7 +626,7 @@ class Publisher:
         background. The previous publication is waited for first (its error
         raised here), so that its host copy is free again for this one."""
         self.finish()
-        self.submitted = state = program.state()
+        self.in_flight = state = program.state()
         self._thread = threading.Thread(target=self._publish, args=(state, contexts),
                                         name="coppelius-publish")
         self._thread.start()
@@ -634,6 +635,8 @@ class Publisher:
         try:
             publish(self.plan, state, contexts)
         except BaseException as e:  # handed to the training thread
+            # without its frames' locals: the state's host copy goes back now
+            traceback.clear_frames(e.__traceback__)
             self._error = e
 
     def finish(self) -> None:
@@ -641,7 +644,7 @@ class Publisher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.submitted = None
+        self.in_flight = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -821,7 +824,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
             t_trained = time.perf_counter()
             if done == plan.steps and leader:
                 _final_record(writer, program, config, batch_at(plan.steps - 1),
-                              publisher.submitted)
+                              first_step + done, publisher.in_flight)
             publisher.finish()  # the run's last checkpoint is published when train() returns
     finally:
         if progress:
@@ -841,13 +844,15 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
 
 
-def _final_record(writer, program, config, last_tokens, state=None):
-    """The result file's final record; `state`: the program's state after the
-    last step when already copied off the device (the last publication's)."""
+def _final_record(writer, program, config, last_tokens, updates, state=None):
+    """The result file's final record; `updates`: the update count after
+    the last step; `state`: the program's state then, when already copied
+    off the device (the last publication's)."""
     T = config.context
     reg = registry(config)
     emb = reg["tok_embedding.weight"]
     state = program.state() if state is None else state
+    assert state.t == updates, (state.t, updates)
     grads = program.gradients()
     block = np.stack([
         program.row_losses()[0],  # last step's row losses, batch element 0
@@ -1081,8 +1086,9 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
     out = sys.stdout
     print_safely(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
-                 f"({summary['tokens_per_second']:,.0f} tokens/s; the last checkpoint written "
-                 f"and synced {summary['finish_seconds']:.1f} s later); mean loss "
+                 f"({summary['tokens_per_second']:,.0f} tokens/s; then "
+                 f"{summary['finish_seconds']:.1f} s for the final record and the last "
+                 f"checkpoint's write and sync); mean loss "
                  f"{np.mean(losses[:k]):.4f} over the first {k} steps, "
                  f"{np.mean(losses[-k:]):.4f} over the last {k}", out)
     if summary["held_out"]:

@@ -128,9 +128,10 @@ def write_checkpoint(path, config: Config, identities: dict, state: State, conte
 
     def write_body(f):
         # The SHA-256 pass and the writes overlap: each piece is hashed on a
-        # second thread while it is written (both release the GIL), and the
-        # file is synced every SYNC_BYTES, so the disk works while the rest is
-        # hashed. The pieces are hashed in order; the trailer waits for all.
+        # second thread while it is written (both release the GIL), in
+        # order; the trailer waits for the last. The file is also synced
+        # every SYNC_BYTES, so the disk starts on it long before the final
+        # fsync (a sync holds up the writes and the next piece's hash).
         with ThreadPoolExecutor(1, thread_name_prefix="coppelius-sha256") as hasher:
             sha, hashed, written = hashlib.sha256(), None, 0
 

@@ -31,7 +31,7 @@ from coppelius.reference.layers.rope import rope_backward, rope_forward, rope_ta
 from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.precision import round_bf16
-from coppelius.reference.program import STAGES, ProgramReset, ReplayError
+from coppelius.reference.program import STAGES, ProgramReset, ReferenceProgram, ReplayError
 from coppelius.reference.semantic import semantic_graph
 from coppelius.reference.state import State
 
@@ -1066,7 +1066,7 @@ def test_logits_chunk_rows_rule(rows, vocab):
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
-def test_the_step_never_holds_whole_logits(batch):
+def test_the_step_never_holds_whole_logits(batch, monkeypatch):
     """The production model's plan (the dry run: no device memory): the
     float32 logits are one chunk of rows, every chunk of rows runs its
     product and its cross-entropy, and the arena is smaller than with the
@@ -1082,6 +1082,9 @@ def test_the_step_never_holds_whole_logits(batch):
     heads = [c for c in plan.commands if c.operations == ("lm_head",)]
     assert len(ce) == len(heads) == -(-BT // rows)
     assert [c.launch["grid"][0] for c in ce] == [min(rows, BT - r) for r in range(0, BT, rows)]
+    monkeypatch.setattr(cupy_backend, "LOGITS_CHUNK_BYTES", 4 * BT * V)  # one chunk: whole
+    whole = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
+    assert whole.arena_bytes - plan.arena_bytes >= (BT - rows) * V * 4
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
@@ -1106,19 +1109,25 @@ def test_the_production_plan_is_tight_at_the_loss(batch):
     assert plan.arena_bytes <= 1.01 * live, (plan.arena_bytes, live)
 
 
-def test_a_step_by_small_chunks_of_logits(monkeypatch):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_step_by_small_chunks_of_logits(monkeypatch, accumulate):
     """Chunks of 7 rows (the last one shorter) against reference.step, the
-    held-out losses and the logits of activations() included."""
+    held-out losses and the logits of activations() included; with
+    accumulate 2, the chunks of each micro-batch's rows."""
     monkeypatch.setattr(cupy_backend, "LOGITS_CHUNK_BYTES", 7 * 4 * CONFIG.vocab)
     state = random_state(CONFIG, seed=23, t=4)
     tokens = windows(1, seed=24)[0]
-    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
-    assert program.acts.logits.shape == (7, CONFIG.vocab) and B * CONFIG.context % 7
+    program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy(), accumulate)
+    rows = B // accumulate * CONFIG.context
+    assert program.acts.logits.shape == (7, CONFIG.vocab) and rows % 7
     seen = program.activations(tokens)["logits"]
     check_close("activations' logits", seen, program.logits(tokens[:, :-1]), 1e-2)
     rows = step_rows(program, CONFIG, Hyper(), "bf16", state, tokens)
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e}" for r in failures)
+    held_out = windows(1, seed=25)[0]
+    want = ReferenceProgram(CONFIG, Hyper(), "bf16", B, program.state()).evaluate(held_out)
+    check_close("held-out row losses", program.evaluate(held_out), want, 1e-2)
 
 
 def test_reset_returns_the_device_memory():

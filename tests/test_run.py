@@ -514,3 +514,30 @@ def test_the_next_step_is_queued_before_a_step_is_read_but_never_across_a_public
     assert len(got) == len(want) == 7
     for x, y in zip(got, want):
         assert x[0] == y[0] and np.array_equal(np.asarray(x[1]), np.asarray(y[1]))
+
+
+def test_the_state_is_copied_once_per_publication_and_the_final_record_reads_the_last(
+        tmp_path, stream, monkeypatch):
+    """One copy of the state off the device before the clock, one per
+    publication and none more: the final record reads the last
+    publication's, which is the checkpoint's state after the last step."""
+    from coppelius.reference.params import registry
+    from coppelius.reference.program import ReferenceProgram
+
+    copies, state = [], ReferenceProgram.state
+
+    def counted(self):
+        copy = state(self)
+        copies.append(copy.t)
+        return copy
+
+    monkeypatch.setattr(ReferenceProgram, "state", counted)
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "6", "--interval", "2")) == 0
+    assert copies == [0, 2, 4, 6]
+    final = results.read_results(next(tmp_path.glob("results-*.bin"))).final
+    saved = load_state(str(ck), CFG).state
+    emb = registry(CFG)["tok_embedding.weight"]
+    window = slice(emb.offset, emb.offset + CFG.context)
+    assert np.array_equal(final["loss_block"][2], saved.P[window])
+    assert np.array_equal(final["loss_block"][3], saved.M[window])
