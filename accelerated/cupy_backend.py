@@ -168,7 +168,7 @@ def fused_attention(config: Config, precision: str, batch: int) -> bool:
 
 
 # The training step's classifier and cross-entropy run by chunks of rows
-# (Model.loss): a chunk's float32 logits are at most this many bytes, so
+# (Model.classifier_loss): a chunk's float32 logits are at most this many bytes, so
 # the whole (BT, V) logits never exist; the cross-entropy reads each chunk
 # right after its product wrote it.
 LOGITS_CHUNK_BYTES = 96 << 20
@@ -329,7 +329,7 @@ class Activations:
         self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
         # the logits: whole for the eager forward; the step's classifier and
-        # cross-entropy take them one chunk of rows at a time (Model.loss)
+        # cross-entropy take them one chunk of rows at a time (Model.classifier_loss)
         self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
         # scratch
         self.qkv32 = alloc((BT, 3 * D), f32)  # projections before rope
@@ -442,7 +442,7 @@ class Model:
         """ids (B, ids_stride) int32, the first T of each row the inputs ->
         a.hf (BT, D), the final norm's output, every activation of the
         backward kept in a; an eager forward's a (train=False) also gets the
-        whole logits (BT, V). The step's logits are loss()'s, by chunks."""
+        whole logits (BT, V). The step's logits are classifier_loss()'s, by chunks."""
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         T = a.T
@@ -1360,7 +1360,7 @@ class CupyProgram(CapturedProgram):
         out, logits = {}, []
 
         def tap(name, buffer, part):
-            if name == "logits":  # one chunk of rows at a time (Model.loss), in order
+            if name == "logits":  # one chunk of rows at a time (Model.classifier_loss), in order
                 logits.append(_as_float32(buffer.get(stream=self.stream)))
             else:
                 out[name] = read(buffer, part)

@@ -522,7 +522,7 @@ def test_crossentropy_forward_backward(Bn, T, V, precision, aligned, seed):
 @given(st.integers(1, 3), st.integers(1, 20), st.sampled_from([7, 64, 1000]), st.integers(1, 9),
        st.sampled_from(PRECISIONS), st.integers(0, 2**31 - 1))
 def test_crossentropy_by_row_chunks(Bn, T, V, rows, precision, seed):
-    """The step's loss runs the kernel on chunks of rows (Model.loss): each
+    """The step's loss runs the kernel on chunks of rows (Model.classifier_loss): each
     chunk's rows r0.. of the batch, their targets found from row0, give
     the bits of one launch over every row."""
     rng = np.random.default_rng(seed)
