@@ -1,0 +1,67 @@
+"""The layernorm backward of this tree against another version of its
+source, on the same random inputs: every output (dx over dres, its operand,
+the weight-gradient partials, h again) bitwise equal, and each one's time
+per launch (dev/cuda/kernel_bench.py's harness).
+
+    PYTHONPATH=. python dev/cuda/layernorm_backward_check.py OLD_LAYERNORM_CU
+
+(e.g. `git show HEAD~1:accelerated/kernels/layernorm.cu > /tmp/old.cu`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cupy  # noqa: E402
+import kernel_bench as kb  # noqa: E402
+
+from coppelius.accelerated import cuda_kernels  # noqa: E402
+
+SHAPES = ((1, 512), (8, 512), (2, 1024), (1, 100))  # (contexts of 1024 rows, D)
+
+
+def main() -> int:
+    old = cuda_kernels.Kernels("bf16", replace={"layernorm.cu": os.path.abspath(sys.argv[1])})
+    new = cuda_kernels.Kernels("bf16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    failed = 0
+    for B, D in SHAPES:
+        rows = B * 1024
+        chunks = cuda_kernels.layernorm_chunks(rows)
+
+        def make():
+            return dict(dout=kb.randn((rows, D)), dres=kb.randn((rows, D)),
+                        x=kb.randn((rows, D)), m=kb.randn((rows,), 0.1),
+                        r=kb.randn((rows,), 0.1) ** 2 + 1, w=kb.randn((D,)), b=kb.randn((D,)),
+                        op=kb.empty((rows, D), np.uint16), part=kb.empty((chunks, 2 * D)),
+                        h=kb.empty((rows, D), np.uint16))
+
+        def run(k, c):
+            k.layernorm_backward(c["dout"], c["dres"], c["x"], c["m"], c["r"], c["w"], c["dres"],
+                                 c["op"], c["part"], b=c["b"], h=c["h"])
+
+        inputs, outputs = make(), []
+        for k in (old, new):
+            c = {name: value.copy() for name, value in inputs.items()}
+            with stream:
+                run(k, c)
+            stream.synchronize()
+            outputs.append([cupy.asnumpy(c[n]).view(np.uint8) for n in ("dres", "op", "part", "h")])
+        same = all(np.array_equal(a, b) for a, b in zip(*outputs))
+        failed += not same
+        copies = [make() for _ in range(max(2, int(kb.WORKING_SET // (rows * D * 16))))]
+        us = [kb.time_launches(stream, lambda c, k=k: run(k, c), copies, 20, 5) * 1e3
+              for k in (old, new)]
+        print(f"B={B} D={D}: bitwise equal {same}; old {us[0]:6.2f} us, new {us[1]:6.2f} us "
+              f"per launch")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
