@@ -22,6 +22,8 @@ import time
 import numpy as np
 import pytest
 
+from support import on_threads, pattern_stream
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATE = os.path.join(ROOT, "dev", "cuda", "emulate.py")
 EMULATED = getattr(sys.modules.get("cupy"), "__version__", None) == "emulated"
@@ -53,7 +55,7 @@ if EMULATED:
     from coppelius.reference.errors import RunError
     from coppelius.reference.params import initialize
     from coppelius.reference.state import State
-    from coppelius.reference.stream import open_stream, write_stream
+    from coppelius.reference.stream import open_stream
 
     CFG = PRESETS["test"]
 B = 4  # the global batch: b = 2 contexts per rank
@@ -62,13 +64,7 @@ B = 4  # the global batch: b = 2 contexts per rank
 @pytest.fixture
 def stream(tmp_path):
     """80 contexts of the test preset, each context's ids recognisable."""
-    rng = np.random.default_rng(7)
-    ids = (np.arange(80 * CFG.context + 1) * 5 % CFG.vocab).astype(np.uint32)
-    noise = rng.random(ids.size) < 0.2
-    ids[noise] = rng.integers(0, CFG.vocab, noise.sum())
-    path = tmp_path / "s.tokens"
-    write_stream(path, ids, source_mtime_ns=0, source_size=0)
-    return str(path)
+    return pattern_stream(tmp_path / "s.tokens", CFG, 80, noise=0.2)
 
 
 def train_argv(stream, run_dir, *extra, precision="fp32"):
@@ -195,26 +191,8 @@ def _programs(world, hyper, precision, state, batch=None, accumulate=None):
         out[r] = cupy_backend.capture(CFG, hyper, precision, batch or B, state.copy(),
                                       accumulate, comm=comm)
 
-    _on_threads(world, one)
+    on_threads(world, one, timeout=60)
     return out
-
-
-def _on_threads(world, work):
-    failures = []
-
-    def guarded(r):
-        try:
-            work(r)
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            failures.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if failures:
-        raise failures[0]
 
 
 @inside
@@ -238,7 +216,7 @@ def test_row_losses_are_gathered_in_batch_order(accumulate):
         out[r] = (loss, p.row_losses(), p.buffers.rows.get().reshape(B // 2, -1), p.gradients(),
                   p.state())
 
-    _on_threads(2, step)
+    on_threads(2, step, timeout=60)
     want = reference.step(CFG, state.copy(), tokens, "fp32", hyper, grads=True)
     for r, (loss, rows, own, G, after) in enumerate(out):
         assert rows.shape == (B, CFG.context)
@@ -253,7 +231,7 @@ def test_row_losses_are_gathered_in_batch_order(accumulate):
     assert out[0][4].P.tobytes() == out[1][4].P.tobytes()
     # the held-out evaluation gathers the same way (SPEC 18)
     got = [None, None]
-    _on_threads(2, lambda r: got.__setitem__(r, programs[r].evaluate(tokens[::-1])))
+    on_threads(2, lambda r: got.__setitem__(r, programs[r].evaluate(tokens[::-1])), timeout=60)
     want = reference.row_losses(CFG, out[0][4].P, tokens[::-1], "fp32")
     for r in range(2):
         assert relative_error(got[r], want)[0] <= tolerance("eval", "fp32")
@@ -379,7 +357,7 @@ def test_bench_times_two_ranks_against_one(capsys):
         statuses[r] = bench_gpus.bench_rank(args, ranks.Launch(r, 2, None, "127.0.0.1", port,
                                                                "torchrun"), hard_exit=False)
 
-    _on_threads(2, one)
+    on_threads(2, one, timeout=60)
     assert statuses == [0, 0]
     out = capsys.readouterr().out.splitlines()
     one_gpu = next(line for line in out if line.startswith("1 GPU "))

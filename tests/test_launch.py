@@ -19,6 +19,8 @@ from coppelius.cli import main
 from coppelius.launch import Launch, first_host, from_environment
 from coppelius.reference.errors import RunError
 
+from support import on_threads
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -93,26 +95,6 @@ def test_bad_launcher_variables_are_named(env, words):
 
 
 # ---------------------------------------------------------------- the control channel
-
-def on_threads(n, work, timeout=30):
-    out, failures = [None] * n, []
-
-    def run(r):
-        try:
-            out[r] = work(r)
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            failures.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank did not end"
-    if failures:
-        raise failures[0]
-    return out
-
 
 def open_group(n, port=None, **kw):
     port = port or ranks.free_port()
@@ -370,12 +352,18 @@ def test_a_rank_killed_by_a_signal_is_reported_in_one_line(capfd):
     assert len(err) == 1 and "rank 1 (pid" in err[0] and "ended by signal 9" in err[0], err
 
 
-def test_the_parent_forwards_a_signal_to_each_rank_once(tmp_path):
+def start_parent(tmp_path) -> subprocess.Popen:
+    """A process running launch.spawn of two CHILD ranks in 'term' mode
+    (each prints "ready", then waits for a signal); its stdout is piped."""
     script = tmp_path / "parent.py"
     script.write_text(f"import sys; sys.path.insert(0, {ROOT!r})\n"
                       "from coppelius import launch\n"
                       f"sys.exit(launch.spawn([sys.executable, '-c', {CHILD!r}, 'term'], 2))\n")
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+
+
+def test_the_parent_forwards_a_signal_to_each_rank_once(tmp_path):
+    p = start_parent(tmp_path)
     ready = 0
     while ready < 2:
         ready += p.stdout.readline().startswith("ready")
@@ -393,11 +381,7 @@ def ended(pid) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_no_rank_outlives_a_parent_that_is_killed(tmp_path):
-    script = tmp_path / "parent.py"
-    script.write_text(f"import sys; sys.path.insert(0, {ROOT!r})\n"
-                      "from coppelius import launch\n"
-                      f"sys.exit(launch.spawn([sys.executable, '-c', {CHILD!r}, 'term'], 2))\n")
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    p = start_parent(tmp_path)
     pids = []
     while len(pids) < 2:
         line = p.stdout.readline()

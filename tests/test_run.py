@@ -15,7 +15,8 @@ from coppelius.cli import main
 from coppelius.reference import checkpoint, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import PRESETS
-from coppelius.reference.stream import write_stream
+
+from support import pattern_stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = PRESETS["test"]
@@ -24,14 +25,7 @@ CFG = PRESETS["test"]
 @pytest.fixture
 def stream(tmp_path):
     """A synthetic token stream of 40 test-preset contexts (no tokenizer)."""
-    rng = np.random.default_rng(7)
-    # a learnable sequence: mostly a repeating pattern, some noise
-    ids = (np.arange(40 * CFG.context + 1) * 5 % CFG.vocab).astype(np.uint32)
-    noise = rng.random(ids.size) < 0.1
-    ids[noise] = rng.integers(0, CFG.vocab, noise.sum())
-    path = tmp_path / "s.tokens"
-    write_stream(path, ids, source_mtime_ns=0, source_size=0)
-    return str(path)
+    return pattern_stream(tmp_path / "s.tokens", CFG, 40, noise=0.1)
 
 
 def run_cli(*argv):
