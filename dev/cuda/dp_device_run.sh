@@ -3,10 +3,19 @@
 # GPU 0 and the accumulation conformance (--accumulate 2 and 4) on GPU 1,
 # beside the data-parallel checks (dev/cuda/dp_check.py, both GPUs); then
 # `coppelius bench --gpus 2` alone (coppelius preset, bf16, 8 contexts per
-# GPU). Logs under $OUT; a short summary last.   usage: bash dev/cuda/dp_device_run.sh
+# GPU). Logs under $OUT; a short summary last.
+#   usage: [WHEELS=dir] bash dev/cuda/dp_device_run.sh
+# WHEELS: a folder holding the nvidia-cudnn-frontend wheel (cuDNN's
+# attention; the device has cuDNN, not the frontend).
 cd "$(dirname "$0")/../.." || exit 2
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/dp_device}; mkdir -p "$OUT"
+FE=""
+if [ -n "$WHEELS" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
+        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=/tmp/fe:
+fi
+export PYTHONPATH=$FE$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 t0=$(date +%s)
 (CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider --tb=short \
