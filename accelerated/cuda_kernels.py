@@ -192,12 +192,14 @@ class Kernels:
         self.launches = 0  # kernel launches so far (the capture counts its own)
         self.log = None  # a memory_plan.CommandLog recording every launch, or None
 
-    def _launch(self, name, grid, block, args, shared_mem=0):
-        # grid: blocks, or a tuple of blocks per dimension
+    def _launch(self, name, grid, block, args, shared_mem=0, reads=()):
+        # grid: blocks, or a tuple of blocks per dimension; reads: buffers the
+        # kernel reaches through an address table among args (for the log)
         self.launches += 1
         grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
         if self.log is not None:
-            pointers = [a.data.ptr for a in args if hasattr(getattr(a, "data", None), "ptr")]
+            pointers = [a.data.ptr for a in (*args, *reads)
+                        if hasattr(getattr(a, "data", None), "ptr")]
             self.log.add("kernel", name, {"grid": list(grid), "block": int(block),
                                           "shared_mem": int(shared_mem)}, pointers)
         self.functions[name](grid, (int(block),), args, shared_mem=int(shared_mem))
@@ -275,11 +277,15 @@ class Kernels:
                      (dout, _opt(dres), x, mean, rstd, w, _opt(b), _opt(h), dx, _opt(dx_op),
                       partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
-    def layernorm_param_grads(self, partials, offsets, G):
-        # partials (norms, chunks, 2D), offsets (norms) int64 -> G[offset : offset + 2D]
-        norms, chunks, twoD = partials.shape
+    def layernorm_param_grads(self, partials, table, offsets, G):
+        # partials: per norm, a (chunks, 2D) buffer; table (norms,) uint64: their
+        # addresses, which the kernel reads; offsets (norms) int64 -> G[offset : offset + 2D]
+        norms = len(partials)
+        chunks, twoD = partials[0].shape
+        assert all(p.shape == (chunks, twoD) for p in partials) and table.shape == (norms,)
         self._launch("layernorm_param_grads", norms * _cdiv(twoD, 32), 32 * LAYERNORM_GROUPS,
-                     (partials, offsets, G, i32(norms), i32(chunks), i32(twoD // 2)))
+                     (table, offsets, G, i32(norms), i32(chunks), i32(twoD // 2)),
+                     reads=partials)
 
     # -- rope
     def rope_forward(self, qkv, out, cos, sin, T, H):

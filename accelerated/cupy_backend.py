@@ -167,10 +167,12 @@ def fused_attention(config: Config, precision: str, batch: int) -> bool:
     return attention_path(config, precision, batch).kind != "materialized"
 
 
-# The training step's classifier and cross-entropy run by chunks of rows
-# (Model.classifier_loss): a chunk's float32 logits are at most this many bytes, so
-# the whole (BT, V) logits never exist; the cross-entropy reads each chunk
-# right after its product wrote it.
+# The training step's classifier, cross-entropy and classifier backward run
+# by chunks of rows (Model.classifier_loss): a chunk's float32 logits are at
+# most this many bytes, so neither the (BT, V) logits nor their (BT, V)
+# gradient ever exist whole; each chunk's cross-entropy reads the logits
+# right after its product wrote them, and the chunk's gradient feeds the two
+# backward products at once.
 LOGITS_CHUNK_BYTES = 96 << 20
 
 
@@ -342,7 +344,7 @@ class Activations:
         # loss and backward
         self.ce = alloc((BT,), f32)  # row losses
         self.loss = alloc((1,), f32)
-        self.dlogits = alloc((BT, V), op_dtype)
+        self.dlogits = alloc((self.logits.shape[0], V), op_dtype)  # one chunk's, as the logits
         self.dh = alloc((BT, D), f32)  # gradient at a norm's output
         self.dres = alloc((BT, D), f32)  # gradient of the residual stream
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
@@ -362,7 +364,16 @@ class Activations:
         # cuDNN's attention writes them (the rope backward reads either)
         self.dqk = alloc((BT, 2 * D), op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
-        self.ln_partials = alloc((2 * L + 1, cuda_kernels.layernorm_chunks(BT), 2 * D), f32)
+        # each norm's weight and bias partial sums (2l attn_norm, 2l+1 mlp_norm,
+        # 2L final_norm), reduced at the end of the backward through a table
+        # of their addresses: buffers of their own, so that those of the
+        # layers not yet reached are not live
+        self.ln_partials = [alloc((cuda_kernels.layernorm_chunks(BT), 2 * D), f32)
+                            for _ in range(2 * L + 1)]
+        self.ln_table = alloc((2 * L + 1,), np.uint64)
+        if not isinstance(self.ln_table, VirtualArray):
+            self.ln_table.set(np.array([p.data.ptr for p in self.ln_partials], np.uint64),
+                              stream=getattr(alloc, "stream", None))
         self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
 
 
@@ -485,27 +496,39 @@ class Model:
             self.at("lm_head")
             self.linear_forward(a.hf, self.emb, a.logits, V, D)
 
-    def classifier_loss(self, a: Activations, ids, ids_stride: int, ce, dce) -> None:
-        """a.hf (BT, D) -> the row losses ce (BT) and a.dlogits (BT, V) for
-        the mean's gradient dce, by chunks of a.logits' rows: each chunk's
-        logits = hf W_emb^T into a.logits, then the cross-entropy on them
-        writes the chunk's rows of ce and dlogits; the float32 logits are
-        never whole. A row's logits are a product over that row alone, but
-        cuBLAS may choose another algorithm for another number of rows: at
-        the coppelius shapes the chunks' bits were measured equal to the
-        whole product's (dev/cuda/NOTES.md, "Memory"), elsewhere they agree
-        within SPEC 14."""
+    def classifier_loss(self, a: Activations, ids, ids_stride: int, ce, dce,
+                        backward: bool = True) -> None:
+        """a.hf (BT, D) -> the row losses ce (BT), a.dh (BT, D) the gradient
+        at hf, and the unembedding part of G_emb, for the mean's gradient
+        dce, by chunks of a.logits' rows: each chunk's logits = hf W_emb^T
+        into a.logits, the cross-entropy on them writes the chunk's rows of
+        ce and its logits gradient into a.dlogits, then dh's rows =
+        dlogits W_emb and G_emb += dlogits^T hf's rows (the first chunk
+        writes G_emb, the others add: float32 sums, in chunk order); with
+        backward=False (the evaluation) the row losses only. Neither
+        the float32 logits nor dlogits are ever whole. A row's logits and dh
+        are products over that row alone, but cuBLAS may choose another
+        algorithm for another number of rows; the results agree with the
+        whole products within SPEC 14 (and are the same run after run)."""
         V, D = self.config.vocab, self.config.d_model
         BT, rows = a.B * a.T, a.logits.shape[0]
         for r0 in range(0, BT, rows):
             n = min(rows, BT - r0)
-            logits = a.logits[:n]
+            logits, dlogits, hf = a.logits[:n], a.dlogits[:n], a.hf[r0:r0 + n]
             self.at("lm_head")
-            self.linear_forward(a.hf[r0:r0 + n], self.emb, logits, V, D)
+            self.linear_forward(hf, self.emb, logits, V, D)
             self._tap("logits", logits)
             self.at("loss", "loss.backward")
             self.k.crossentropy_forward_backward(logits, ids, ids_stride, a.T, ce[r0:r0 + n],
-                                                 a.dlogits[r0:r0 + n], dce, row0=r0)
+                                                 dlogits, dce, row0=r0)
+            if not backward:
+                continue
+            self._tap("dlogits", dlogits)
+            # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
+            self.at("lm_head.backward")
+            self.linear_backward_input(dlogits, self.emb, a.dh[r0:r0 + n], V, D)
+            self.gemm(True, False, V, D, n, _ptr(dlogits), V, _ptr(hf), D,
+                      _ptr(self.G, self.emb), D, beta=0.0 if r0 == 0 else 1.0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]
@@ -541,23 +564,20 @@ class Model:
 
     def backward(self, a: Activations, ids, ids_stride: int, rows: int | None = None,
                  ce=None) -> None:
-        """Logits (by chunks: loss()), row losses, mean loss and every
+        """Logits (by chunks: classifier_loss()), row losses, mean loss and every
         parameter's gradient into G, after forward(). A
         micro-batch of an accumulated step (SPEC 19) passes `rows`, the
         whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
         slice of the whole batch's row losses; it computes no mean loss."""
         c, k = self.config, self.k
-        L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
+        L, D, F = c.n_layer, c.d_model, c.d_ff
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
-        self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)  # and the logits
-        self._tap("dlogits", a.dlogits)
+        # the logits, row losses, dh and the unembedding gradient, by chunks of rows
+        self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)
         if rows is None:
             self.at("loss.mean")
             k.mean_loss(a.ce, a.loss)
-        # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
-        self.at("lm_head.backward")
-        self.linear_backward(a.dlogits, a.hf, self.emb, a.dh, V, D)
         self._tap("final_norm.dout", a.dh)
         dres_op = self.operand(a.dres, a.dres_op)
         self.at("final_norm.backward")
@@ -622,7 +642,7 @@ class Model:
         # every norm's weight and bias gradients, reduced from their partials at once
         self.at("final_norm.backward", *(f"layers.{l}.{norm}.backward" for l in range(L)
                                          for norm in ("attn_norm", "mlp_norm")))
-        k.layernorm_param_grads(a.ln_partials, self.norm_offsets, self.G)
+        k.layernorm_param_grads(a.ln_partials, a.ln_table, self.norm_offsets, self.G)
 
     def attention_backward(self, a: Activations, l: int) -> None:
         """a.dy (BT,D) -> a.dqkv (BT,3D): dq, dk through rope, and dv."""
@@ -873,7 +893,8 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
 
 
 # Activations buffers that keep storage of their own whatever their lifetimes
-HOST_READ = {"ce": "row losses: read by the host after a replay",
+PINNED = {"ce": "row losses: read by the host after a replay",
+             "ln_table": "the norms' partials' addresses: written at allocation, read every step",
              "loss": "the loss: read by the host after a replay"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
          "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
@@ -920,7 +941,7 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
             buffers.append(Buffer(name, nbytes, kind, False, "kept for the program's life"))
             continue
         attr = name[len("acts."):].split("[")[0]
-        note = HOST_READ.get(attr, "")
+        note = PINNED.get(attr, "")
         if zeros:
             note = "zeros above the diagonal written once, at allocation, and kept"
         buffers.append(Buffer(name, nbytes, "activation", not note, note))
@@ -1080,8 +1101,10 @@ class CupyProgram(CapturedProgram):
         """Forward and row losses of the evaluation slot: the captured
         forward-only program (SPEC 18). It runs on the training step's own
         activations (free between steps, on the same stream; under the
-        memory plan too: its commands are a prefix of the step's, so buffers
-        sharing storage never live at once) and writes its losses to a
+        memory plan too: its commands are the step's forward and the
+        classifier chunks' products and cross-entropy, in the step's order,
+        touching none of the backward's buffers, so buffers sharing storage
+        never live at once) and writes its losses to a
         buffer of its own, so the last step's row losses, loss and gradient
         stay readable."""
         a, T = self.acts, self.config.context
@@ -1091,7 +1114,7 @@ class CupyProgram(CapturedProgram):
             ids = self.eval_ids[i * b:(i + 1) * b]
             self.model.forward(a, ids, T + 1)
             rows = self.eval_ce[i * b * T:(i + 1) * b * T]
-            self.model.classifier_loss(a, ids, T + 1, rows, dce)
+            self.model.classifier_loss(a, ids, T + 1, rows, dce, backward=False)
         if self.world > 1:  # every rank's rows, in batch order
             self.collectives.all_gather(self.eval_ce, self.eval_rows)
 
@@ -1357,11 +1380,11 @@ class CupyProgram(CapturedProgram):
                 x = x[:, i * width:(i + 1) * width]
             return x.reshape(B, T, -1)
 
-        out, logits = {}, []
+        out, chunks = {}, {"logits": [], "dlogits": []}
 
         def tap(name, buffer, part):
-            if name == "logits":  # one chunk of rows at a time (Model.classifier_loss), in order
-                logits.append(_as_float32(buffer.get(stream=self.stream)))
+            if name in chunks:  # one chunk of rows at a time (Model.classifier_loss), in order
+                chunks[name].append(_as_float32(buffer.get(stream=self.stream)))
             else:
                 out[name] = read(buffer, part)
 
@@ -1381,7 +1404,8 @@ class CupyProgram(CapturedProgram):
             out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
             out[p + "out"] = read(acts.x[l + 1])
         out["final_norm.out"] = read(acts.hf)
-        out["logits"] = np.concatenate(logits).reshape(B, T, -1)
+        for name, parts in chunks.items():
+            out[name] = np.concatenate(parts).reshape(B, T, -1)
         out["row_losses"] = read(acts.ce).reshape(B, T)
         return {name: out[name] for name, _ in activation_names(c)}
 

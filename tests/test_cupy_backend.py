@@ -267,13 +267,15 @@ def test_layernorm_backward_and_param_grads(shape, precision, residual, aligned)
     dx = placed(dres, aligned) if residual else empty_placed((rows, D), aligned=aligned)
     dx_op = empty((rows, D), np.uint16) if precision == "bf16" else None
     chunks = cuda_kernels.layernorm_chunks(rows)
-    partials = empty((2, chunks, 2 * D))  # two norms: this one, and a copy at another offset
+    # two norms: this one, and a copy at another offset, each in a buffer of its own
+    partials = [empty((chunks, 2 * D)), empty((chunks, 2 * D))]
     k.layernorm_backward(dev(dout), dx if residual else None, dx_x, mean, rstd, dev(w), dx, dx_op,
                          partials[0])
-    partials[1] = partials[0]
+    partials[1][...] = partials[0]
     G = empty((5 * D + 7,))
     offsets = dev(np.array([D + 3, 3 * D + 7], np.int64))
-    k.layernorm_param_grads(partials, offsets, G)
+    table = dev(np.array([p.data.ptr for p in partials], np.uint64))
+    k.layernorm_param_grads(partials, table, offsets, G)
     check_close("dx", host(dx), want_dx, 1e-5)
     if dx_op is not None:
         check_close("dx operand", as_float(dx_op, "bf16"), round_bf16(host(dx)), 0)
@@ -834,14 +836,17 @@ def test_compilation_report(precision):
     assert report["schema"] == "coppelius.training_compilation.v1"
     assert [s["stage"] for s in report["stages"]] == list(STAGES)
     assert report["captured"] and report["replays"] == 1
-    # the logits product and its two gradients, 4 linear products per layer and
-    # their 8 gradients, and unless attention is fused, per layer and batch
-    # element 2 attention products and their 4 gradients
+    # per chunk of the logits' rows the logits product and its two gradients,
+    # 4 linear products per layer and their 8 gradients, and unless attention
+    # is fused, per layer and batch element 2 attention products and their 4
+    # gradients
     L = CONFIG.n_layer
     path = cupy_backend.attention_path(CONFIG, precision, B)
     assert program.acts.path == path
     fused = path.kind != "materialized"
-    assert report["products"] == 3 + 12 * L + (0 if fused else 6 * L * B)
+    rows = B * CONFIG.context
+    chunks = -(-rows // cupy_backend.logits_chunk_rows(rows, CONFIG.vocab))
+    assert report["products"] == 3 * chunks + 12 * L + (0 if fused else 6 * L * B)
     assert report["library_calls"] == (2 * L if path.kind == "cudnn" else 0)
     E = CONFIG.head_dim
     attention = {"fused": {f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
@@ -1007,12 +1012,21 @@ def test_accumulation_holds_the_activations_of_a_micro_batch_and_plans_them(k, m
 
 
 def test_a_plan_that_ignores_lifetimes_is_caught(monkeypatch):
-    """The check above can fail: every buffer at offset 0 of a small arena
-    (storage shared whatever the lifetimes) changes the results."""
+    """The check above can fail: every buffer that may share storage at
+    offset 0 of a small arena (storage shared whatever the lifetimes; the
+    pinned ones, the norms' address table among them, each after them)
+    changes the results."""
     def overlap_everything(buffers, indices, horizon):
+        def aligned(n):
+            return -(-n // 256) * 256
+
+        end = aligned(max(buffers[i].nbytes for i in indices if buffers[i].candidate))
         for i in indices:
-            buffers[i].offset = 0
-        return max(buffers[i].nbytes for i in indices)
+            if buffers[i].candidate:
+                buffers[i].offset = 0
+            else:
+                buffers[i].offset, end = end, end + aligned(buffers[i].nbytes)
+        return end
 
     state = random_state(CONFIG, seed=34, t=1)
     inputs = windows(1, seed=35)
@@ -1068,21 +1082,26 @@ def test_logits_chunk_rows_rule(rows, vocab):
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_the_step_never_holds_whole_logits(batch, monkeypatch):
     """The production model's plan (the dry run: no device memory): the
-    float32 logits are one chunk of rows, every chunk of rows runs its
-    product and its cross-entropy, and at the loss the bytes live are those
-    with the whole (BT, V) logits less all but the chunk's rows (the arena,
-    packed around them, shrinks by about as much)."""
+    float32 logits and their bfloat16 gradient are one chunk of rows each,
+    every chunk of rows runs its product, its cross-entropy and its two
+    backward products, and at the loss the bytes live are those with the
+    whole (BT, V) logits and gradient less all but the chunk's rows (the
+    arena, packed around them, shrinks by about as much)."""
     config = preset("coppelius")
     BT, V = batch * config.context, config.vocab
     plan = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
     sizes = {b.name: b.nbytes for b in plan.buffers}
     rows = cupy_backend.logits_chunk_rows(BT, V)
     assert sizes["acts.logits"] == rows * V * 4 and rows == min(BT, 2048)
-    assert not any(n >= BT * V * 4 for n in sizes.values()) or rows == BT
+    assert sizes["acts.dlogits"] == rows * V * 2  # bfloat16 operands, one chunk's
+    assert not any(plan.buffers[i].nbytes >= BT * V * 2 for i in plan.activations) or rows == BT
     ce = [c for c in plan.commands if c.name == "crossentropy_forward_backward"]
     heads = [c for c in plan.commands if c.operations == ("lm_head",)]
     assert len(ce) == len(heads) == -(-BT // rows)
     assert [c.launch["grid"][0] for c in ce] == [min(rows, BT - r) for r in range(0, BT, rows)]
+    backward = [c for c in plan.commands if c.operations == ("lm_head.backward",)]
+    assert [c.launch["k"] for c in backward[1::2]] == [c.launch["grid"][0] for c in ce]
+    assert [c.launch["m"] for c in backward[::2]] == [c.launch["grid"][0] for c in ce]
     monkeypatch.setattr(cupy_backend, "LOGITS_CHUNK_BYTES", 4 * BT * V)  # one chunk: whole
     whole = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
 
@@ -1091,7 +1110,7 @@ def test_the_step_never_holds_whole_logits(batch, monkeypatch):
         return sum(b.nbytes for b in (p.buffers[i] for i in p.activations)
                    if not b.candidate or b.first <= t <= b.last)
 
-    assert live_at_the_loss(whole) - live_at_the_loss(plan) == (BT - rows) * V * 4
+    assert live_at_the_loss(whole) - live_at_the_loss(plan) == (BT - rows) * V * (4 + 2)
     assert whole.arena_bytes > plan.arena_bytes or rows == BT
 
 
@@ -1128,14 +1147,21 @@ def test_a_step_by_small_chunks_of_logits(monkeypatch, accumulate):
     program = cupy_backend.capture(CONFIG, Hyper(), "bf16", B, state.copy(), accumulate)
     rows = B // accumulate * CONFIG.context
     assert program.acts.logits.shape == (7, CONFIG.vocab) and rows % 7
-    seen = program.activations(tokens)["logits"]
-    check_close("activations' logits", seen, program.logits(tokens[:, :-1]), 1e-2)
+    assert program.acts.dlogits.shape == (7, CONFIG.vocab)
+    seen = program.activations(tokens)
+    check_close("activations' logits", seen["logits"], program.logits(tokens[:, :-1]), 1e-2)
+    want = ReferenceProgram(CONFIG, Hyper(), "bf16", B, state.copy()).activations(tokens)
+    for name in ("dlogits", "final_norm.dout"):
+        check_close(f"activations' {name}", seen[name], want[name], 1e-2)
     rows = step_rows(program, CONFIG, Hyper(), "bf16", state, tokens)
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e}" for r in failures)
     held_out = windows(1, seed=25)[0]
+    gradients = program.gradients()
     want = ReferenceProgram(CONFIG, Hyper(), "bf16", B, program.state()).evaluate(held_out)
     check_close("held-out row losses", program.evaluate(held_out), want, 1e-2)
+    # the evaluation runs the classifier's chunks without their backward
+    check_bitwise("gradients after an evaluation", program.gradients(), gradients)
 
 
 def test_reset_returns_the_device_memory():

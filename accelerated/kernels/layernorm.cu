@@ -228,13 +228,15 @@ LAYERNORM_KERNELS(4)
 LAYERNORM_KERNELS(8)
 
 // Every layernorm's weight and bias gradient at once: norm n's partials
-// (chunks, 2D) summed in chunk order into G[offsets[n] .. + 2D) (its weight
-// then its bias, adjacent in the registry). A block of 8 x 32 threads takes
+// (chunks, 2D), at the address partials[n] (each norm's are a buffer of
+// their own, live from its backward on), summed in chunk order into
+// G[offsets[n] .. + 2D) (its weight then its bias, adjacent in the registry). A block of 8 x 32 threads takes
 // 32 adjacent columns of one norm: thread (g, j) sums the chunks g, g + 8,
 // ... of column j in order, then the 8 sums are added in order of g.
 #define LN_GROUPS 8
 extern "C" __global__ void __launch_bounds__(32 * LN_GROUPS)
-layernorm_param_grads(const float* __restrict__ partials, const long long* __restrict__ offsets,
+layernorm_param_grads(const float* const* __restrict__ partials,
+                      const long long* __restrict__ offsets,
                       float* __restrict__ G, int norms, int chunks, int D) {
     __shared__ float group[LN_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
@@ -243,7 +245,7 @@ layernorm_param_grads(const float* __restrict__ partials, const long long* __res
     int col = (blockIdx.x - n * blocks_per_norm) * 32 + j;
     float s = 0.0f;
     if (col < 2 * D) {
-        const float* p = partials + (long long)n * chunks * 2 * D + col;
+        const float* p = partials[n] + col;
 #pragma unroll 4
         for (int k = g; k < chunks; k += LN_GROUPS) s = __fadd_rn(s, p[(long long)k * 2 * D]);
     }

@@ -432,10 +432,13 @@ def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, b, h, dx, dx_op, pa
         _a(partials)[c, int(D):] = dy[s].sum(0)
 
 
-def k_layernorm_param_grads(bf16, partials, offsets, G, norms, chunks, D):
+def k_layernorm_param_grads(bf16, table, offsets, G, norms, chunks, D):
+    # table: each norm's partials' address, (chunks, 2D) float32 there
+    count = int(chunks) * 2 * int(D)
     for n in range(int(norms)):
         off = int(_a(offsets)[n])
-        _a(G)[off:off + 2 * int(D)] = _a(partials)[n].sum(0)
+        part = _floats(int(_a(table)[n]), count).reshape(int(chunks), 2 * int(D))
+        _a(G)[off:off + 2 * int(D)] = part.sum(0)
 
 
 def _rope_split(x, H):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -138,10 +139,17 @@ def cases(config, B):
                              b["op"], b["part"], **{n: b[n] for n in ("b", "h") if n in b})
 
     def param_grads(chunks):
-        return lambda: dict(part=randn((norms, chunks, 2 * D)), G=empty((norms * 2 * D,)))
+        def make():
+            part = randn((norms, chunks, 2 * D))
+            table = cupy.asarray(np.array([part[n].data.ptr for n in range(norms)], np.uint64))
+            return dict(part=part, table=table, G=empty((norms * 2 * D,)))
+        return make
 
     def param_grads_run(k, b):
-        k.layernorm_param_grads(b["part"], offsets, b["G"])
+        if "table" in inspect.signature(k.layernorm_param_grads).parameters:
+            k.layernorm_param_grads(list(b["part"]), b["table"], offsets, b["G"])
+        else:  # an older tree's: one (norms, chunks, 2D) buffer
+            k.layernorm_param_grads(b["part"], offsets, b["G"])
 
     def adamw_make(mask=False):
         # the registry's weight decay: runs of elements (old trees: a byte per element)

@@ -20,9 +20,9 @@ Bits: SHA-256 of the row losses of `--steps` steps, then the gradient, P, M
 and V, and the held-out row losses of one evaluation; `--compare` lists
 them for two trees' JSON (run this file with PYTHONPATH at each tree).
 
-`--chunk-bytes`: where the tree has the classifier by row chunks
-(cupy_backend.LOGITS_CHUNK_BYTES), each value is captured and timed too
-(median device ms of `--time` steps, and the pool's growth).
+`--chunk-bytes`, `--workspace-mib`: where the tree has them
+(cupy_backend.LOGITS_CHUNK_BYTES, the cuBLAS workspace WORKSPACE_BYTES), each value is captured and timed too (median device ms
+of `--time` steps, and the pool's growth).
 """
 
 from __future__ import annotations
@@ -136,23 +136,25 @@ def check(config, batch, steps, time_steps) -> dict:
     return out
 
 
-def chunk_variants(config, batch, values, time_steps) -> list:
+def chunk_variants(config, batch, values, time_steps, name="LOGITS_CHUNK_BYTES") -> list:
+    """Capture and time the step with cupy_backend.<name> set to each value
+    (LOGITS_CHUNK_BYTES, or WORKSPACE_BYTES: cuBLAS's workspace)."""
     rows = []
-    default = cupy_backend.LOGITS_CHUNK_BYTES
+    default = getattr(cupy_backend, name)
     state = State.fresh(initialize(config))
     try:
         for value in values:
-            cupy_backend.LOGITS_CHUNK_BYTES = value
+            setattr(cupy_backend, name, value)
             program, growth, _ = capture(config, batch, state)
             chunk = program.acts.logits.shape[0]
-            rows.append({"batch": batch, "chunk_bytes": value, "chunk_rows": chunk,
+            rows.append({"batch": batch, "name": name, "value": value, "chunk_rows": chunk,
                          "growth_mib": growth / MiB,
                          "step_ms": timed(program, config, batch, time_steps)})
             program.reset()
-            print(f"  B={batch} logits chunk {chunk} rows ({value / MiB:.0f} MiB budget): "
+            print(f"  B={batch} {name}={value} (logits chunk {chunk} rows): "
                   f"{rows[-1]['step_ms']:.3f} ms, pool growth {growth / MiB:.0f} MiB", flush=True)
     finally:
-        cupy_backend.LOGITS_CHUNK_BYTES = default
+        setattr(cupy_backend, name, default)
     return rows
 
 
@@ -186,8 +188,11 @@ def main():
     parser.add_argument("--time", type=int, default=0, help="steps timed after them")
     parser.add_argument("--chunk-bytes", type=int, action="append", default=[],
                         help="also capture and time with this LOGITS_CHUNK_BYTES; repeatable")
+    parser.add_argument("--workspace-mib", type=int, action="append", default=[],
+                        help="also capture and time with this cuBLAS workspace; repeatable")
     parser.add_argument("--chunk-batch", type=int, action="append",
-                        help="the batches of --chunk-bytes; repeatable (default: 8)")
+                        help="the batches of --chunk-bytes and --workspace-mib; "
+                             "repeatable (default: 8)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"))
     args = parser.parse_args()
@@ -205,9 +210,11 @@ def main():
         print("    bits: " + ", ".join(f"{what} {h}" for what, h in r["hashes"].items()))
         for s, n in sorted(r["sites"], key=lambda x: -x[1])[:12]:
             print(f"    {n:10.1f} MiB  {s}")
-    if args.chunk_bytes and hasattr(cupy_backend, "LOGITS_CHUNK_BYTES"):
-        for batch in args.chunk_batch or [8]:
-            variants += chunk_variants(config, batch, args.chunk_bytes, args.time or 20)
+    for name, values in (("LOGITS_CHUNK_BYTES", args.chunk_bytes),
+                         ("WORKSPACE_BYTES", [v * MiB for v in args.workspace_mib])):
+        if values and hasattr(cupy_backend, name):
+            for batch in args.chunk_batch or [8]:
+                variants += chunk_variants(config, batch, values, args.time or 20, name)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checks": checks, "variants": variants}, f, indent=1)
