@@ -1099,9 +1099,12 @@ def test_the_step_never_holds_whole_logits(batch, monkeypatch):
     heads = [c for c in plan.commands if c.operations == ("lm_head",)]
     assert len(ce) == len(heads) == -(-BT // rows)
     assert [c.launch["grid"][0] for c in ce] == [min(rows, BT - r) for r in range(0, BT, rows)]
-    backward = [c for c in plan.commands if c.operations == ("lm_head.backward",)]
-    assert [c.launch["k"] for c in backward[1::2]] == [c.launch["grid"][0] for c in ce]
-    assert [c.launch["m"] for c in backward[::2]] == [c.launch["grid"][0] for c in ce]
+    backward = [c for c in plan.commands
+                if c.operations == ("lm_head.backward",) and c.kind == "product"]
+    weights = [c for c in backward if c.launch["trans_a"]]  # G_emb (+)= dlogits^T hf
+    inputs = [c for c in backward if not c.launch["trans_a"]]  # dh's rows = dlogits W_emb
+    assert [c.launch["k"] for c in weights] == [c.launch["grid"][0] for c in ce]
+    assert [c.launch["m"] for c in inputs] == [c.launch["grid"][0] for c in ce]
     monkeypatch.setattr(cupy_backend, "LOGITS_CHUNK_BYTES", 4 * BT * V)  # one chunk: whole
     whole = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
 
