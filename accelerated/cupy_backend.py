@@ -278,12 +278,17 @@ class Activations:
     """Every buffer one step of (B, T) needs. With train=False (an eager
     forward) one layer's buffers serve every layer, the logits are whole
     and the backward's buffers are not allocated; with train=True the
-    logits buffer holds one chunk of logits_chunk_rows(BT, V) rows."""
+    logits buffer holds one chunk of logits_chunk_rows(BT, V) rows. With
+    recompute the gate and up products are not kept per layer: the
+    forward's serve every layer, and the backward computes them again
+    (Model.backward) into a buffer of its own."""
 
-    def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool):
+    def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool,
+                 recompute: bool = False):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
         BT = B * T
         self.B, self.T, self.train = B, T, train
+        self.recompute = recompute = recompute and train
         f32 = np.float32
         bf16 = op_dtype == np.uint16
         self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
@@ -323,7 +328,9 @@ class Activations:
             nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
                                                      cuda_kernels.attention_scale(config.head_dim))
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
-        self.gu = per_layer((BT, 2 * F), f32)  # gate and up projections
+        # gate and up projections: kept per layer, or (recompute) one buffer
+        # for every layer's forward and, below, one for the backward's
+        self.gu = [alloc((BT, 2 * F), f32)] * L if recompute else per_layer((BT, 2 * F), f32)
         # silu(g) * u, operand: one for every layer, read at once by the down
         # product; the backward writes it again (swiglu_backward), into
         # a_back, for the down weight's gradient
@@ -350,6 +357,7 @@ class Activations:
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, 2 * F), op_dtype)
+        self.gu_back = alloc((BT, 2 * F), f32) if recompute else None
         # the forward's h and a, written again by the backward: buffers of
         # their own, so that the forward's are not live from the last layer's
         # forward to the loss, the step's peak, nor these before the backward
@@ -594,8 +602,18 @@ class Model:
             self.at(p + "mlp.down.backward")
             self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
+            gu = a.gu[l]
+            weight, bias = self.norm(w.mlp_norm)
+            if a.recompute:
+                # h = mlp_norm(x_mid) and g, u = h Wgate^T, h Wup^T again, by
+                # the forward's kernel and product: the forward's bits
+                self.at(p + "mlp_norm", p + "mlp.gate", p + "mlp.up")
+                k.layernorm_forward(a.x_mid[l], None, None, a.h_back, a.mean2[l], a.rstd2[l],
+                                    weight, bias, EPS)
+                self.linear_forward(a.h_back, w.gate_up, a.gu_back, 2 * F, D)
+                gu = a.gu_back
             self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
-            k.swiglu_backward(a.da, a.gu[l], a.dgu, a.a_back)
+            k.swiglu_backward(a.da, gu, a.dgu, a.a_back)
             self.at(p + "mlp.down.backward")
             self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
             self._tap(p + "mlp.dgate", a.dgu, (0, 2))
@@ -607,10 +625,12 @@ class Model:
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
             self.linear_backward_input(a.dgu, w.gate_up, a.dh, 2 * F, D)
             self._tap(p + "mlp_norm.dout", a.dh)
-            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward", p + "mlp_norm")
-            weight, bias = self.norm(w.mlp_norm)
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
+                    *(() if a.recompute else (p + "mlp_norm",)))
+            # (with recompute h_back holds h already)
             k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
-                                 a.dres_op, a.ln_partials[2 * l + 1], b=bias, h=a.h_back)
+                                 a.dres_op, a.ln_partials[2 * l + 1],
+                                 **({} if a.recompute else {"b": bias, "h": a.h_back}))
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
             self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, 2 * F, D)
             self._tap(p + "dmid", a.dres)
@@ -902,19 +922,21 @@ KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", 
 
 
 def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
-                accumulate: int = 1, world: int = 1) -> MemoryPlan:
+                accumulate: int = 1, world: int = 1, recompute: bool = False) -> MemoryPlan:
     """The step's dry run (accelerated/memory_plan.py): every buffer, the
     commands in order with what they touch, each activation's lifetime, and
     the activations laid out in one arena. Allocates nothing; needs no GPU.
     With accumulate k and W = world ranks the activations are those of a
-    micro-batch of B/(W*k); the collectives are logged, not run."""
+    micro-batch of B/(W*k); the collectives are logged, not run. recompute:
+    the gate and up products computed again in the backward (Activations)."""
     v = VirtualBuffers()
     s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
              if isinstance(getattr(s, f.name), VirtualArray)}
     n_state = len(v.requests)
     acts = Activations(config, batch // (accumulate * world), config.context,
-                       np.uint16 if precision == "bf16" else np.float32, v, train=True)
+                       np.uint16 if precision == "bf16" else np.float32, v, train=True,
+                       recompute=recompute)
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
             names[value.ptr] = f"acts.{attr}"
@@ -974,8 +996,9 @@ class CupyProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None, comm=None):
+                 accumulate: int | None = None, comm=None, recompute: bool = False):
         k = hyper.accumulate if accumulate is None else accumulate
+        self.recompute = bool(recompute)
         check_capture(config, precision, batch, state, k)
         # SPEC 19: W ranks of b = B/W contexts each, in k micro-batches of B/(W*k)
         W = 1 if comm is None else comm.world
@@ -1013,11 +1036,12 @@ class CupyProgram(CapturedProgram):
                             if k > 1 else None)
         # the memory plan, made by a dry run of this very step before any
         # activation exists (accelerated/memory_plan.py)
-        self.plan = memory_plan(config, hyper, precision, batch, k, W)
+        self.plan = memory_plan(config, hyper, precision, batch, k, W, self.recompute)
         self.memory_planned = planning_enabled() and self.plan.savings > 0
         acts_alloc = PlannedBuffers(alloc, self.plan, self.stream) if self.memory_planned \
             else alloc
-        self.acts = Activations(config, self.micro_batch, T, op_dtype, acts_alloc, train=True)
+        self.acts = Activations(config, self.micro_batch, T, op_dtype, acts_alloc, train=True,
+                                recompute=self.recompute)
         self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
         self._eager = None  # (B', T', Activations) of the last logits() shape
         self._uploaded = False
@@ -1449,16 +1473,18 @@ class CupyProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None, comm=None) -> CupyProgram:
+            accumulate: int | None = None, comm=None, recompute: bool = False) -> CupyProgram:
     """Allocate, warm up and capture the step once; performs no training update.
     `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches, the
     activations sized for B/k. `comm`: this rank's communicator of W ranks
     (accelerated.distributed.Communicator; every rank captures at once, on
     its own device): the program is rank r's part of the global batch B,
-    the activations sized for B/(W*k) (SPEC 19)."""
+    the activations sized for B/(W*k) (SPEC 19). `recompute`: the gate and
+    up products are computed again in the backward instead of kept per
+    layer (the same bits; less memory, more time)."""
     if not available():
         raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
-    return CupyProgram(config, hyper, precision, batch, state, accumulate, comm)
+    return CupyProgram(config, hyper, precision, batch, state, accumulate, comm, recompute)
 
 
 # ---------------------------------------------------------------- binding
@@ -1585,7 +1611,9 @@ def _report(program: CupyProgram) -> dict:
         "memory_planning": (f"{aliased} activation and scratch buffers share one arena by "
                             f"lifetime: {plan.savings} bytes saved" if program.memory_planned
                             else "plan not applied: " + _plan_off_reason(program))
-                           + "; every buffer allocated before capture, none in the step",
+                           + "; every buffer allocated before capture, none in the step"
+                           + ("; the gate and up products computed again in the backward "
+                              "(recompute)" if program.recompute else ""),
         "synchronization_planning": "stream order only; the host waits once per replay"
                                     + ("" if program.world == 1 else
                                        "; the gradient summed (NCCL all-reduce) and the row "

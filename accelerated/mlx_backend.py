@@ -109,11 +109,15 @@ def matmul_for(policy: str):
 # ---------------------------------------------------------------- forward
 
 class Model:
-    """The forward of SPEC sections 3 and 4 over a dict of MLX arrays."""
+    """The forward of SPEC sections 3 and 4 over a dict of MLX arrays. With
+    recompute, each layer's gate and up products and SwiGLU are one
+    mx.checkpoint: their outputs are not kept for the gradient, which
+    computes them again (the same values)."""
 
-    def __init__(self, config: Config, policy: str):
+    def __init__(self, config: Config, policy: str, recompute: bool = False):
         self.config = config
         self.matmul = matmul_for(policy)
+        self.recompute = recompute
         T, E = config.context, config.head_dim
         cos, sin = rope_tables(T, E)  # (T,E/2) float32, computed in float64 then rounded
         self.cos, self.sin = mx.array(cos), mx.array(sin)
@@ -187,13 +191,21 @@ class Model:
             x = keep(p + "mid", x + self.linear_forward(y, w[p + "attn.o.weight"]))
             h = self.layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
             h = keep(p + "mlp_norm.out", h)
-            g = keep(p + "mlp.gate", self.linear_forward(h, w[p + "mlp.gate.weight"]))  # (B,T,F)
-            u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))
-            a = keep(p + "mlp.h", self.swiglu_forward(g, u))
+            if self.recompute and tap is None:
+                a = mx.checkpoint(self.mlp_inner)(h, w[p + "mlp.gate.weight"],
+                                                  w[p + "mlp.up.weight"])
+            else:
+                g = keep(p + "mlp.gate", self.linear_forward(h, w[p + "mlp.gate.weight"]))
+                u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))  # (B,T,F)
+                a = keep(p + "mlp.h", self.swiglu_forward(g, u))
             x = keep(p + "out", x + self.linear_forward(a, w[p + "mlp.down.weight"]))
         h = keep("final_norm.out",
                  self.layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"]))
         return keep("logits", self.linear_forward(h, W))  # (B,T,V)
+
+    def mlp_inner(self, h, w_gate, w_up):
+        # h (B,T,D) -> silu(h Wgate^T) * (h Wup^T) (B,T,F)
+        return self.swiglu_forward(self.linear_forward(h, w_gate), self.linear_forward(h, w_up))
 
     @staticmethod
     def swiglu_forward(g, u):
@@ -329,11 +341,12 @@ class MLXProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None):
+                 accumulate: int | None = None, recompute: bool = False):
         check_capture(config, precision, batch, state, accumulate)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
         self.accumulate = hyper.accumulate if accumulate is None else accumulate
-        self.model = Model(config, precision)
+        self.recompute = bool(recompute)
+        self.model = Model(config, precision, self.recompute)
         self.adamw = AdamW(config, hyper)
         self.value_and_grad = mx.value_and_grad(self.model.loss)  # d loss / d params
         self.micro_value_and_grad = mx.value_and_grad(self.model.scaled_loss)
@@ -585,12 +598,14 @@ class MLXProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None) -> MLXProgram:
+            accumulate: int | None = None, recompute: bool = False) -> MLXProgram:
     """Build and compile the step once; performs no training update.
-    `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches."""
+    `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches.
+    `recompute`: the gate and up products computed again for the gradient
+    (mx.checkpoint) instead of kept (the same values)."""
     if not available():
         raise RunError("backend 'mlx': mlx is not installed here")
-    return MLXProgram(config, hyper, precision, batch, state, accumulate)
+    return MLXProgram(config, hyper, precision, batch, state, accumulate, recompute)
 
 
 # ---------------------------------------------------------------- the report

@@ -148,13 +148,15 @@ def _cupy_pool():
 
 
 def program_runner(backend: str, config: Config, precision: str, batch: int, state,
-                   warm, label: str | None = None) -> Runner:
-    """Capture once from `state`; a step is one upload and one replay, waited for."""
+                   warm, label: str | None = None, recompute: bool = False) -> Runner:
+    """Capture once from `state`; a step is one upload and one replay, waited for.
+    recompute: the gate and up products computed again in the backward."""
     module = accelerated.backend_module(backend)
     start = time.perf_counter()
     pool = _cupy_pool() if backend == "cupy" else None
     base = pool.total_bytes() if pool is not None else 0
-    program = module.capture(config, Hyper(), precision, batch, state)
+    program = module.capture(config, Hyper(), precision, batch, state,
+                             **({"recompute": True} if recompute else {}))
 
     def step(tokens):
         program.upload_input(tokens)
@@ -401,6 +403,10 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps of each implementation first (default: 2)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="also time each backend with the gate and up products computed "
+                             "again in the backward (`train --recompute`; rows named "
+                             "'<backend> recompute')")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peers")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile + CUDA graph peer (its compilation takes "
@@ -431,9 +437,15 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
         ("reference", precision) for precision in args.precision or ["fp32"]]
     programs += [(name, precision) for name in backends if name != "reference"
                  for precision in args.precision or [default_precision(name)]]
-    for name, precision in programs:
-        runners.append(program_runner(name, config, precision, batch, state, warm))
-        progress(f"B={batch} {name} {precision} ready in {runners[-1].setup_s:.1f} s")
+    variants = [(name, precision, False) for name, precision in programs]
+    if args.recompute:
+        variants += [(name, precision, True) for name, precision in programs
+                     if name != "reference"]
+    for name, precision, recompute in variants:
+        label = f"{name} recompute" if recompute else name
+        runners.append(program_runner(name, config, precision, batch, state, warm, label,
+                                      recompute))
+        progress(f"B={batch} {label} {precision} ready in {runners[-1].setup_s:.1f} s")
     for kind, device, precision in peers:
         try:
             runners.append(peer_runner(kind, config, precision, device, batch, state, warm,

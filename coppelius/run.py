@@ -16,6 +16,7 @@ after the same step (the ranks' votes are summed in the step).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -52,7 +53,7 @@ from coppelius.reference.stream import open_stream
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
 REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "accumulate",
-              "gpus", "interval",
+              "gpus", "recompute", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
               "final_step")
@@ -105,6 +106,11 @@ def register(sub) -> None:
                    help="data parallelism on N GPUs of this host: N processes, B/N contexts "
                         "each (default 1; N*K must divide B; cupy backend; SPEC §19). Under "
                         "torchrun, mpirun or srun the launcher's ranks are used instead")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction,
+                   help="compute each layer's gate and up products again in the backward "
+                        "instead of keeping them: the same bits, less device memory (about a "
+                        "third at B = 8 on the coppelius preset), a few percent more time "
+                        "(default off; --no-recompute turns a remembered one off)")
     hyper = Hyper()
     for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
@@ -165,6 +171,7 @@ class Plan:
     heldout: int = 0  # K: the stream's last K contexts, held out (SPEC 18)
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
     remembered: dict | None = None  # what run.json will hold
+    recompute: bool = False  # the gate and up products computed again in the backward
 
 
 def _positive(value, name):
@@ -403,7 +410,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
-                heldout=heldout, eval_every=eval_every, remembered=options)
+                heldout=heldout, eval_every=eval_every, remembered=options,
+                recompute=bool(options.get("recompute", False)))
 
 
 def writable_directory(directory) -> None:
@@ -699,7 +707,8 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     module = accelerated.backend_module(plan.backend)
     # captured first: a step that cannot be built (out of memory) leaves no result file
     ranks_of = {} if dist is None else {"comm": dist.comm}
-    program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of)
+    program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of,
+                             **({"recompute": True} if plan.recompute else {}))
     if dist is not None:
         dist.programs.append(program)
     if leader:
@@ -1069,6 +1078,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
+        gpus += ", gate and up recomputed in the backward" if plan.recompute else ""
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
                      f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "

@@ -715,7 +715,11 @@ def available() -> bool:
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None) -> TrainingProgram:
+            accumulate: int | None = None, recompute: bool = False) -> TrainingProgram:
     """Record the reference's plan; performs no training update. `accumulate`
-    k (default: hyper.accumulate) splits each step into k micro-batches."""
+    k (default: hyper.accumulate) splits each step into k micro-batches.
+    `recompute` (the accelerated backends' memory option: the gate and up
+    products computed again in the backward, the same values) is accepted
+    and changes nothing here: the reference defines the values and keeps
+    every intermediate it checks."""
     return ReferenceProgram(config, hyper, precision, batch, state, accumulate)

@@ -187,6 +187,21 @@ def test_bench_command_prints_the_table_last_and_writes_its_rows(capsys, tmp_pat
         assert max(losses) - min(losses) < 1e-4 * max(losses)
 
 
+def test_bench_recompute_times_each_backend_both_ways(capsys):
+    """--recompute: a row '<backend> recompute' beside each backend's (the
+    reference's alone), which trained the same bits."""
+    from coppelius import accelerated
+
+    status, out, err = run_bench(capsys, "--preset", "test", "--steps", "2", "--no-peer",
+                                 "--recompute")
+    assert status == 0 and "Traceback" not in err
+    rows = {r[0]: r for r in table_rows(out)}
+    assert "reference recompute" not in rows
+    for name in accelerated.available_backends():
+        if name != "reference":
+            assert rows[f"{name} recompute"][-1] == rows[name][-1]  # the loss, as printed
+
+
 def test_bench_tiny_runs_end_to_end_on_the_cpu(capsys):
     status, out, err = run_bench(capsys, "--preset", "tiny", "--steps", "2", "--warmup", "1")
     assert status == 0 and "Traceback" not in err

@@ -944,6 +944,37 @@ def run_steps(program, inputs):
     return np.stack(rows), program.gradients(), program.state()
 
 
+@pytest.mark.parametrize("precision, batch, accumulate", [
+    ("fp32", 2, 1), ("bf16", 4, 1), ("bf16", 4, 2)], ids=["fp32", "bf16", "bf16-accumulate"])
+def test_recomputing_the_gate_and_up_products_keeps_every_bit(precision, batch, accumulate):
+    """recompute=True: the gate and up products computed again in the
+    backward (the forward's norm kernel and product) instead of kept per
+    layer: the same row losses, G, P, M, V and held-out losses, bit for
+    bit, replay after replay; the plan keeps no per-layer gate and up
+    buffers and is smaller by about L - 1 of them."""
+    state = random_state(CONFIG, seed=43, t=3)
+    inputs = windows(3, seed=44, batch=batch)
+    kept = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy(), accumulate)
+    again = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy(), accumulate,
+                                 recompute=True)
+    assert again.recompute and not kept.recompute
+    assert "recompute" in again.diagnostics()["notes"]["memory_planning"]
+    L, rows = CONFIG.n_layer, batch // accumulate * CONFIG.context
+    gu = rows * 2 * CONFIG.d_ff * 4
+    names = {b.name for b in again.plan.buffers}
+    assert "acts.gu_back" in names and "acts.gu[1]" not in names
+    assert again.plan.arena_bytes <= kept.plan.arena_bytes - (L - 2) * gu
+    assert again.recorded["products"] == kept.recorded["products"] + accumulate * L
+    rows1, G1, s1 = run_steps(kept, inputs)
+    rows2, G2, s2 = run_steps(again, inputs)
+    check_bitwise("row losses", rows2, rows1)
+    check_bitwise("G", G2, G1)
+    for name in "PMV":
+        check_bitwise(name, getattr(s2, name), getattr(s1, name))
+    held_out = windows(1, seed=45, batch=batch)[0]
+    check_bitwise("held-out row losses", again.evaluate(held_out), kept.evaluate(held_out))
+
+
 @pytest.mark.parametrize("precision, batch, path", [
     ("fp32", 2, "materialized"), ("bf16", 2, "materialized"), ("bf16", 4, "fused"),
     ("bf16", 2, "cudnn")], ids=["fp32", "bf16-materialized", "bf16-fused", "bf16-cudnn"])

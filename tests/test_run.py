@@ -457,6 +457,35 @@ def test_accumulate_must_divide_the_batch_and_is_remembered_in_the_learner(tmp_p
     assert "--accumulate 2" in err, err
 
 
+def test_recompute_reaches_the_backend_and_is_remembered_but_is_not_part_of_the_learner(
+        tmp_path, stream, monkeypatch):
+    """--recompute reaches the backend's capture and run.json; a later
+    invocation keeps it unless --no-recompute; the checkpoint's identities
+    do not name it (the same bits either way), so a run resumes with or
+    without it, and two runs that differ only in it publish the same bytes."""
+    from coppelius.reference import program as reference_program
+
+    seen = []
+    capture = reference_program.capture
+
+    def watched(*args, **kw):
+        seen.append(kw.get("recompute", False))
+        return capture(*args, **kw)
+
+    monkeypatch.setattr(reference_program, "capture", watched)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "2", "--recompute")) == 0
+    assert json.loads((a / "run.json").read_text())["options"]["recompute"] is True
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 0
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample",
+                 "--no-recompute"]) == 0
+    assert json.loads((a / "run.json").read_text())["options"]["recompute"] is False
+    assert seen == [True, True, False]
+    assert main(train_args(stream, b, b / "ck.bin", "--steps", "4")) == 0
+    assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
+    assert "recompute" not in json.dumps(load_state(str(a / "ck.bin"), CFG).header)
+
+
 def test_the_next_step_is_queued_before_a_step_is_read_but_never_across_a_publication(
         tmp_path, stream, monkeypatch):
     """The run loop submits step s+1 before it reads step s's records, except

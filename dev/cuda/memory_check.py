@@ -89,6 +89,9 @@ def plan_bytes(program) -> int:
     return plan.arena_bytes + sum(b.nbytes for b in plan.buffers if b.kind != "activation")
 
 
+RECOMPUTE = {}  # capture's recompute=True where --recompute asks (and the tree has it)
+
+
 def capture(config, batch, state):
     """(program, pool growth, growth by site or None)."""
     pool = cupy.get_default_memory_pool()
@@ -96,10 +99,10 @@ def capture(config, batch, state):
     base = pool.total_bytes()
     hook = growth_hook()
     if hook is None:
-        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy())
+        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
         return program, pool.total_bytes() - base, None
     with hook:
-        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy())
+        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
     return program, pool.total_bytes() - base, hook.sites
 
 
@@ -193,12 +196,17 @@ def main():
     parser.add_argument("--chunk-batch", type=int, action="append",
                         help="the batches of --chunk-bytes and --workspace-mib; "
                              "repeatable (default: 8)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="capture with the gate and up products computed again in the "
+                             "backward (the bits must equal a run without)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"))
     args = parser.parse_args()
     if args.compare:
         sys.exit(compare(args.compare))
     config = preset(args.preset)
+    if args.recompute:
+        RECOMPUTE["recompute"] = True
     checks, variants = [], []
     for batch in args.batch:
         r = check(config, batch, args.steps, args.time)
