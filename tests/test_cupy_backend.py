@@ -944,6 +944,19 @@ def run_steps(program, inputs):
     return np.stack(rows), program.gradients(), program.state()
 
 
+def check_same_steps(first, second, inputs):
+    """Both programs' steps on the inputs: row losses, G, P, M, V bit for
+    bit. -> the first's (rows, G, state)."""
+    rows1, G1, s1 = run_steps(first, inputs)
+    rows2, G2, s2 = run_steps(second, inputs)
+    check_bitwise("row losses", rows2, rows1)
+    check_bitwise("G", G2, G1)
+    for name in "PMV":
+        check_bitwise(name, getattr(s2, name), getattr(s1, name))
+    assert s1.t == s2.t
+    return rows1, G1, s1
+
+
 @pytest.mark.parametrize("precision, batch, accumulate", [
     ("fp32", 2, 1), ("bf16", 4, 1), ("bf16", 4, 2)], ids=["fp32", "bf16", "bf16-accumulate"])
 def test_recomputing_the_gate_and_up_products_keeps_every_bit(precision, batch, accumulate):
@@ -965,12 +978,7 @@ def test_recomputing_the_gate_and_up_products_keeps_every_bit(precision, batch, 
     assert "acts.gu_back" in names and "acts.gu[1]" not in names
     assert again.plan.arena_bytes <= kept.plan.arena_bytes - (L - 2) * gu
     assert again.recorded["products"] == kept.recorded["products"] + accumulate * L
-    rows1, G1, s1 = run_steps(kept, inputs)
-    rows2, G2, s2 = run_steps(again, inputs)
-    check_bitwise("row losses", rows2, rows1)
-    check_bitwise("G", G2, G1)
-    for name in "PMV":
-        check_bitwise(name, getattr(s2, name), getattr(s1, name))
+    check_same_steps(kept, again, inputs)
     held_out = windows(1, seed=45, batch=batch)[0]
     check_bitwise("held-out row losses", again.evaluate(held_out), kept.evaluate(held_out))
 
@@ -997,13 +1005,8 @@ def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, path, mo
     assert saved > 0
     assert unplanned.alloc.bytes - planned.alloc.bytes == saved
     assert planned.compilation_report()["device_bytes"] == planned.alloc.bytes
-    rows1, G1, s1 = run_steps(planned, inputs)
-    rows2, G2, s2 = run_steps(unplanned, inputs)
-    check_bitwise("row losses", rows1, rows2)
-    check_bitwise("G", G1, G2)
-    for name in "PMV":
-        check_bitwise(name, getattr(s1, name), getattr(s2, name))
-    assert s1.t == s2.t == 6
+    rows1, _, s1 = check_same_steps(planned, unplanned, inputs)
+    assert s1.t == 6
     held_out = windows(1, seed=33, batch=batch)[0]
     check_bitwise("evaluate", planned.evaluate(held_out), unplanned.evaluate(held_out))
     check_bitwise("row losses after evaluate", planned.row_losses(), rows1[-1])
@@ -1031,12 +1034,7 @@ def test_accumulation_holds_the_activations_of_a_micro_batch_and_plans_them(k, m
     monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
     unplanned = cupy_backend.capture(CONFIG, Hyper(), "bf16", 4, state.copy(), accumulate=k)
     assert not unplanned.memory_planned
-    rows1, G1, s1 = run_steps(planned, inputs)
-    rows2, G2, s2 = run_steps(unplanned, inputs)
-    check_bitwise("row losses", rows1, rows2)
-    check_bitwise("G", G1, G2)
-    for name in "PMV":
-        check_bitwise(name, getattr(s1, name), getattr(s2, name))
+    rows1, _, _ = check_same_steps(planned, unplanned, inputs)
     held_out = windows(1, seed=38, batch=4)[0]
     check_bitwise("evaluate", planned.evaluate(held_out), unplanned.evaluate(held_out))
     check_bitwise("row losses after evaluate", planned.row_losses(), rows1[-1])
