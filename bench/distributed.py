@@ -101,7 +101,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         distributed.use_device(launch.local_rank, r)
         single = None
         if r == 0:  # one GPU alone first, the others waiting for "go"
-            program = cupy_backend.capture(config, Hyper(), precision, b, state.copy())
+            program = cupy_backend.capture(config, Hyper(), precision, b, state.copy(),
+                                           recompute=args.recompute)
             single = _time(program, inputs[:, :b], args.warmup)
             program.reset()
             program = None
@@ -118,7 +119,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
 
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
-        program = cupy_backend.capture(config, Hyper(), precision, B, state.copy(), comm=comm)
+        program = cupy_backend.capture(config, Hyper(), precision, B, state.copy(), comm=comm,
+                                       recompute=args.recompute)
         several = _time(program, inputs, args.warmup)
         group.finish()
         status = 0
@@ -128,7 +130,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         rows = [("1 GPU", b, *single), (f"{n} GPUs", B, *several)]
         print(f"coppelius bench --gpus {n}: {bench.preset_name(config)} model, {precision}, "
               f"T={T}, {b} contexts per GPU, {args.steps} timed steps after {args.warmup} "
-              f"warmup")
+              f"warmup" + (", gate and up recomputed (--recompute)" if args.recompute else ""))
         print(f"{'GPUs':<8} {'batch':>5} {'median ms':>10} {'min ms':>9} {'device ms':>9} "
               f"{'tokens/s':>12}  loss")
         rate = []

@@ -344,12 +344,13 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
 
 
 @inside
-def test_bench_times_two_ranks_against_one(capsys):
+@pytest.mark.parametrize("extra", [[], ["--recompute"]], ids=["kept", "recompute"])
+def test_bench_times_two_ranks_against_one(capsys, extra):
     from coppelius.bench import distributed as bench_gpus
 
     port = ranks.free_port()
     argv = ["bench", "--gpus", "2", "--preset", "test", "--batch", "2", "--steps", "2",
-            "--warmup", "1", "--precision", "fp32"]
+            "--warmup", "1", "--precision", "fp32", *extra]
     statuses = [None, None]
 
     def one(r):
@@ -364,3 +365,5 @@ def test_bench_times_two_ranks_against_one(capsys):
     two_gpus = next(line for line in out if line.startswith("2 GPUs "))
     assert one_gpu.split()[2] == "2" and two_gpus.split()[2] == "4"  # b, then B = 2b
     assert any(line.startswith("scaling: ") for line in out)
+    header = next(line for line in out if line.startswith("coppelius bench --gpus 2:"))
+    assert ("recomputed" in header) == bool(extra)
