@@ -108,6 +108,13 @@ ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (at
 # 0.206, B=4 0.235 vs 0.397, B=8 0.394 vs 0.769.
 ATTENTION_FUSED_MIN_BATCH = 4
 NORM_BLOCKS = 1056  # blocks of the norm's first pass: 8 per SM of an H200, a fixed order
+
+
+def adamw_blocks(n: int) -> int:
+    """At most the blocks of adamw_update over n parameters (one element
+    per item where the vectors are not 16-byte aligned): the room for the
+    partial sums it writes without clipping."""
+    return max(1, _cdiv(n, THREADS))
 ATTENTION_TILE = 64  # ATT_TILE: query rows per block of the fused kernels, keys per tile
 EMBEDDING_THREADS = 256  # EMB_THREADS: positions per pass of embedding_backward (embedding.cu)
 LN_CHUNKS = 8  # the most float4 chunks per lane of the layernorm kernels (layernorm.cu)
@@ -397,17 +404,27 @@ class Kernels:
         self._elementwise("adamw_bias_corrections_table", ts.size,
                           (ts, c1, c2, i32(ts.size), f64(beta1), f64(beta2)))
 
-    def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k):
+    def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k, partial=None):
         # P, M, V, G (N) float32, decay (R, 2) int64: the decayed elements'
         # sorted, disjoint [start, end) runs (Registry.decay_ranges), Pb (N)
         # bfloat16 bits or None, c (4) c1, c2, a_t, b_t; norm (2) with the clip
-        # scale norm[1]; k: reference.adamw.AdamWConstants (the betas and epsilon)
+        # scale norm[1]; k: reference.adamw.AdamWConstants (the betas and epsilon).
+        # partial (at least adamw_blocks(N)) float32, clipping off: the scale is
+        # 1 (norm unread) and each block's sum of G's squares goes to partial
+        # (gradient_norm_finish takes the norm from them)
         n = P.size
         assert decay.dtype == np.int64 and decay.shape[1:] == (2,), decay.shape
         n4 = n // 4 if _vector(P, M, V, G, Pb) else 0
-        self._launch("adamw_update", max(1, _cdiv(n4 + n - 4 * n4, THREADS)), THREADS,
+        blocks = max(1, _cdiv(n4 + n - 4 * n4, THREADS))
+        assert partial is None or partial.size >= blocks, (partial.size, blocks)
+        self._launch("adamw_update", blocks, THREADS,
                      (P, M, V, G, decay, i32(decay.shape[0]), _opt(Pb), c, norm, i64(n), i64(n4),
-                      f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps)))
+                      f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps), _opt(partial)))
+        return blocks
+
+    def gradient_norm_finish(self, partial, blocks, norm):
+        # partial[:blocks], adamw_update's sums of squares -> norm (2) = (||G||, 1)
+        self._launch("gradient_norm_clip", 1, 1024, (partial, i32(blocks), norm, f32(0.0)))
 
     def accumulate_gradient(self, G, Gm):
         # G, Gm (N) float32: G += Gm (a micro-batch's gradient, SPEC 19)

@@ -810,7 +810,7 @@ class StepBuffers:
     t: object  # (1,) int32, the update count
     c: object  # (4,) float32: c1, c2, a_t, b_t of the current update
     rates: object  # (R, 2) float32: the schedule's a_t, b_t (SPEC 7), read by the device's t
-    partial: object  # (NORM_BLOCKS,) float32: the norm's first pass
+    partial: object  # float32: the norm's first pass (gradient_norm's, or AdamW's: run_step)
     norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
     decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
     cos: object  # (T, E/2) float32 each, from float64 angles
@@ -845,7 +845,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     t = alloc((1,), np.int32)
     c = alloc((4,), np.float32)
     rates = alloc.upload(schedule_table(hyper))
-    partial = alloc((cuda_kernels.NORM_BLOCKS,), np.float32)
+    partial = alloc((max(cuda_kernels.NORM_BLOCKS, cuda_kernels.adamw_blocks(N)),), np.float32)
     norm = alloc((2,), np.float32)
     decay = alloc.upload(reg.decay_ranges())
     cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
@@ -905,8 +905,24 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
             collectives.all_reduce_sum(s.stop)
         model.at("loss.mean")
         kernels.mean_loss(s.gathered if W > 1 else s.rows, a.loss)
+    run_step_tail(model, kernels, s)
+
+
+def run_step_tail(model: Model, kernels, s: StepBuffers) -> None:
+    """The step after its gradient: the norm, clipping and AdamW (SPEC 7)."""
+    if s.clip == 0:
+        # clipping off: the norm is only recorded, so AdamW's own pass over G
+        # sums its squares (SPEC 7: float32, any order) and no pass of its own
+        # reads G's 4 N bytes again
+        model.at("adamw", "gradient_norm")
+        kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
+        blocks = kernels.adamw_update(s.P, s.M, s.V, s.G, s.decay, s.Pb, s.c, s.norm, s.adamw,
+                                      partial=s.partial)
+        model.at("gradient_norm", "clip")
+        kernels.gradient_norm_finish(s.partial, blocks, s.norm)
+        return
     model.at("gradient_norm", "clip")
-    kernels.gradient_norm(s.G, s.partial, s.norm, s.clip)  # and the clip scale
+    kernels.gradient_norm(s.G, s.partial[:cuda_kernels.NORM_BLOCKS], s.norm, s.clip)  # and scale
     model.at("adamw")
     kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
     kernels.adamw_update(s.P, s.M, s.V, s.G, s.decay, s.Pb, s.c, s.norm, s.adamw)
@@ -914,8 +930,8 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
 
 # Activations buffers that keep storage of their own whatever their lifetimes
 PINNED = {"ce": "row losses: read by the host after a replay",
-             "ln_table": "the norms' partials' addresses: written at allocation, read every step",
-             "loss": "the loss: read by the host after a replay"}
+          "ln_table": "the norms' partials' addresses: written at allocation, read every step",
+          "loss": "the loss: read by the host after a replay"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
          "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
          "gathered": "state", "stop": "state"}

@@ -654,6 +654,43 @@ def test_adamw_update_bitwise(precision, n, aligned):
         check_bitwise("Pb", as_float(Pb, "bf16"), round_bf16(want[0]))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("n, aligned", [(3_000_001, True), (100_003, False), (3, True)])
+def test_adamw_update_sums_the_norm_when_clipping_is_off(precision, n, aligned):
+    """With `partial` (clipping off) AdamW's pass also sums G's squares:
+    P, M, V and Pb bitwise those of the kernel given scale 1, and the norm
+    finished from the partials within float32 summation of the float64
+    norm, the same bits run after run; the norm buffer is not read (NaN)."""
+    rng = np.random.default_rng(n)
+    hyper = Hyper(lr="1/1000", weight_decay="3/10")
+    P = rng.standard_normal(n).astype(np.float32)
+    M = (1e-3 * rng.standard_normal(n)).astype(np.float32)
+    V = (1e-5 * rng.random(n)).astype(np.float32)
+    G = (1e-2 * rng.standard_normal(n)).astype(np.float32)
+    decay = dev(runs_of(rng.random(n) < 0.5))
+    c = dev(np.array([*bias_corrections(hyper, 3), *learning_rates(hyper, 3)], np.float32))
+    k, consts = kernels(precision), AdamWConstants.of(hyper)
+    want = []
+    for fused in (False, True, True):
+        dP, dM, dV = placed(P, aligned), dev(M), dev(V)
+        Pb = empty((n,), np.uint16) if precision == "bf16" else None
+        norm = dev(np.array([0.0, 1.0 if not fused else np.nan], np.float32))
+        partial = empty((cuda_kernels.adamw_blocks(n),)) if fused else None
+        blocks = k.adamw_update(dP, dM, dV, dev(G), decay, Pb, c, norm, consts, partial=partial)
+        got = [host(dP), host(dM), host(dV)] + ([as_float(Pb, "bf16")] if Pb is not None else [])
+        if not fused:
+            want = got
+            continue
+        for name, a, b in zip(["P", "M", "V", "Pb"], got, want):
+            check_bitwise(name, a, b)
+        k.gradient_norm_finish(partial, blocks, norm)
+        n64 = float(np.sqrt(np.sum(G.astype(np.float64) ** 2)))
+        got_norm = host(norm)
+        assert abs(got_norm[0] - n64) <= 2e-6 * n64 and got_norm[1] == 1.0, (got_norm, n64)
+        want.append(got_norm)
+    check_bitwise("norm, twice", want[-1], want[-2])
+
+
 def runs_of(mask):
     """(R, 2) int64 [start, end) of the runs of True in mask, as the kernel takes them."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
@@ -858,8 +895,10 @@ def test_compilation_report(precision):
     layernorm = {f"layernorm_{part}_c{nc}" for part in ("forward", "backward")}
     others = {name for name in cuda_kernels.KERNELS if not name.startswith(
         ("attention_", "rope_backward", "layernorm_forward_", "layernorm_backward_"))}
+    # k = 1, and clipping off: AdamW's pass sums the norm, no pass of its own
     assert set(report["kernel_names"]) == (others | attention | layernorm | {rope}) - {
-        "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient"}  # k = 1
+        "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient",
+        "gradient_sum_squares"}
     assert report["kernels"] == len(report["kernel_names"])
     assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]
     assert report["device_bytes"] >= 4 * 4 * registry(CONFIG).total

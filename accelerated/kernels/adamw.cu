@@ -133,6 +133,11 @@ __device__ __forceinline__ bool decays(const long long* __restrict__ decay, int 
 // chunk i of every vector (16-byte loads and stores; 8 bytes of Pb); then
 // one item per element from 4 * n4 on (n4 = 0: every element alone). The
 // pass moves about 30 bytes per parameter: bandwidth-bound.
+//
+// With `partial` (clipping off: the norm is only recorded, and the scale is
+// 1) the pass also sums the squares of the G it reads, in float32 (SPEC 7:
+// any order), each block's into partial[block], and gradient_norm_clip
+// finishes the norm after it: no pass over G of its own.
 extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict__ M,
                                         float* __restrict__ Vm, const float* __restrict__ G,
                                         const long long* __restrict__ decay, int R,
@@ -140,39 +145,52 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
                                         const float* __restrict__ c,
                                         const float* __restrict__ norm, long long n,
                                         long long n4, float b1, float omb1, float b2, float omb2,
-                                        float eps) {
+                                        float eps, float* __restrict__ partial) {
+    __shared__ float red[32];
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n4 + (n - 4 * n4)) return;
-    AdamW k = {c[0], c[1], c[2], c[3], norm[1], b1, omb1, b2, omb2, eps};
-    if (i < n4) {
-        float4 p = reinterpret_cast<float4*>(P)[i], m = reinterpret_cast<float4*>(M)[i];
-        float4 v = reinterpret_cast<float4*>(Vm)[i];
-        float4 g = reinterpret_cast<const float4*>(G)[i];
-        long long j = 4 * i;
-        int r = decay_run(decay, R, j);
-        k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, j));
-        k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, j + 1));
-        k.update(p.z, m.z, v.z, g.z, decays(decay, R, r, j + 2));
-        k.update(p.w, m.w, v.w, g.w, decays(decay, R, r, j + 3));
-        reinterpret_cast<float4*>(P)[i] = p;
-        reinterpret_cast<float4*>(M)[i] = m;
-        reinterpret_cast<float4*>(Vm)[i] = v;
-        if (Pb != 0) {
-            uint2 u;
-            u.x = pack_bf16x2(p.x, p.y);
-            u.y = pack_bf16x2(p.z, p.w);
-            reinterpret_cast<uint2*>(Pb)[i] = u;
+    float s = 0.0f;  // the squares of this thread's g (with partial)
+    if (i < n4 + (n - 4 * n4)) {
+        AdamW k = {c[0], c[1], c[2], c[3], partial != 0 ? 1.0f : norm[1],
+                   b1, omb1, b2, omb2, eps};
+        if (i < n4) {
+            float4 p = reinterpret_cast<float4*>(P)[i], m = reinterpret_cast<float4*>(M)[i];
+            float4 v = reinterpret_cast<float4*>(Vm)[i];
+            float4 g = reinterpret_cast<const float4*>(G)[i];
+            long long j = 4 * i;
+            int r = decay_run(decay, R, j);
+            k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, j));
+            k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, j + 1));
+            k.update(p.z, m.z, v.z, g.z, decays(decay, R, r, j + 2));
+            k.update(p.w, m.w, v.w, g.w, decays(decay, R, r, j + 3));
+            reinterpret_cast<float4*>(P)[i] = p;
+            reinterpret_cast<float4*>(M)[i] = m;
+            reinterpret_cast<float4*>(Vm)[i] = v;
+            if (Pb != 0) {
+                uint2 u;
+                u.x = pack_bf16x2(p.x, p.y);
+                u.y = pack_bf16x2(p.z, p.w);
+                reinterpret_cast<uint2*>(Pb)[i] = u;
+            }
+            s = fmaf(g.x, g.x, s);
+            s = fmaf(g.y, g.y, s);
+            s = fmaf(g.z, g.z, s);
+            s = fmaf(g.w, g.w, s);
+        } else {
+            long long e = i + 3 * n4;  // element 4 * n4 + (i - n4)
+            float p = P[e], m = M[e], v = Vm[e], g = G[e];
+            int r = decay_run(decay, R, e);
+            k.update(p, m, v, g, decays(decay, R, r, e));
+            P[e] = p;
+            M[e] = m;
+            Vm[e] = v;
+            if (Pb != 0) Pb[e] = bf16_bits(p);
+            s = fmaf(g, g, s);
         }
-        return;
     }
-    i += 3 * n4;  // element 4 * n4 + (i - n4)
-    float p = P[i], m = M[i], v = Vm[i];
-    int r = decay_run(decay, R, i);
-    k.update(p, m, v, G[i], decays(decay, R, r, i));
-    P[i] = p;
-    M[i] = m;
-    Vm[i] = v;
-    if (Pb != 0) Pb[i] = bf16_bits(p);
+    if (partial != 0) {  // the whole block (partial is the same for every thread)
+        s = block_sum(s, red);
+        if (threadIdx.x == 0) partial[blockIdx.x] = s;
+    }
 }
 
 // Gradient accumulation (SPEC 19): G += Gm, elementwise, one float32 add

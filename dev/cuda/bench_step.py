@@ -69,13 +69,8 @@ def breakdown(program):
     parts = {
         "forward (to the final norm)": lambda: m.forward(a, program.ids, T + 1),
         "classifier, loss + backward": lambda: m.backward(a, program.ids, T + 1),
-        "norm + adamw": lambda: (k.gradient_norm(program.G, program.partial, program.norm,
-                                                 program.clip),
-                                 k.adamw_bias_corrections(program.t, program.c, *program.betas,
-                                                          program.rates),
-                                 k.adamw_update(program.P, program.M, program.V, program.G,
-                                                program.decay, program.Pb, program.c,
-                                                program.norm, program.adamw)),
+        "norm + adamw": lambda: cupy_backend.run_step_tail(program.model, program.kernels,
+                                                           program.buffers),
     }
     for name, work in parts.items():
         rows.append((name, time_graph(program, record(program, work))))

@@ -677,12 +677,22 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps):
+def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps,
+                   partial):
     p, m, v = _a(P), _a(M), _a(V)
     mask = np.zeros(p.size, dtype=bool)
     for start, end in _a(decay).reshape(-1, 2)[:int(R)]:
         mask[start:end] = True
-    g = _a(G) * _a(norm)[1]
+    if not _null(partial):  # clipping off: scale 1, each block's sum of squares
+        g = _a(G)[:int(n)]
+        n4 = int(n4)
+        squares = np.concatenate([np.square(g[:4 * n4]).reshape(-1, 4).sum(1, dtype=np.float32),
+                                  np.square(g[4 * n4:])]).astype(np.float32)
+        for b in range(0, squares.size, 256):  # blocks of 256 items (THREADS)
+            _a(partial)[b // 256] = np.sum(squares[b:b + 256], dtype=np.float32)
+        g = _a(G).copy()
+    else:
+        g = _a(G) * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
     m[...] = b1 * m + omb1 * g
     v[...] = b2 * v + omb2 * g * g
