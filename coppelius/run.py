@@ -1078,7 +1078,8 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
-        gpus += ", gate and up recomputed in the backward" if plan.recompute else ""
+        if plan.recompute and plan.backend != "reference":  # (the reference ignores it)
+            gpus += ", gate and up recomputed in the backward"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
                      f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "

@@ -1003,7 +1003,8 @@ def test_recomputing_the_gate_and_up_products_keeps_every_bit(precision, batch, 
     backward (the forward's norm kernel and product) instead of kept per
     layer: the same row losses, G, P, M, V and held-out losses, bit for
     bit, replay after replay; the plan keeps no per-layer gate and up
-    buffers and is smaller by about L - 1 of them."""
+    buffers, and the production model's (the dry run) is smaller by at
+    least L - 2 of them."""
     state = random_state(CONFIG, seed=43, t=3)
     inputs = windows(3, seed=44, batch=batch)
     kept = cupy_backend.capture(CONFIG, Hyper(), precision, batch, state.copy(), accumulate)
@@ -1011,11 +1012,14 @@ def test_recomputing_the_gate_and_up_products_keeps_every_bit(precision, batch, 
                                  recompute=True)
     assert again.recompute and not kept.recompute
     assert "recompute" in again.diagnostics()["notes"]["memory_planning"]
-    L, rows = CONFIG.n_layer, batch // accumulate * CONFIG.context
-    gu = rows * 2 * CONFIG.d_ff * 4
+    L = CONFIG.n_layer
     names = {b.name for b in again.plan.buffers}
     assert "acts.gu_back" in names and "acts.gu[1]" not in names
-    assert again.plan.arena_bytes <= kept.plan.arena_bytes - (L - 2) * gu
+    assert again.plan.arena_bytes <= kept.plan.arena_bytes
+    big = preset("coppelius")
+    plans = [cupy_backend.memory_plan(big, Hyper(), precision, 2, recompute=r) for r in (0, 1)]
+    big_gu = 2 * big.context * 2 * big.d_ff * 4
+    assert plans[1].arena_bytes <= plans[0].arena_bytes - (big.n_layer - 2) * big_gu
     assert again.recorded["products"] == kept.recorded["products"] + accumulate * L
     check_same_steps(kept, again, inputs)
     held_out = windows(1, seed=45, batch=batch)[0]

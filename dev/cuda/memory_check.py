@@ -89,7 +89,7 @@ def plan_bytes(program) -> int:
     return plan.arena_bytes + sum(b.nbytes for b in plan.buffers if b.kind != "activation")
 
 
-RECOMPUTE = {}  # capture's recompute=True where --recompute asks (and the tree has it)
+RECOMPUTE = {}  # capture's recompute=True where --recompute asks (trees that have it)
 
 
 def capture(config, batch, state):
