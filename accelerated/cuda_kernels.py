@@ -108,13 +108,6 @@ ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (at
 # 0.206, B=4 0.235 vs 0.397, B=8 0.394 vs 0.769.
 ATTENTION_FUSED_MIN_BATCH = 4
 NORM_BLOCKS = 1056  # blocks of the norm's first pass: 8 per SM of an H200, a fixed order
-
-
-def adamw_blocks(n: int) -> int:
-    """At most the blocks of adamw_update over n parameters (one element
-    per item where the vectors are not 16-byte aligned): the room for the
-    partial sums it writes without clipping."""
-    return max(1, _cdiv(n, THREADS))
 ATTENTION_TILE = 64  # ATT_TILE: query rows per block of the fused kernels, keys per tile
 EMBEDDING_THREADS = 256  # EMB_THREADS: positions per pass of embedding_backward (embedding.cu)
 LN_CHUNKS = 8  # the most float4 chunks per lane of the layernorm kernels (layernorm.cu)
@@ -171,6 +164,13 @@ def layernorm_chunk(rows: int) -> int:
 def layernorm_chunks(rows: int) -> int:
     """Blocks of layernorm_backward over `rows` rows: the partials' rows."""
     return _cdiv(rows, layernorm_chunk(rows))
+
+
+def adamw_blocks(n: int) -> int:
+    """At most the blocks of adamw_update over n parameters (one element
+    per item where the vectors are not 16-byte aligned): the room for the
+    partial sums it writes without clipping."""
+    return max(1, _cdiv(n, THREADS))
 
 
 # ---------------------------------------------------------------------------

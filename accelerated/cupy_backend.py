@@ -450,10 +450,10 @@ class Model:
         self.gemm(False, False, dy.shape[0], n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W),
                   n_in, _ptr(dx), n_in)
 
-    def linear_backward_weight(self, dy, x, W, n_out, n_in):
-        # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x
+    def linear_backward_weight(self, dy, x, W, n_out, n_in, beta=0.0):
+        # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x (+ beta G[W])
         self.gemm(True, False, n_out, n_in, dy.shape[0], _ptr(dy), n_out, _ptr(x), n_in,
-                  _ptr(self.G, W), n_in)
+                  _ptr(self.G, W), n_in, beta=beta)
 
     # -- forward ----------------------------------------------------------------
 
@@ -535,8 +535,7 @@ class Model:
             # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
             self.at("lm_head.backward")
             self.linear_backward_input(dlogits, self.emb, a.dh[r0:r0 + n], V, D)
-            self.gemm(True, False, V, D, n, _ptr(dlogits), V, _ptr(hf), D,
-                      _ptr(self.G, self.emb), D, beta=0.0 if r0 == 0 else 1.0)
+            self.linear_backward_weight(dlogits, hf, self.emb, V, D, beta=0.0 if r0 == 0 else 1.0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]

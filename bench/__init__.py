@@ -155,8 +155,7 @@ def program_runner(backend: str, config: Config, precision: str, batch: int, sta
     start = time.perf_counter()
     pool = _cupy_pool() if backend == "cupy" else None
     base = pool.total_bytes() if pool is not None else 0
-    program = module.capture(config, Hyper(), precision, batch, state,
-                             **({"recompute": True} if recompute else {}))
+    program = module.capture(config, Hyper(), precision, batch, state, recompute=recompute)
 
     def step(tokens):
         program.upload_input(tokens)

@@ -708,7 +708,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     # captured first: a step that cannot be built (out of memory) leaves no result file
     ranks_of = {} if dist is None else {"comm": dist.comm}
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of,
-                             **({"recompute": True} if plan.recompute else {}))
+                             recompute=plan.recompute)
     if dist is not None:
         dist.programs.append(program)
     if leader:

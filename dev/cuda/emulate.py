@@ -690,7 +690,7 @@ def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2,
                                   np.square(g[4 * n4:])]).astype(np.float32)
         for b in range(0, squares.size, 256):  # blocks of 256 items (THREADS)
             _a(partial)[b // 256] = np.sum(squares[b:b + 256], dtype=np.float32)
-        g = _a(G).copy()
+        g = _a(G)
     else:
         g = _a(G) * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]

@@ -21,8 +21,9 @@ and V, and the held-out row losses of one evaluation; `--compare` lists
 them for two trees' JSON (run this file with PYTHONPATH at each tree).
 
 `--chunk-bytes`, `--workspace-mib`: where the tree has them
-(cupy_backend.LOGITS_CHUNK_BYTES, the cuBLAS workspace WORKSPACE_BYTES), each value is captured and timed too (median device ms
-of `--time` steps, and the pool's growth).
+(cupy_backend.LOGITS_CHUNK_BYTES, the cuBLAS workspace WORKSPACE_BYTES),
+each value is captured and timed too (median device ms of `--time` steps,
+and the pool's growth).
 """
 
 from __future__ import annotations
