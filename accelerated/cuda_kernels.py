@@ -287,12 +287,13 @@ class Kernels:
     def layernorm_param_grads(self, partials, table, offsets, G):
         # partials: per norm, a (chunks, 2D) buffer; table (norms,) uint64: their
         # addresses, which the kernel reads; offsets (norms) int64 -> G[offset : offset + 2D]
+        # (G: cupy_backend.Gradient, reached through its segments' table)
         norms = len(partials)
         chunks, twoD = partials[0].shape
         assert all(p.shape == (chunks, twoD) for p in partials) and table.shape == (norms,)
         self._launch("layernorm_param_grads", norms * _cdiv(twoD, 32), 32 * LAYERNORM_GROUPS,
-                     (table, offsets, G, i32(norms), i32(chunks), i32(twoD // 2)),
-                     reads=partials)
+                     (table, offsets, G.table, i32(len(G.parts)), i32(norms), i32(chunks),
+                      i32(twoD // 2)), reads=(*partials, *G.parts))
 
     # -- rope
     def rope_forward(self, qkv, out, cos, sin, T, H):
@@ -395,9 +396,11 @@ class Kernels:
                      (t, c, f64(beta1), f64(beta2), rates, i32(rates.shape[0])))
 
     def gradient_norm(self, G, partial, norm, clip: float):
-        # G (N) -> partial (NORM_BLOCKS) -> norm (2) = (||G||, clip scale); clip 0: off
-        assert G.data.ptr % 16 == 0, "gradient_sum_squares reads G as float4"
-        self._launch("gradient_sum_squares", partial.size, THREADS, (G, i64(G.size), partial))
+        # G (N; cupy_backend.Gradient, through its segments' table) -> partial
+        # (NORM_BLOCKS) -> norm (2) = (||G||, clip scale); clip 0: off
+        n4 = G.size // 4 if G.vector else 0
+        self._launch("gradient_sum_squares", partial.size, THREADS,
+                     (G.table, i32(len(G.parts)), i64(G.size), i64(n4), partial), reads=G.parts)
         self._launch("gradient_norm_clip", 1, 1024, (partial, i32(partial.size), norm, f32(clip)))
 
     def adamw_bias_corrections_table(self, ts, c1, c2, beta1: float, beta2: float):
@@ -405,7 +408,8 @@ class Kernels:
                           (ts, c1, c2, i32(ts.size), f64(beta1), f64(beta2)))
 
     def adamw_update(self, P, M, V, G, decay, Pb, c, norm, k, partial=None):
-        # P, M, V, G (N) float32, decay (R, 2) int64: the decayed elements'
+        # P, M, V, G (N) float32 (G: cupy_backend.Gradient, through its
+        # segments' table), decay (R, 2) int64: the decayed elements'
         # sorted, disjoint [start, end) runs (Registry.decay_ranges), Pb (N)
         # bfloat16 bits or None, c (4) c1, c2, a_t, b_t; norm (2) with the clip
         # scale norm[1]; k: reference.adamw.AdamWConstants (the betas and epsilon).
@@ -414,12 +418,14 @@ class Kernels:
         # (gradient_norm_finish takes the norm from them)
         n = P.size
         assert decay.dtype == np.int64 and decay.shape[1:] == (2,), decay.shape
-        n4 = n // 4 if _vector(P, M, V, G, Pb) else 0
+        assert G.size == n, (G.size, n)
+        n4 = n // 4 if _vector(P, M, V, Pb) and G.vector else 0
         blocks = max(1, _cdiv(n4 + n - 4 * n4, THREADS))
         assert partial is None or partial.size >= blocks, (partial.size, blocks)
         self._launch("adamw_update", blocks, THREADS,
-                     (P, M, V, G, decay, i32(decay.shape[0]), _opt(Pb), c, norm, i64(n), i64(n4),
-                      f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2), f32(k.eps), _opt(partial)))
+                     (P, M, V, G.table, i32(len(G.parts)), decay, i32(decay.shape[0]), _opt(Pb), c,
+                      norm, i64(n), i64(n4), f32(k.b1), f32(k.omb1), f32(k.b2), f32(k.omb2),
+                      f32(k.eps), _opt(partial)), reads=G.parts)
         return blocks
 
     def gradient_norm_finish(self, partial, blocks, norm):

@@ -5,11 +5,13 @@ and cuBLAS products (accelerated/cublas.py) on one stream, captured once as
 a CUDA graph and replayed.
 
 Memory plan. Everything the step touches is allocated at capture and kept
-for the program's life: P, M, V, G as flat float32 vectors with the
+for the program's life: P, M, V as flat float32 vectors with the
 registry's layout (a parameter is an offset into them), the update count t
-and the bias corrections on the device, the input slot (B, T+1) int32, and
-every activation the backward needs, per layer. The activation and scratch
-buffers live in one arena where buffers whose lifetimes in the step do not
+and the bias corrections on the device, the input slot (B, T+1) int32, the
+gradient G, and every activation the backward needs, per layer. The
+activation and scratch buffers, and G's segments (Gradient: one per layer,
+the embedding's and the final norm's, each live from its first gradient to
+AdamW), live in one arena where buffers whose lifetimes in the step do not
 overlap share storage (accelerated/memory_plan.py: a dry run of this very
 step gives each buffer's first and last command before anything is
 allocated; COPPELIUS_NO_MEMORY_PLAN=1 gives each its own storage). Kernels
@@ -74,6 +76,7 @@ for debugging, not for training.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import re
 import weakref
@@ -274,6 +277,99 @@ def norm_offsets(config: Config) -> np.ndarray:
     return np.array(offsets + [final], dtype=np.int64)
 
 
+def gradient_segments(config: Config) -> list:
+    """[(first element, elements)] of the step's gradient segments, in the
+    registry's order: the embedding's, one per layer (its norms, attention
+    and MLP), the final norm's."""
+    reg = registry(config)
+    starts = ([reg["tok_embedding.weight"].offset]
+              + [reg[f"layers.{l}.attn_norm.weight"].offset for l in range(config.n_layer)]
+              + [reg["final_norm.weight"].offset])
+    assert starts == sorted(starts) and starts[0] == 0, starts
+    return [(start, end - start) for start, end in zip(starts, starts[1:] + [reg.total])]
+
+
+class Gradient:
+    """G, the gradient: (N,) float32 in the registry's layout, stored as
+    segments. The step's (train without accumulation, on one GPU) has one
+    per layer plus the embedding's and the final norm's (gradient_segments),
+    each a buffer of the memory plan's arena, live from the first product
+    or kernel that writes it to AdamW: at the step's fullest point (the
+    loss, the last layer's backward) only a few exist, where a flat G would
+    hold all N elements from one step to the next. With accumulation or
+    several ranks G carries a sum across passes, or is all-reduced whole: one
+    segment, a flat buffer of the state (`flat`).
+
+    Products and kernels that write one parameter's gradient get an address
+    (ptr, view); the kernels that reach G as a whole (AdamW, the norm, the
+    layer norms' weight gradients) read `table`, (S, 2) int64, each
+    segment's first element and address (kernels/common.cuh grad_at),
+    written at allocation."""
+
+    def __init__(self, starts: list, parts: list, alloc):
+        # segment i holds elements [starts[i], starts[i] + parts[i].size), in order
+        assert starts[0] == 0 and all(a + p.size == b for a, p, b in
+                                      zip(starts, parts, starts[1:])), starts
+        self.starts, self.parts = list(starts), list(parts)
+        self.size = starts[-1] + parts[-1].size
+        self.table = alloc((len(parts), 2), np.int64)
+        if not isinstance(self.table, VirtualArray):
+            self.table.set(np.array([[start, part.data.ptr]
+                                     for start, part in zip(starts, parts)], np.int64),
+                           stream=getattr(alloc, "stream", None))
+
+    @classmethod
+    def segments(cls, config: Config, alloc) -> "Gradient":
+        """The step's segments (gradient_segments), each a buffer from alloc."""
+        segments = gradient_segments(config)
+        return cls([start for start, _ in segments],
+                   [alloc((n,), np.float32) for _, n in segments], alloc)
+
+    @classmethod
+    def flat(cls, G, alloc) -> "Gradient":
+        """One segment: the flat (N,) float32 buffer G."""
+        return cls([0], [G], alloc)
+
+    @property
+    def vector(self) -> bool:
+        """Whether the kernels may read G 16 bytes at a time: every
+        segment's start a multiple of 4 elements, its address 16-byte aligned."""
+        return all(s % 4 == 0 for s in self.starts) and all(p.data.ptr % 16 == 0
+                                                            for p in self.parts)
+
+    def _segment(self, offset: int):
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return self.parts[i], offset - self.starts[i]
+
+    def ptr(self, offset: int) -> int:
+        """Device address of element `offset` of G."""
+        part, at = self._segment(offset)
+        return _ptr(part, at)
+
+    def view(self, offset: int, n: int):
+        """Elements [offset, offset + n) of G, inside one segment."""
+        part, at = self._segment(offset)
+        assert at + n <= part.size, (offset, n)
+        return part[at:at + n]
+
+    def get(self, stream) -> np.ndarray:
+        """(N,) float32 on the host."""
+        return np.concatenate([part.get(stream=stream) for part in self.parts])
+
+    def names(self, label: str) -> dict:
+        """{address: name} of the buffers (the memory plan's report): a flat
+        G is `label`; segments are G.tok_embedding, G.layers.<l>, G.final_norm."""
+        if len(self.parts) == 1:
+            out = {self.parts[0].ptr: label}
+        else:
+            L = len(self.parts) - 2
+            out = {part.ptr: name for part, name in zip(
+                self.parts, ["G.tok_embedding"] + [f"G.layers.{l}" for l in range(L)]
+                + ["G.final_norm"])}
+        out[self.table.ptr] = f"{label}.table"
+        return out
+
+
 class Activations:
     """Every buffer one step of (B, T) needs. With train=False (an eager
     forward) one layer's buffers serve every layer, the logits are whole
@@ -393,7 +489,8 @@ class Model:
         self.config, self.precision = config, precision
         self.norm_offsets = norms  # (2L+1,) int64 on the device: see norm_offsets()
         self.k, self.blas = kernels, blas
-        self.P, self.Pop, self.G = P, Pop, G  # Pop: the parameters as operands (Pb or P)
+        self.P, self.Pop = P, Pop  # Pop: the parameters as operands (Pb or P)
+        self.G = G  # Gradient
         self.cos, self.sin = cos, sin  # (T, E/2)
         self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
         self.layers = layer_offsets(config)
@@ -402,7 +499,7 @@ class Model:
         V = config.vocab
         self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
         self.final_norm = registry(config)["final_norm.weight"].offset
-        self.G_emb = G[self.emb:self.emb + V * D].reshape(V, D)
+        self.G_emb = G.view(self.emb, V * D).reshape(V, D)
         self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
 
     def at(self, *operations):
@@ -453,7 +550,7 @@ class Model:
     def linear_backward_weight(self, dy, x, W, n_out, n_in, beta=0.0):
         # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x (+ beta G[W])
         self.gemm(True, False, n_out, n_in, dy.shape[0], _ptr(dy), n_out, _ptr(x), n_in,
-                  _ptr(self.G, W), n_in, beta=beta)
+                  self.G.ptr(W), n_in, beta=beta)
 
     # -- forward ----------------------------------------------------------------
 
@@ -637,7 +734,7 @@ class Model:
             self.at(p + "attn.o.backward")
             self.gemm(False, False, BT, D, D, _ptr(dres_op), D, _ptr(self.Pop, w.o), D,
                       _ptr(a.dy), D, c_type=self.op)  # dy = dres Wo, an operand only
-            self.gemm(True, False, D, D, BT, _ptr(dres_op), D, _ptr(a.y[l]), D, _ptr(self.G, w.o),
+            self.gemm(True, False, D, D, BT, _ptr(dres_op), D, _ptr(a.y[l]), D, self.G.ptr(w.o),
                       D)
             self._tap(p + "attn.dy", a.dy)
             self.at(p + "attn.core.backward")
@@ -799,12 +896,14 @@ def kernels_for(precision: str):
 @dataclass
 class StepBuffers:
     """The buffers of the step that are not activations: the optimizer
-    state, its gradient, and the step's constants and input slot."""
+    state, the step's constants and input slot, and the gradient where it
+    carries a sum (accumulation, several ranks); else the gradient is the
+    arena's (Gradient, allocated after the activations)."""
 
-    P: object  # (N,) float32 each: parameters, moments, gradient
+    P: object  # (N,) float32 each: parameters, moments
     M: object
     V: object
-    G: object
+    G: object  # (N,) float32, k > 1 or W > 1: the gradient, flat; else None
     Pb: object  # (N,) bfloat16 bits of P under bf16, else None
     t: object  # (1,) int32, the update count
     c: object  # (4,) float32: c1, c2, a_t, b_t of the current update
@@ -822,6 +921,8 @@ class StepBuffers:
     betas: tuple  # the float64 betas of the bias corrections
     accumulate: int = 1  # k micro-batches of B/(W*k) (SPEC 19)
     Gmicro: object = None  # (N,) float32, k > 1: micro-batch 1.. gradient, added into G
+    grad: object = None  # Gradient over G (k > 1 or W > 1)
+    grad_micro: object = None  # Gradient over Gmicro (k > 1)
     rows: object = None  # (b*T,) float32, k > 1 or W > 1: this rank's row losses (b = B/W)
     world: int = 1  # W ranks (SPEC 19): the input slot holds this rank's b = B/W contexts
     gathered: object = None  # (B*T,) float32, W > 1: every rank's row losses, batch order
@@ -835,11 +936,14 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     With accumulate k > 1 also the micro-batches' gradient and the row
     losses; with W = world > 1 ranks (SPEC 19) the input slot holds this
     rank's b = B/W contexts, and the step also has this rank's row losses,
-    everyone's gathered, and the stop count."""
+    everyone's gathered, and the stop count. G is a flat buffer here only
+    with k > 1 or W > 1 (it carries a sum); else the step's Gradient is
+    allocated with the activations, in the memory plan's arena."""
     reg = registry(config)
     N, T, E = reg.total, config.context, config.head_dim
     b = batch // world
-    P, M, V, G = (alloc((N,), np.float32) for _ in range(4))
+    P, M, V = (alloc((N,), np.float32) for _ in range(3))
+    G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
     Pb = alloc((N,), np.uint16) if precision == "bf16" else None
     t = alloc((1,), np.int32)
     c = alloc((4,), np.float32)
@@ -857,16 +961,27 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     gathered = alloc((batch * T,), np.float32) if world > 1 else None
     # zero, and zero after every step's sum until a rank writes 1 (vote_stop)
     stop = alloc((1,), np.float32, zeros=True) if world > 1 else None
+    grad = Gradient.flat(G, alloc) if G is not None else None
+    grad_micro = Gradient.flat(Gmicro, alloc) if Gmicro is not None else None
     return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
                        norms, clip, AdamWConstants.of(hyper),
-                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, rows, world,
-                       gathered, stop)
+                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, grad,
+                       grad_micro, rows, world, gathered, stop)
 
 
-def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers, G=None) -> Model:
-    """The step's Model over the buffers s (G: another gradient buffer)."""
-    return Model(config, precision, kernels, blas, s.P, s.Pb if s.Pb is not None else s.P,
-                 s.G if G is None else G, s.cos, s.sin, s.norms)
+def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers,
+              G: Gradient) -> Model:
+    """The step's Model over the buffers s, its gradient into G."""
+    return Model(config, precision, kernels, blas, s.P, s.Pb if s.Pb is not None else s.P, G,
+                 s.cos, s.sin, s.norms)
+
+
+def step_gradients(config: Config, s: StepBuffers, alloc) -> tuple:
+    """(the step's Gradient, micro-batch 1..'s or None): s's flat ones, or
+    (k = 1, one rank) the segments, from `alloc` (the activations')."""
+    if s.grad is not None:
+        return s.grad, s.grad_micro
+    return Gradient.segments(config, alloc), None
 
 
 def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model = None,
@@ -908,29 +1023,31 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
 
 
 def run_step_tail(model: Model, kernels, s: StepBuffers) -> None:
-    """The step after its gradient: the norm, clipping and AdamW (SPEC 7)."""
+    """The step after its gradient model.G: the norm, clipping and AdamW (SPEC 7)."""
+    G = model.G
     if s.clip == 0:
         # clipping off: the norm is only recorded, so AdamW's own pass over G
         # sums its squares (SPEC 7: float32, any order) and no pass of its own
         # reads G's 4 N bytes again
         model.at("adamw", "gradient_norm")
         kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
-        blocks = kernels.adamw_update(s.P, s.M, s.V, s.G, s.decay, s.Pb, s.c, s.norm, s.adamw,
+        blocks = kernels.adamw_update(s.P, s.M, s.V, G, s.decay, s.Pb, s.c, s.norm, s.adamw,
                                       partial=s.partial)
         model.at("gradient_norm", "clip")
         kernels.gradient_norm_finish(s.partial, blocks, s.norm)
         return
     model.at("gradient_norm", "clip")
-    kernels.gradient_norm(s.G, s.partial[:cuda_kernels.NORM_BLOCKS], s.norm, s.clip)  # and scale
+    kernels.gradient_norm(G, s.partial[:cuda_kernels.NORM_BLOCKS], s.norm, s.clip)  # and scale
     model.at("adamw")
     kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
-    kernels.adamw_update(s.P, s.M, s.V, s.G, s.decay, s.Pb, s.c, s.norm, s.adamw)
+    kernels.adamw_update(s.P, s.M, s.V, G, s.decay, s.Pb, s.c, s.norm, s.adamw)
 
 
 # Activations buffers that keep storage of their own whatever their lifetimes
 PINNED = {"ce": "row losses: read by the host after a replay",
           "ln_table": "the norms' partials' addresses: written at allocation, read every step",
-          "loss": "the loss: read by the host after a replay"}
+          "loss": "the loss: read by the host after a replay",
+          "G.table": "the gradient's segments' addresses: written at allocation, read every step"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
          "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
          "gathered": "state", "stop": "state"}
@@ -948,10 +1065,15 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
     s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
              if isinstance(getattr(s, f.name), VirtualArray)}
+    for label, grad in (("G", s.grad), ("Gmicro", s.grad_micro)):
+        if grad is not None:
+            names.update(grad.names(label))
     n_state = len(v.requests)
     acts = Activations(config, batch // (accumulate * world), config.context,
                        np.uint16 if precision == "bf16" else np.float32, v, train=True,
                        recompute=recompute)
+    G, G_micro = step_gradients(config, s, v)
+    names.update(G.names("G"))
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
             names[value.ptr] = f"acts.{attr}"
@@ -967,8 +1089,9 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
     blas = Cublas(0, 0, 0, dry=True)
     collectives = Collectives(None, 0, rank=0, world=world)
     kernels.log = blas.log = collectives.log = log
-    micro = model_for(config, precision, kernels, blas, s, G=s.Gmicro) if accumulate > 1 else None
-    run_step(model_for(config, precision, kernels, blas, s), kernels, acts, s, micro, collectives)
+    micro = model_for(config, precision, kernels, blas, s, G_micro) if accumulate > 1 else None
+    run_step(model_for(config, precision, kernels, blas, s, G), kernels, acts, s, micro,
+             collectives)
 
     buffers = []
     for i, (shape, dtype, zeros, ptr, nbytes) in enumerate(v.requests):
@@ -977,11 +1100,12 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
             kind = KINDS.get(name, "constant")
             buffers.append(Buffer(name, nbytes, kind, False, "kept for the program's life"))
             continue
-        attr = name[len("acts."):].split("[")[0]
+        attr = name[len("acts."):].split("[")[0] if name.startswith("acts.") else name
         note = PINNED.get(attr, "")
         if zeros:
             note = "zeros above the diagonal written once, at allocation, and kept"
-        buffers.append(Buffer(name, nbytes, "activation", not note, note))
+        kind = "gradient" if name.startswith("G.") and name != "G.table" else "activation"
+        buffers.append(Buffer(name, nbytes, kind, not note, note))
     touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
     if accumulate > 1:
         # SPEC 19: each micro-batch's pass repeats micro-batch 0's commands on
@@ -1036,7 +1160,7 @@ class CupyProgram(CapturedProgram):
         self.alloc = alloc = Buffers(self.stream)
         self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k, W)
         # the names the rest of the program, its tests and dev/cuda/bench_step.py use
-        self.P, self.M, self.V, self.G, self.Pb, self.t = s.P, s.M, s.V, s.G, s.Pb, s.t
+        self.P, self.M, self.V, self.Pb, self.t = s.P, s.M, s.V, s.Pb, s.t
         self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
             s.ids, s.norm, s.c, s.rates, s.partial, s.decay
         self.clip, self.adamw, self.betas = s.clip, s.adamw, s.betas
@@ -1046,9 +1170,6 @@ class CupyProgram(CapturedProgram):
         self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
         self.collectives = Collectives(comm, self.stream.ptr) if W > 1 else None
         weakref.finalize(self, self.blas.close)
-        self.model = model_for(config, precision, self.kernels, self.blas, s)
-        self.micro_model = (model_for(config, precision, self.kernels, self.blas, s, G=s.Gmicro)
-                            if k > 1 else None)
         # the memory plan, made by a dry run of this very step before any
         # activation exists (accelerated/memory_plan.py)
         self.plan = memory_plan(config, hyper, precision, batch, k, W, self.recompute)
@@ -1057,6 +1178,14 @@ class CupyProgram(CapturedProgram):
             else alloc
         self.acts = Activations(config, self.micro_batch, T, op_dtype, acts_alloc, train=True,
                                 recompute=self.recompute)
+        # the gradient: flat in s, or segments in the arena (after the activations, as planned)
+        self.G, G_micro = step_gradients(config, s, acts_alloc)
+        # whether G shares storage with the activations, so that an evaluation overwrites it
+        self._gradient_shared = self.memory_planned and s.grad is None
+        self._gradient_overwritten = False
+        self.model = model_for(config, precision, self.kernels, self.blas, s, self.G)
+        self.micro_model = (model_for(config, precision, self.kernels, self.blas, s, G_micro)
+                            if k > 1 else None)
         self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
         self._eager = None  # (B', T', Activations) of the last logits() shape
         self._uploaded = False
@@ -1191,6 +1320,7 @@ class CupyProgram(CapturedProgram):
         self._done.record(self.stream)
         self.replays += 1
         self._stepped = True
+        self._gradient_overwritten = False
         return Event(self._done)
 
     def replay_timed(self) -> TimedEvent:
@@ -1203,6 +1333,7 @@ class CupyProgram(CapturedProgram):
         end.record(self.stream)
         self.replays += 1
         self._stepped = True
+        self._gradient_overwritten = False
         return TimedEvent(start, end)
 
     def _check_replay(self) -> None:
@@ -1320,7 +1451,14 @@ class CupyProgram(CapturedProgram):
         return ce.get(stream=self.stream).reshape(self.batch, self.config.context)
 
     def gradients(self) -> np.ndarray:
+        """G of the last step (before clipping), (N,) float32. Under the
+        memory plan G's segments share storage with the activations, which
+        evaluate() uses: read G before an evaluation."""
         self._last("gradients")
+        if self._gradient_overwritten:
+            raise ReplayError("gradients: an evaluation since the last step used their storage "
+                              "(the memory plan shares it with the activations); read them "
+                              "before evaluate()")
         return self.G.get(stream=self.stream)  # (N,)
 
     def grad_norm(self) -> float:
@@ -1332,6 +1470,7 @@ class CupyProgram(CapturedProgram):
         parameters; the forward-only graph is captured on first use."""
         tokens = self._local(check_tokens(self.config, self.batch, tokens, "evaluate input"))
         self._done.synchronize()  # a pending replay still uses the activations
+        self._gradient_overwritten = self._gradient_shared
         if self.eval_ids is None:
             b, T = self.local_batch, self.config.context
             self.eval_ids = self.alloc((b, T + 1), np.int32)
@@ -1407,9 +1546,9 @@ class CupyProgram(CapturedProgram):
         alloc = Buffers(self.stream)
         op = np.uint16 if self.precision == "bf16" else np.float32
         acts = Activations(c, B, T, op, alloc, train=True)
-        G = alloc((registry(c).total,), np.float32)
+        G = Gradient.flat(alloc((registry(c).total,), np.float32), alloc)
         ids = alloc.upload(tokens)
-        model = model_for(c, self.precision, self.kernels, self.blas, self.buffers, G=G)
+        model = model_for(c, self.precision, self.kernels, self.blas, self.buffers, G)
 
         def read(buffer, part=None):  # -> (B, T, columns) float32 on the host
             x = _as_float32(buffer.get(stream=self.stream)).reshape(B * T, -1)
@@ -1701,7 +1840,7 @@ def _memory_analysis(program: CupyProgram) -> MemoryAnalysis:
     aliased = plan.aliased() if on else set()
     resources = tuple(
         Resource(b.name, b.nbytes, b.kind, b.first, b.last, b.candidate, i in aliased,
-                 b.offset if on and b.kind == "activation" else None, b.note)
+                 b.offset if on and b.kind in ("activation", "gradient") else None, b.note)
         for i, b in enumerate(plan.buffers))
     return MemoryAnalysis(resources, plan.arena_bytes, plan.unplanned_bytes, on,
                           "" if on else _plan_off_reason(program))

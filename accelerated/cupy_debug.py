@@ -89,7 +89,8 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
     cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
     if kernels is None:
         kernels = cupy_backend.kernels_for(precision)
-    model = cupy_backend.Model(config, precision, kernels, blas, P, P, P, cos, sin, None)
+    model = cupy_backend.Model(config, precision, kernels, blas, P, P,
+                               cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
     acts = cupy_backend.Activations(config, Bn, T, np.uint16 if bf16 else np.float32, alloc,
                                     train=True)
 

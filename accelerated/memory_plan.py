@@ -164,7 +164,7 @@ class CommandLog:
 class Buffer:
     name: str
     nbytes: int
-    kind: str  # state, constant, input, activation, workspace
+    kind: str  # state, constant, input, activation, gradient, workspace
     candidate: bool  # may share storage
     note: str = ""  # why not, where not
     first: int | None = None  # command index

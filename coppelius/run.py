@@ -768,6 +768,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
             t_read = time.perf_counter()
             pending = submit(0)
             following, stream_error = None, None
+            last_gradients = None  # the last step's, for the final record
             for s in range(plan.steps):
                 if following is None and not boundary(s + 1) and not asked():
                     try:
@@ -800,6 +801,10 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 last = done == plan.steps
                 stop = asked()  # read once: a signal may land any time
                 evaluated = None
+                if last and leader:
+                    # the final record's gradient, read before the evaluation
+                    # (on CuPy it shares storage with the activations)
+                    last_gradients = program.gradients()
                 if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
                         and not stop:
                     per_context = held_out_losses(program, plan.stream, T, plan.heldout)
@@ -833,7 +838,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
             t_trained = time.perf_counter()
             if done == plan.steps and leader:
                 _final_record(writer, program, config, batch_at(plan.steps - 1),
-                              first_step + done, publisher.in_flight)
+                              first_step + done, publisher.in_flight, last_gradients)
             publisher.finish()  # the run's last checkpoint is published when train() returns
     finally:
         if progress:
@@ -853,16 +858,17 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
 
 
-def _final_record(writer, program, config, last_tokens, updates, state=None):
+def _final_record(writer, program, config, last_tokens, updates, state=None, grads=None):
     """The result file's final record; `updates`: the update count after
     the last step; `state`: the program's state then, when already copied
-    off the device (the last publication's)."""
+    off the device (the last publication's); `grads`: the last step's
+    gradient, when already read (before the evaluation after it)."""
     T = config.context
     reg = registry(config)
     emb = reg["tok_embedding.weight"]
     state = program.state() if state is None else state
     assert state.t == updates, (state.t, updates)
-    grads = program.gradients()
+    grads = program.gradients() if grads is None else grads
     block = np.stack([
         program.row_losses()[0],  # last step's row losses, batch element 0
         grads[emb.offset:emb.offset + T],  # first T elements of its embedding gradient

@@ -213,7 +213,7 @@ class Resource:
 
     resource: str  # its name: P, G, acts.h1[3], ...
     bytes: int
-    kind: str  # state, constant, input, activation, workspace
+    kind: str  # state, constant, input, activation, gradient, workspace
     first_access: int | None  # executable node index, or None where not traced
     last_access: int | None
     alias_candidate: bool  # may share storage with a buffer whose lifetime it does not overlap

@@ -272,7 +272,8 @@ def test_layernorm_backward_and_param_grads(shape, precision, residual, aligned)
     k.layernorm_backward(dev(dout), dx if residual else None, dx_x, mean, rstd, dev(w), dx, dx_op,
                          partials[0])
     partials[1][...] = partials[0]
-    G = empty((5 * D + 7,))
+    # G in two segments, a norm in each
+    G = gradient(np.full(5 * D + 7, np.nan, np.float32), cuts=(3 * D + 5,))
     offsets = dev(np.array([D + 3, 3 * D + 7], np.int64))
     table = dev(np.array([p.data.ptr for p in partials], np.uint64))
     k.layernorm_param_grads(partials, table, offsets, G)
@@ -287,7 +288,7 @@ def test_layernorm_backward_and_param_grads(shape, precision, residual, aligned)
     check_bitwise("h (written again by the backward)", as_float(again, precision),
                   as_float(h, precision))
     check_bitwise("dx (with h)", host(dx2), host(dx))
-    g = host(G)
+    g = host_gradient(G)
     # dw and db are sums over the rows that can cancel: float32's error is
     # relative to the sum of the terms' magnitudes, not to the sum itself
     xhat = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + cupy_backend.EPS)
@@ -608,30 +609,48 @@ def test_bias_corrections_bitwise_for_t_up_to_10000():
             check_bitwise(f"c at t={t0 + 1}", host(c), np.array(want, np.float32))
 
 
+def cuts_of(n, kind):
+    """Where G is cut into segments: none (flat); at multiples of 4 (the
+    16-byte path, bitwise the flat pass); one element past them (one element
+    at a time)."""
+    if kind == "flat" or n < 16:
+        return ()
+    cuts = sorted({4 * (n // 12), 4 * (n // 8), 4 * (n // 5)})
+    return tuple(c + 1 for c in cuts) if kind == "odd" else tuple(cuts)
+
+
 @pytest.mark.parametrize("n", [1, 1000, 100_003, 3_000_001])
 def test_gradient_norm_and_clip_scale(n):
     """||G|| against the float64 norm (float32 partial sums: a relative error
-    of a few 1e-7), bit-reproducible, and the clip scale c / n."""
+    of a few 1e-7), bit-reproducible, and the clip scale c / n; G flat or in
+    segments (the 16-byte pass over segments cut at multiples of 4 gives the
+    flat pass's bits)."""
     G = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     want = float(np.sqrt(np.sum(G.astype(np.float64) ** 2)))
     k = kernels()
     partial, norm = empty((cuda_kernels.NORM_BLOCKS,)), empty((2,))
-    runs = []
-    for clip in (0.0, want / 3, want * 2):
-        k.gradient_norm(dev(G), partial, norm, clip)
-        got = host(norm)
-        runs.append(got[0])
-        assert abs(got[0] - want) <= 1e-6 * want, (got[0], want)
-        scale = np.float32(np.float32(clip) / got[0]) if 0 < clip < got[0] else np.float32(1)
-        check_bitwise(f"scale at clip {clip}", got[1:], np.array([scale]))
-    check_bitwise("norm, three runs", np.array(runs[1:]), np.array(runs[:2]))
+    norms = {}
+    for kind in ("flat", "segments", "odd"):
+        runs = []
+        for clip in (0.0, want / 3, want * 2):
+            k.gradient_norm(gradient(G, cuts_of(n, kind)), partial, norm, clip)
+            got = host(norm)
+            runs.append(got[0])
+            assert abs(got[0] - want) <= 1e-6 * want, (kind, got[0], want)
+            scale = np.float32(np.float32(clip) / got[0]) if 0 < clip < got[0] else np.float32(1)
+            check_bitwise(f"scale at clip {clip}", got[1:], np.array([scale]))
+        check_bitwise(f"norm, three runs ({kind})", np.array(runs[1:]), np.array(runs[:2]))
+        norms[kind] = runs[0]
+    check_bitwise("norm over segments", np.array([norms["segments"]]), np.array([norms["flat"]]))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("n, aligned", [(100_003, True), (1_001, False), (3, True)])
-def test_adamw_update_bitwise(precision, n, aligned):
+@pytest.mark.parametrize("n, aligned, cuts", [(100_003, True, "segments"), (100_003, True, "odd"),
+                                              (1_001, False, "flat"), (3, True, "flat")])
+def test_adamw_update_bitwise(precision, n, aligned, cuts):
     """The same float32 operations as reference.adamw.adamw_update: 16-byte
-    chunks then the n % 4 elements left, or (misaligned) one at a time."""
+    chunks then the n % 4 elements left, or (misaligned, or G's segments
+    cut off the chunks) one at a time; G flat or in segments."""
     rng = np.random.default_rng(7)
     t = 17
     hyper = Hyper(lr="1/1000", weight_decay="3/10")
@@ -646,8 +665,9 @@ def test_adamw_update_bitwise(precision, n, aligned):
     Pb = empty((n,), np.uint16) if precision == "bf16" else None
     c = dev(np.array([*bias_corrections(hyper, t), *learning_rates(hyper, t)], np.float32))
     unclipped = dev(np.array([0.0, 1.0], np.float32))  # (norm, scale): scale 1 leaves G's bits
-    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(runs_of(decay)), Pb, c,
-                                    unclipped, AdamWConstants.of(hyper))
+    kernels(precision).adamw_update(dP, dM, dV, gradient(G, cuts_of(n, cuts)),
+                                    dev(runs_of(decay)), Pb, c, unclipped,
+                                    AdamWConstants.of(hyper))
     for name, got, w in zip("PMV", (dP, dM, dV), want):
         check_bitwise(name, host(got), w)
     if Pb is not None:
@@ -660,7 +680,8 @@ def test_adamw_update_sums_the_norm_when_clipping_is_off(precision, n, aligned):
     """With `partial` (clipping off) AdamW's pass also sums G's squares:
     P, M, V and Pb bitwise those of the kernel given scale 1, and the norm
     finished from the partials within float32 summation of the float64
-    norm, the same bits run after run; the norm buffer is not read (NaN)."""
+    norm, the same bits run after run; the norm buffer is not read (NaN).
+    G in segments."""
     rng = np.random.default_rng(n)
     hyper = Hyper(lr="1/1000", weight_decay="3/10")
     P = rng.standard_normal(n).astype(np.float32)
@@ -676,7 +697,8 @@ def test_adamw_update_sums_the_norm_when_clipping_is_off(precision, n, aligned):
         Pb = empty((n,), np.uint16) if precision == "bf16" else None
         norm = dev(np.array([0.0, 1.0 if not fused else np.nan], np.float32))
         partial = empty((cuda_kernels.adamw_blocks(n),)) if fused else None
-        blocks = k.adamw_update(dP, dM, dV, dev(G), decay, Pb, c, norm, consts, partial=partial)
+        G_dev = gradient(G, cuts_of(n, "segments" if aligned else "odd"))
+        blocks = k.adamw_update(dP, dM, dV, G_dev, decay, Pb, c, norm, consts, partial=partial)
         got = [host(dP), host(dM), host(dV)] + ([as_float(Pb, "bf16")] if Pb is not None else [])
         if not fused:
             want = got
@@ -691,6 +713,19 @@ def test_adamw_update_sums_the_norm_when_clipping_is_off(precision, n, aligned):
     check_bitwise("norm, twice", want[-1], want[-2])
 
 
+def gradient(G, cuts=(), aligned=True):
+    """G (N,) float32 on the device as the step's Gradient: segments cut at
+    `cuts`, each a buffer of its own (aligned=False: one element past a
+    16-byte boundary)."""
+    bounds = [0, *cuts, G.size]
+    parts = [placed(G[a:b], aligned) for a, b in zip(bounds, bounds[1:])]
+    return cupy_backend.Gradient(bounds[:-1], parts, lambda shape, dtype: cupy.empty(shape, dtype))
+
+
+def host_gradient(G):
+    return np.concatenate([host(part) for part in G.parts])
+
+
 def runs_of(mask):
     """(R, 2) int64 [start, end) of the runs of True in mask, as the kernel takes them."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
@@ -701,7 +736,8 @@ def runs_of(mask):
 @pytest.mark.parametrize("decayed", ["none", "all", "registry"])
 def test_adamw_update_decay_runs(precision, decayed):
     """No run, one run over everything, and the registry's own runs of the
-    test preset (the step's), against the reference's update with the mask."""
+    test preset (the step's), against the reference's update with the mask;
+    G in the step's segments."""
     reg = registry(CONFIG)
     n = reg.total
     mask = {"none": np.zeros(n, bool), "all": np.ones(n, bool),
@@ -714,7 +750,8 @@ def test_adamw_update_decay_runs(precision, decayed):
     want = adamw_update(P, M, V, G, mask, hyper, 1)
     dP, dM, dV = dev(P), dev(M), dev(V)
     c = dev(np.array([*bias_corrections(hyper, 1), *learning_rates(hyper, 1)], np.float32))
-    kernels(precision).adamw_update(dP, dM, dV, dev(G), dev(ranges.reshape(-1, 2)),
+    cuts = [start for start, _ in cupy_backend.gradient_segments(CONFIG)][1:]
+    kernels(precision).adamw_update(dP, dM, dV, gradient(G, cuts), dev(ranges.reshape(-1, 2)),
                                     empty((n,), np.uint16) if precision == "bf16" else None, c,
                                     dev(np.array([0.0, 1.0], np.float32)),
                                     AdamWConstants.of(hyper))
@@ -1232,11 +1269,18 @@ def test_a_step_by_small_chunks_of_logits(monkeypatch, accumulate):
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e}" for r in failures)
     held_out = windows(1, seed=25)[0]
-    gradients = program.gradients()
+    # step_rows evaluated after the step: with accumulate 1 that took G's storage
+    gradients = program.gradients() if accumulate > 1 else None
     want = ReferenceProgram(CONFIG, Hyper(), "bf16", B, program.state()).evaluate(held_out)
     check_close("held-out row losses", program.evaluate(held_out), want, 1e-2)
-    # the evaluation runs the classifier's chunks without their backward
-    check_bitwise("gradients after an evaluation", program.gradients(), gradients)
+    if accumulate == 1:
+        # G's segments share the arena with the activations the evaluation used
+        with pytest.raises(ReplayError, match="evaluate"):
+            program.gradients()
+    else:
+        # G carries the micro-batches' sum in a buffer of its own: the
+        # evaluation runs the classifier's chunks without their backward
+        check_bitwise("gradients after an evaluation", program.gradients(), gradients)
 
 
 def test_reset_returns_the_device_memory():

@@ -23,20 +23,24 @@ extern "C" __global__ void adamw_bias_corrections(int* t, float* c, double beta1
 // The gradient norm (SPEC 7), in two fixed-order passes so that every replay
 // gives the same bits: each of gridDim.x blocks sums the squares of a strided
 // set of G's elements into partial[block]; then one block sums the partials.
-extern "C" __global__ void gradient_sum_squares(const float* __restrict__ G, long long n,
+// G: S segments (gseg, grad_at). Item i < n4: elements 4i .. 4i+3, one
+// 16-byte load (the launcher found every segment's start a multiple of 4 and
+// its address 16-byte aligned; else n4 = 0), then the n - 4 n4 elements left
+// one by one: the pass is bound by reading G once. Four loads are issued
+// before their sums (the order of the sums is the loop's), to keep bytes in
+// flight.
+extern "C" __global__ void gradient_sum_squares(const long long* __restrict__ gseg, int S,
+                                                long long n, long long n4,
                                                 float* __restrict__ partial) {
     __shared__ float red[32];
     float s = 0.0f;
-    // float4 loads (G is a pool allocation, 256-byte aligned): the pass is
-    // bound by reading G once. Four loads are issued before their sums
-    // (the order of the sums is the loop's), to keep bytes in flight.
-    const float4* G4 = reinterpret_cast<const float4*>(G);
-    long long n4 = n / 4, stride = (long long)gridDim.x * blockDim.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * stride < n4; i += 4 * stride) {
         float4 g[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) g[k] = G4[i + k * stride];
+        for (int k = 0; k < 4; k++)
+            g[k] = *reinterpret_cast<const float4*>(grad_at(gseg, S, 4 * (i + k * stride)));
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             s = fmaf(g[k].x, g[k].x, s);
@@ -46,14 +50,17 @@ extern "C" __global__ void gradient_sum_squares(const float* __restrict__ G, lon
         }
     }
     for (; i < n4; i += stride) {
-        float4 g = G4[i];
+        float4 g = *reinterpret_cast<const float4*>(grad_at(gseg, S, 4 * i));
         s = fmaf(g.x, g.x, s);
         s = fmaf(g.y, g.y, s);
         s = fmaf(g.z, g.z, s);
         s = fmaf(g.w, g.w, s);
     }
-    if (blockIdx.x == 0) {  // the last n % 4 elements
-        for (long long j = 4 * n4 + threadIdx.x; j < n; j += blockDim.x) s = fmaf(G[j], G[j], s);
+    // the elements from 4 n4 on, one by one
+    for (long long j = 4 * n4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
+         j += stride) {
+        float g = *grad_at(gseg, S, j);
+        s = fmaf(g, g, s);
     }
     s = block_sum(s, red);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
@@ -131,15 +138,17 @@ __device__ __forceinline__ bool decays(const long long* __restrict__ decay, int 
 // Under bf16 the new parameters are also written as bfloat16 operands (Pb),
 // so the next step's products need no rounding pass over P. Item i < n4:
 // chunk i of every vector (16-byte loads and stores; 8 bytes of Pb); then
-// one item per element from 4 * n4 on (n4 = 0: every element alone). The
-// pass moves about 30 bytes per parameter: bandwidth-bound.
+// one item per element from 4 * n4 on (n4 = 0: every element alone). G:
+// S segments (gseg, grad_at). The pass moves about 30 bytes per parameter:
+// bandwidth-bound.
 //
 // With `partial` (clipping off: the norm is only recorded, and the scale is
 // 1) the pass also sums the squares of the G it reads, in float32 (SPEC 7:
 // any order), each block's into partial[block], and gradient_norm_clip
 // finishes the norm after it: no pass over G of its own.
 extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict__ M,
-                                        float* __restrict__ Vm, const float* __restrict__ G,
+                                        float* __restrict__ Vm,
+                                        const long long* __restrict__ gseg, int S,
                                         const long long* __restrict__ decay, int R,
                                         unsigned short* __restrict__ Pb,
                                         const float* __restrict__ c,
@@ -155,8 +164,8 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
         if (i < n4) {
             float4 p = reinterpret_cast<float4*>(P)[i], m = reinterpret_cast<float4*>(M)[i];
             float4 v = reinterpret_cast<float4*>(Vm)[i];
-            float4 g = reinterpret_cast<const float4*>(G)[i];
             long long j = 4 * i;
+            float4 g = *reinterpret_cast<const float4*>(grad_at(gseg, S, j));
             int r = decay_run(decay, R, j);
             k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, j));
             k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, j + 1));
@@ -177,7 +186,7 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
             s = fmaf(g.w, g.w, s);
         } else {
             long long e = i + 3 * n4;  // element 4 * n4 + (i - n4)
-            float p = P[e], m = M[e], v = Vm[e], g = G[e];
+            float p = P[e], m = M[e], v = Vm[e], g = *grad_at(gseg, S, e);
             int r = decay_run(decay, R, e);
             k.update(p, m, v, g, decays(decay, R, r, e));
             P[e] = p;

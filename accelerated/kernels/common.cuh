@@ -119,3 +119,23 @@ __device__ __forceinline__ void store_operand_chunk(floatX* row, int c, int n, b
     store_chunk(row, c, n, vec, a);
 #endif
 }
+
+// ---------------------------------------------------------------- the gradient
+// G is the registry's flat vector of N float32 elements, stored in S
+// segments (the step's: one per layer, the embedding's and the final
+// norm's, each a buffer of its own in the memory plan's arena, live from
+// its first gradient to AdamW; or one segment, a flat buffer). gseg
+// (S, 2): each segment's first element and device address, by first
+// element. The address of element j: in the last segment starting at or
+// before j, found by bisection (every thread of a block looks up the same
+// few entries, from the L1 cache).
+__device__ __forceinline__ float* grad_at(const long long* __restrict__ gseg, int S,
+                                          long long j) {
+    int lo = 0, hi = S - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (gseg[2 * mid] <= j) lo = mid;
+        else hi = mid - 1;
+    }
+    return reinterpret_cast<float*>(gseg[2 * lo + 1]) + (j - gseg[2 * lo]);
+}

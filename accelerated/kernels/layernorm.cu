@@ -231,14 +231,15 @@ LAYERNORM_KERNELS(8)
 // (chunks, 2D), at the address partials[n] (each norm's are a buffer of
 // their own, live from its backward on), summed in chunk order into
 // G[offsets[n] .. + 2D) (its weight then its bias, adjacent in the
-// registry). A block of 8 x 32 threads takes 32 adjacent columns of one
+// registry, in one segment of G: gseg, grad_at). A block of 8 x 32 threads takes 32 adjacent columns of one
 // norm: thread (g, j) sums the chunks g, g + 8, ... of column j in order,
 // then the 8 sums are added in order of g.
 #define LN_GROUPS 8
 extern "C" __global__ void __launch_bounds__(32 * LN_GROUPS)
 layernorm_param_grads(const float* const* __restrict__ partials,
                       const long long* __restrict__ offsets,
-                      float* __restrict__ G, int norms, int chunks, int D) {
+                      const long long* __restrict__ gseg, int S, int norms, int chunks,
+                      int D) {
     __shared__ float group[LN_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
     int blocks_per_norm = (2 * D + 31) / 32;
@@ -255,6 +256,6 @@ layernorm_param_grads(const float* const* __restrict__ partials,
     if (g == 0 && col < 2 * D) {
         float t = group[0][j];
         for (int i = 1; i < LN_GROUPS; i++) t = __fadd_rn(t, group[i][j]);
-        G[offsets[n] + col] = t;
+        *grad_at(gseg, S, offsets[n] + col) = t;
     }
 }

@@ -432,13 +432,28 @@ def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, b, h, dx, dx_op, pa
         _a(partials)[c, int(D):] = dy[s].sum(0)
 
 
-def k_layernorm_param_grads(bf16, table, offsets, G, norms, chunks, D):
+def _gradient(gseg, S, n):
+    """G's segments (kernels/common.cuh grad_at): [(first element, writable
+    float32 view at its address)], by first element; the last runs to n."""
+    table = _a(gseg).reshape(-1, 2)[:int(S)]
+    ends = list(table[1:, 0]) + [int(n)]
+    return [(int(start), _floats(int(addr), int(end) - int(start)))
+            for (start, addr), end in zip(table, ends)]
+
+
+def _gradient_whole(gseg, S, n):
+    return np.concatenate([part for _, part in _gradient(gseg, S, n)])
+
+
+def k_layernorm_param_grads(bf16, table, offsets, gseg, S, norms, chunks, D):
     # table: each norm's partials' address, (chunks, 2D) float32 there
     count = int(chunks) * 2 * int(D)
+    segments = _a(gseg).reshape(-1, 2)[:int(S)]
     for n in range(int(norms)):
         off = int(_a(offsets)[n])
         part = _floats(int(_a(table)[n]), count).reshape(int(chunks), 2 * int(D))
-        _a(G)[off:off + 2 * int(D)] = part.sum(0)
+        start, addr = next((int(st), int(a)) for st, a in reversed(segments) if st <= off)
+        _floats(addr + 4 * (off - start), 2 * int(D))[...] = part.sum(0)
 
 
 def _rope_split(x, H):
@@ -657,8 +672,8 @@ def k_adamw_bias_corrections(bf16, t, c, beta1, beta2, rates, rows):
     _a(c)[2:4] = _a(rates).reshape(-1, 2)[row]
 
 
-def k_gradient_sum_squares(bf16, G, n, partial):
-    g = _a(G)[:int(n)]
+def k_gradient_sum_squares(bf16, gseg, S, n, n4, partial):
+    g = _gradient_whole(gseg, S, n)
     blocks = _a(partial).size
     for b in range(blocks):  # the kernel's strided sets, each summed in float32
         _a(partial)[b] = np.sum(np.square(g[b::blocks]), dtype=np.float32)
@@ -677,22 +692,23 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, G, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2, eps,
-                   partial):
+def k_adamw_update(bf16, P, M, V, gseg, S, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2,
+                   eps, partial):
+    G = _gradient_whole(gseg, S, n)
     p, m, v = _a(P), _a(M), _a(V)
     mask = np.zeros(p.size, dtype=bool)
     for start, end in _a(decay).reshape(-1, 2)[:int(R)]:
         mask[start:end] = True
     if not _null(partial):  # clipping off: scale 1, each block's sum of squares
-        g = _a(G)[:int(n)]
+        g = G[:int(n)]
         n4 = int(n4)
         squares = np.concatenate([np.square(g[:4 * n4]).reshape(-1, 4).sum(1, dtype=np.float32),
                                   np.square(g[4 * n4:])]).astype(np.float32)
         for b in range(0, squares.size, 256):  # blocks of 256 items (THREADS)
             _a(partial)[b // 256] = np.sum(squares[b:b + 256], dtype=np.float32)
-        g = _a(G)
+        g = G
     else:
-        g = _a(G) * _a(norm)[1]
+        g = G * _a(norm)[1]
     c1, c2, lr, lrwd = _a(c)[0], _a(c)[1], _a(c)[2], _a(c)[3]
     m[...] = b1 * m + omb1 * g
     v[...] = b2 * v + omb2 * g * g

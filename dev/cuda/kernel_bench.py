@@ -138,11 +138,22 @@ def cases(config, B):
         k.layernorm_backward(b["dout"], b["dres"], b["x"], b["m"], b["r"], b["w"], b["dres"],
                              b["op"], b["part"], **{n: b[n] for n in ("b", "h") if n in b})
 
-    def param_grads(chunks):
+    def segments(G):
+        # G as the step's Gradient: the registry's segments, views of the
+        # flat buffer (older trees take the flat buffer itself)
+        starts = [start for start, _ in cupy_backend.gradient_segments(config)]
+        if len(starts) * 2 * D > G.size:  # the norms' buffer: a segment per norm
+            starts = list(range(0, G.size, 2 * D))
+        ends = starts[1:] + [G.size]
+        return cupy_backend.Gradient(starts, [G[a:b] for a, b in zip(starts, ends)],
+                                     lambda shape, dtype: cupy.empty(shape, dtype))
+
+    def param_grads(chunks, old=False):
         def make():
             part = randn((norms, chunks, 2 * D))
             table = cupy.asarray(np.array([part[n].data.ptr for n in range(norms)], np.uint64))
-            return dict(part=part, table=table, G=empty((norms * 2 * D,)))
+            G = empty((norms * 2 * D,))
+            return dict(part=part, table=table, G=G if old else segments(G))
         return make
 
     def param_grads_run(k, b):
@@ -156,7 +167,8 @@ def cases(config, B):
         reg = registry(config)
         decay = reg.decay_mask().astype(np.uint8) if mask else reg.decay_ranges()
         return lambda: dict(P=randn((N,)), M=randn((N,), 1e-3), V=randn((N,), 1e-3) ** 2,
-                            G=randn((N,), 1e-3), d=cupy.asarray(decay), Pb=empty((N,), bf))
+                            G=randn((N,), 1e-3) if mask else segments(randn((N,), 1e-3)),
+                            d=cupy.asarray(decay), Pb=empty((N,), bf))
 
     ln_bytes = BT * D * (4 * 4 + 2)
     return [
@@ -184,7 +196,7 @@ def cases(config, B):
                                                        b["part"]),
              old_bytes=ln_bytes + new_chunks * 2 * D * 4),
         Case("layernorm_param_grads", 1, param_grads(new_chunks), param_grads_run,
-             norms * new_chunks * 2 * D * 4, old_make=param_grads(old_chunks),
+             norms * new_chunks * 2 * D * 4, old_make=param_grads(old_chunks, old=True),
              old_bytes=norms * old_chunks * 2 * D * 4),
         Case("rope_forward", L, lambda: dict(qkv=randn((BT, 3 * D)), out=empty((BT, 3 * D), bf)),
              lambda k, b: k.rope_forward(b["qkv"], b["out"], cos, sin, T, H), BT * 3 * D * 6),
@@ -215,9 +227,11 @@ def cases(config, B):
              lambda k, b: k.crossentropy_forward_backward(b["l"], ids, T + 1, T, b["ce"], b["dl"],
                                                           dce), chunk * V * 6),
         Case("gradient_norm (2 kernels)", 1,
-             lambda: dict(G=randn((N,), 1e-3), part=empty((cuda_kernels.NORM_BLOCKS,)),
+             lambda: dict(G=segments(randn((N,), 1e-3)), part=empty((cuda_kernels.NORM_BLOCKS,)),
                           n=empty((2,))),
-             lambda k, b: k.gradient_norm(b["G"], b["part"], b["n"], 1.0), N * 4),
+             lambda k, b: k.gradient_norm(b["G"], b["part"], b["n"], 1.0), N * 4,
+             old_make=lambda: dict(G=randn((N,), 1e-3), part=empty((cuda_kernels.NORM_BLOCKS,)),
+                                   n=empty((2,)))),
         Case("adamw_update", 1, adamw_make(),
              lambda k, b: k.adamw_update(b["P"], b["M"], b["V"], b["G"], b["d"], b["Pb"], c4,
                                          norm2, k_adamw), N * (4 * 4 + 3 * 4 + 2),

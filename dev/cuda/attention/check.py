@@ -103,7 +103,7 @@ def timed(config, B, kernels):
         P = alloc((registry(one).total,), np.float32)
         cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
         model = cupy_backend.Model(one, "bf16", kernels or cupy_backend.kernels_for("bf16"), blas,
-                                   P, P, P, cos, sin, None)
+                                   P, P, cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
         acts = cupy_backend.Activations(one, B, T, np.uint16, alloc, train=True)
         assert acts.fused == fused
         rng = np.random.default_rng(1)

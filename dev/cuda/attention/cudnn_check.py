@@ -79,8 +79,8 @@ def layer(config, B, path):
         one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
         P = alloc((registry(one).total,), np.float32)
         cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
-        model = cupy_backend.Model(one, "bf16", cupy_backend.kernels_for("bf16"), blas, P, P, P,
-                                   cos, sin, None)
+        model = cupy_backend.Model(one, "bf16", cupy_backend.kernels_for("bf16"), blas, P, P,
+                                   cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
         acts = cupy_backend.Activations(one, B, T, np.uint16, alloc, train=True)
     assert acts.path.kind == path, (path, acts.path)
     rng = np.random.default_rng(B)
