@@ -820,7 +820,7 @@ def test_one_step_with_fused_attention():
 def test_one_step_with_cudnn_attention(monkeypatch):
     """The whole bf16 step with cuDNN's attention: against reference.step,
     bit-reproducible across two captures, and the captured graph gives the
-    eager step's bits."""
+    eager step's bits (gradients and row losses)."""
     need_cudnn()
     with cudnn_from_batch(1):
         program, tokens, state = check_one_step(B, "cudnn", None)
@@ -846,11 +846,15 @@ def check_one_step(batch, path, kernel):
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
                                    f"at {r.worst}: {r.got} vs {r.want}" for r in failures)
+    # (step_rows evaluated after the step, which took G's storage: the
+    # second capture's step is compared by its update, P, M and V)
     again = cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
     again.upload_input(tokens)
     again.replay_and_wait()
-    check_bitwise("gradients", again.gradients(), program.gradients())
-    return program, tokens, state
+    one, two = again.state(), program.state()
+    for name in "PMV":
+        check_bitwise(name, getattr(one, name), getattr(two, name))
+    return again, tokens, state
 
 
 def test_report_names_why_cudnn_is_not_used(monkeypatch):
@@ -1248,6 +1252,36 @@ def test_the_production_plan_is_tight_at_the_loss(batch):
     assert plan.arena_bytes <= 1.01 * live, (plan.arena_bytes, live)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_gradient_lives_from_its_first_write_to_adamw(batch):
+    """The production model's plan (the dry run): G is no state buffer but
+    a segment per layer, the embedding's and the final norm's, each in the
+    arena from the command that first writes it (the embedding's: the first
+    chunk's unembedding product; a layer's: its down weight's gradient, the
+    first of its backward) to AdamW; at the loss none exists."""
+    config = preset("coppelius")
+    plan = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
+    by_name = {b.name: b for b in plan.buffers}
+    assert "G" not in by_name and not by_name["G.table"].candidate  # the table: pinned
+    adamw = next(c.index for c in plan.commands if c.name == "adamw_update")
+    first_emb = next(c.index for c in plan.commands
+                     if c.operations == ("lm_head.backward",) and c.launch.get("trans_a"))
+    segments = ["G.tok_embedding"] + [f"G.layers.{l}" for l in range(config.n_layer)] + \
+        ["G.final_norm"]
+    for name, (start, n) in zip(segments, cupy_backend.gradient_segments(config)):
+        b = by_name[name]
+        assert b.kind == "gradient" and b.candidate and b.nbytes == 4 * n, name
+        assert b.last == adamw, (name, b.last, adamw)
+    assert by_name["G.tok_embedding"].first == first_emb
+    for l in range(config.n_layer):
+        down = next(c.index for c in plan.commands if c.kind == "product"
+                    and c.operations == (f"layers.{l}.mlp.down.backward",)
+                    and c.launch.get("trans_a"))
+        assert by_name[f"G.layers.{l}"].first == down, l
+    loss = next(c.index for c in plan.commands if c.name == "crossentropy_forward_backward")
+    assert all(by_name[name].first > loss for name in segments)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_step_by_small_chunks_of_logits(monkeypatch, accumulate):
     """Chunks of 7 rows (the last one shorter) against reference.step, the
@@ -1277,6 +1311,9 @@ def test_a_step_by_small_chunks_of_logits(monkeypatch, accumulate):
         # G's segments share the arena with the activations the evaluation used
         with pytest.raises(ReplayError, match="evaluate"):
             program.gradients()
+        program.upload_input(tokens)  # the next step's G is readable again
+        program.replay_and_wait()
+        assert np.isfinite(program.gradients()).all()
     else:
         # G carries the micro-batches' sum in a buffer of its own: the
         # evaluation runs the classifier's chunks without their backward
