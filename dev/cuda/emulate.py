@@ -240,12 +240,35 @@ class RawModule:
 # ---------------------------------------------------------------- NCCL (ranks as threads)
 
 class _World:
-    """The ranks of one unique id: a barrier and one slot per rank."""
+    """The ranks of one unique id: a meeting point and one slot per rank."""
 
     def __init__(self, n):
         self.n = n
-        self.barrier = threading.Barrier(n, timeout=120)  # a lost rank breaks it, never hangs
         self.slots = [None] * n
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.generation = 0  # meetings completed
+
+    def meet(self, aborted) -> bool:
+        """Wait for every rank. False once aborted() (this rank's
+        communicator, as NCCL's kernels return only after their own
+        communicator's ncclCommAbort: another rank's abort, or its end,
+        releases no one) or after 120 s (a lost rank never hangs a test)."""
+        with self.cond:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.n:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return True
+            deadline = time.monotonic() + 120
+            while self.generation == generation:
+                if aborted() or time.monotonic() > deadline:
+                    self.arrived -= 1
+                    return False
+                self.cond.wait(0.01)
+            return True
 
 
 _WORLDS = {}
@@ -260,9 +283,10 @@ class NcclCommunicator:
     """cupy.cuda.nccl.NcclCommunicator for ranks that are threads of this
     process: the constructor returns once every rank joined the unique id;
     a collective is a command of the rank's stream (recorded by a capture,
-    run at replay) that meets the other ranks at a barrier. abort() breaks
-    the barrier: a rank waiting in a collective returns with its buffer as
-    it was, as NCCL's kernels do after ncclCommAbort; then, as NCCL frees
+    run at replay) that meets the other ranks. abort() raises this rank's
+    abort flag: its collective waiting for the others returns with its
+    buffer as it was, as NCCL's kernels do after ncclCommAbort (the other
+    ranks' keep waiting until their own abort); then, as NCCL frees
     a communicator only once the CUDA graphs holding its work are gone,
     abort() waits for them (AssertionError after a while: a program still
     holds one)."""
@@ -274,19 +298,18 @@ class NcclCommunicator:
         assert self.world.n == ndev
         self.rank = rank
         self.graphs = weakref.WeakSet()
+        self.aborted = False
         self._exchange(None)  # every rank has joined
 
     def _exchange(self, mine):
         """Every rank's contribution in rank order, or None once aborted."""
         w = self.world
-        try:
-            w.slots[self.rank] = mine
-            w.barrier.wait()
-            parts = list(w.slots)
-            w.barrier.wait()  # every rank has read before a slot is written again
-            return parts
-        except threading.BrokenBarrierError:
+        w.slots[self.rank] = mine
+        if not w.meet(lambda: self.aborted):
             return None
+        parts = list(w.slots)
+        # every rank has read before a slot is written again
+        return parts if w.meet(lambda: self.aborted) else None
 
     def _captured(self):
         if _STATE.recording is not None:
@@ -318,7 +341,9 @@ class NcclCommunicator:
         _submit(run)
 
     def abort(self):
-        self.world.barrier.abort()  # the abort flag: a waiting collective returns
+        self.aborted = True  # the abort flag: this rank's waiting collective returns
+        with self.world.cond:
+            self.world.cond.notify_all()
         deadline = time.monotonic() + 10
         while len(self.graphs) and time.monotonic() < deadline:
             time.sleep(0.01)
