@@ -142,7 +142,7 @@ def cases(config, B):
         # G as the step's Gradient: the registry's segments, views of the
         # flat buffer (older trees take the flat buffer itself)
         starts = [start for start, _ in cupy_backend.gradient_segments(config)]
-        if len(starts) * 2 * D > G.size:  # the norms' buffer: a segment per norm
+        if starts[-1] >= G.size:  # the norms' buffer: a segment per norm
             starts = list(range(0, G.size, 2 * D))
         ends = starts[1:] + [G.size]
         return cupy_backend.Gradient(starts, [G[a:b] for a, b in zip(starts, ends)],

@@ -87,7 +87,9 @@ def sha(*arrays) -> str:
 
 def plan_bytes(program) -> int:
     plan = program.plan
-    return plan.arena_bytes + sum(b.nbytes for b in plan.buffers if b.kind != "activation")
+    # the arena holds the activations and (trees that plan it) the gradient's segments
+    return plan.arena_bytes + sum(b.nbytes for b in plan.buffers
+                                  if b.kind not in ("activation", "gradient"))
 
 
 RECOMPUTE = {}  # capture's recompute=True where --recompute asks (trees that have it)

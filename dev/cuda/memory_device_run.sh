@@ -5,9 +5,11 @@
 # and in OLD (the pool's growth by site; the bits of two steps at B = 8 and
 # 32, compared); then, alone on the GPU and timed, `coppelius bench` at
 # B = 1, 8, 32 in this tree with the PyTorch peers and in OLD without them,
-# the logits chunk sizes (memory_check.py --chunk-bytes) and the changed
-# kernels beside OLD's (kernel_bench.py). Logs under $OUT; a summary last.
-#   usage: OLD=path/to/tree [WHEELS=dir] [QUICK=1] bash dev/cuda/memory_device_run.sh
+# with CHUNKS=1 the logits chunk sizes (memory_check.py --chunk-bytes), and
+# the changed kernels beside OLD's (kernel_bench.py; KERNELS: its --only
+# arguments, by default the gradient's readers). Logs under $OUT; a summary last.
+#   usage: OLD=path/to/tree [WHEELS=dir] [QUICK=1] [CHUNKS=1] [KERNELS="--only ..."]
+#          bash dev/cuda/memory_device_run.sh
 # QUICK=1: a check after a change: the tests, the test preset's conformance,
 # this tree's memory_check and the two benches without the peers, nothing else.
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel (cuDNN's
@@ -75,14 +77,14 @@ bench new 200 ${QUICK:+--no-peer}
 [ $SECONDS -lt $LIMIT ] && bench old 60 --no-peer
 [ -n "$QUICK" ] && LIMIT=0  # no chunk sizes, no kernels
 M=$((1 << 20))
-[ $SECONDS -lt $LIMIT ] && PYTHONPATH=$FE$NEW timeout 60 python3 dev/cuda/memory_check.py \
+[ -n "$CHUNKS" ] && [ $SECONDS -lt $LIMIT ] && PYTHONPATH=$FE$NEW timeout 60 python3 dev/cuda/memory_check.py \
     --time 15 --chunk-batch 8 --chunk-batch 32 --chunk-bytes $((24 * M)) \
     --chunk-bytes $((48 * M)) --chunk-bytes $((96 * M)) --chunk-bytes $((1 << 40)) \
     > "$OUT/timing.log" 2>&1
 echo "chunk variants exit $?" >> "$OUT/timing.log"
 [ $SECONDS -lt $LIMIT ] && PYTHONPATH=$FE$NEW timeout 40 python3 dev/cuda/kernel_bench.py \
-    --old "$OLD" --launches 10 --replays 3 --only "(and h)" --only "swiglu_backward" \
-    --only "crossentropy" --only "adamw" >> "$OUT/timing.log" 2>&1
+    --old "$OLD" --launches 10 --replays 3 ${KERNELS:---only adamw --only gradient_norm --only param_grads} \
+    >> "$OUT/timing.log" 2>&1
 echo "kernel_bench exit $? (at ${SECONDS} s)" >> "$OUT/timing.log"
 
 echo "================================================================ summary"
