@@ -331,6 +331,10 @@ class Gradient:
         return cls([0], [G], alloc)
 
     @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
     def vector(self) -> bool:
         """Whether the kernels may read G 16 bytes at a time: every
         segment's start a multiple of 4 elements, its address 16-byte aligned."""
