@@ -66,6 +66,9 @@ def empty(shape, dtype=np.float32):
 def time_launches(stream, launch, copies, launches, replays):
     """Median device ms per launch: `launches` launches (cycling over the
     copies) in one graph, replayed."""
+    # the copies were made on the default stream, which a non-blocking
+    # stream does not wait for: their uploads (tables of addresses) first
+    cupy.cuda.Device().synchronize()
     with stream:
         for c in copies[:2]:
             launch(c)  # compiles; warms the instruction cache
