@@ -1123,6 +1123,11 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
             used = [c for c in range(n_pass) if i in touches[c]]
             if buffers[i].candidate:
                 buffers[i].first, buffers[i].last = (used[0], used[-1]) if used else (None, None)
+    for b in buffers:
+        if b.kind == "gradient":
+            # the host reads G after the replay: live to the step's end, so
+            # that nothing after AdamW may take its storage
+            b.last = len(log.commands) - 1
     products = [c.index for c in log.commands if c.kind == "product"]
     ws = buffers[[b.name for b in buffers].index("workspace")]
     ws.first, ws.last = (products[0], products[-1]) if products else (None, None)
@@ -1275,10 +1280,11 @@ class CupyProgram(CapturedProgram):
         activations (free between steps, on the same stream; under the
         memory plan too: its commands are the step's forward and the
         classifier chunks' products and cross-entropy, in the step's order,
-        touching none of the backward's buffers, so buffers sharing storage
-        never live at once) and writes its losses to a
-        buffer of its own, so the last step's row losses, loss and gradient
-        stay readable."""
+        so buffers sharing storage never live at once) and writes its losses
+        to a buffer of its own, so the last step's row losses and loss stay
+        readable. Its buffers share storage with the gradient's segments
+        (the step's G, where it is not flat): gradients() refuses until the
+        next step."""
         a, T = self.acts, self.config.context
         # the activations hold B/(W*k) contexts; the logits' gradient is scratch here
         b, dce = a.B, np.float32(1.0 / (a.B * T))
@@ -1766,7 +1772,8 @@ def _report(program: CupyProgram) -> dict:
                             + (f"; cuDNN attention not used: {path.reason}" if path.reason
                                else ""),
         "lowering_validation": "the step runs eagerly once before capture",
-        "memory_planning": (f"{aliased} activation and scratch buffers share one arena by "
+        "memory_planning": (f"{aliased} activation, scratch and gradient buffers share one "
+                            f"arena by "
                             f"lifetime: {plan.savings} bytes saved" if program.memory_planned
                             else "plan not applied: " + _plan_off_reason(program))
                            + "; every buffer allocated before capture, none in the step"

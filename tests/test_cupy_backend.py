@@ -665,7 +665,7 @@ def test_adamw_update_bitwise(precision, n, aligned, cuts):
     Pb = empty((n,), np.uint16) if precision == "bf16" else None
     c = dev(np.array([*bias_corrections(hyper, t), *learning_rates(hyper, t)], np.float32))
     unclipped = dev(np.array([0.0, 1.0], np.float32))  # (norm, scale): scale 1 leaves G's bits
-    kernels(precision).adamw_update(dP, dM, dV, gradient(G, cuts_of(n, cuts)),
+    kernels(precision).adamw_update(dP, dM, dV, gradient(G, cuts_of(n, cuts), aligned),
                                     dev(runs_of(decay)), Pb, c, unclipped,
                                     AdamWConstants.of(hyper))
     for name, got, w in zip("PMV", (dP, dM, dV), want):
@@ -846,11 +846,14 @@ def check_one_step(batch, path, kernel):
     failures = [r for r in rows if not r.passed]
     assert not failures, "\n".join(f"{r.check} {r.tensor}: {r.error:.3e} > {r.tolerance:.0e} "
                                    f"at {r.worst}: {r.got} vs {r.want}" for r in failures)
-    # (step_rows evaluated after the step, which took G's storage: the
-    # second capture's step is compared by its update, P, M and V)
-    again = cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
-    again.upload_input(tokens)
-    again.replay_and_wait()
+    # (step_rows evaluated after the step, which took G's storage: two more
+    # captures' gradients are compared, and the first one's update P, M, V)
+    again, third = (cupy_backend.capture(CONFIG, Hyper(), "bf16", batch, state.copy())
+                    for _ in range(2))
+    for p in (again, third):
+        p.upload_input(tokens)
+        p.replay_and_wait()
+    check_bitwise("gradients", again.gradients(), third.gradients())
     one, two = again.state(), program.state()
     for name in "PMV":
         check_bitwise(name, getattr(one, name), getattr(two, name))
@@ -1258,7 +1261,9 @@ def test_the_gradient_lives_from_its_first_write_to_adamw(batch):
     a segment per layer, the embedding's and the final norm's, each in the
     arena from the command that first writes it (the embedding's: the first
     chunk's unembedding product; a layer's: its down weight's gradient, the
-    first of its backward) to AdamW; at the loss none exists."""
+    first of its backward), last touched by AdamW and kept to the step's end
+    (the host reads it after the replay); at the first chunk's cross-entropy
+    none exists."""
     config = preset("coppelius")
     plan = cupy_backend.memory_plan(config, Hyper(), "bf16", batch)
     by_name = {b.name: b for b in plan.buffers}
@@ -1271,7 +1276,9 @@ def test_the_gradient_lives_from_its_first_write_to_adamw(batch):
     for name, (start, n) in zip(segments, cupy_backend.gradient_segments(config)):
         b = by_name[name]
         assert b.kind == "gradient" and b.candidate and b.nbytes == 4 * n, name
-        assert b.last == adamw, (name, b.last, adamw)
+        index = plan.buffers.index(b)
+        assert max(t for t, touched in enumerate(plan.touches) if index in touched) == adamw
+        assert b.last == len(plan.commands) - 1, (name, b.last)
     assert by_name["G.tok_embedding"].first == first_emb
     for l in range(config.n_layer):
         down = next(c.index for c in plan.commands if c.kind == "product"

@@ -255,6 +255,8 @@ class _World:
         communicator's ncclCommAbort: another rank's abort, or its end,
         releases no one) or after 120 s (a lost rank never hangs a test)."""
         with self.cond:
+            if aborted():
+                return False
             generation = self.generation
             self.arrived += 1
             if self.arrived == self.n:

@@ -165,12 +165,12 @@ def cases(config, B):
         else:  # an older tree's: one (norms, chunks, 2D) buffer
             k.layernorm_param_grads(b["part"], offsets, b["G"])
 
-    def adamw_make(mask=False):
-        # the registry's weight decay: runs of elements (old trees: a byte per element)
-        reg = registry(config)
-        decay = reg.decay_mask().astype(np.uint8) if mask else reg.decay_ranges()
+    def adamw_make(flat=False):
+        # the registry's weight decay as runs of elements; G in the step's
+        # segments, or (flat: trees before them) one buffer
+        decay = registry(config).decay_ranges()
         return lambda: dict(P=randn((N,)), M=randn((N,), 1e-3), V=randn((N,), 1e-3) ** 2,
-                            G=randn((N,), 1e-3) if mask else segments(randn((N,), 1e-3)),
+                            G=randn((N,), 1e-3) if flat else segments(randn((N,), 1e-3)),
                             d=cupy.asarray(decay), Pb=empty((N,), bf))
 
     ln_bytes = BT * D * (4 * 4 + 2)
@@ -238,7 +238,7 @@ def cases(config, B):
         Case("adamw_update", 1, adamw_make(),
              lambda k, b: k.adamw_update(b["P"], b["M"], b["V"], b["G"], b["d"], b["Pb"], c4,
                                          norm2, k_adamw), N * (4 * 4 + 3 * 4 + 2),
-             old_make=adamw_make(mask=True), old_bytes=N * (4 * 4 + 1 + 3 * 4 + 2)),
+             old_make=adamw_make(flat=True)),
         Case("accumulate_gradient (k > 1)", 0, lambda: dict(G=randn((N,)), Gm=randn((N,))),
              lambda k, b: k.accumulate_gradient(b["G"], b["Gm"]), N * 12),
         Case("round_bf16 (at capture)", 0, lambda: dict(x=randn((N,)), out=empty((N,), bf)),

@@ -69,7 +69,7 @@ def profiled(replay, steps: int) -> list:
 
 
 def per_step(kernels: list) -> list:
-    """Split at the idle millisecond; per step: span, busy, count, busy by group."""
+    """Split where the device idled over 1 ms; per step: span, busy, count, busy by group."""
     steps, current = [], []
     for k in kernels:
         if current and k[1] - max(c[2] for c in current[-64:]) > 1000:
