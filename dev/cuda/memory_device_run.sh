@@ -8,7 +8,7 @@
 # with CHUNKS=1 the logits chunk sizes (memory_check.py --chunk-bytes), and
 # the changed kernels beside OLD's (kernel_bench.py; KERNELS: its --only
 # arguments, by default the gradient's readers). Logs under $OUT; a summary last.
-#   usage: OLD=path/to/tree [WHEELS=dir] [QUICK=1] [CHUNKS=1] [KERNELS="--only ..."]
+#   usage: OLD=path/to/tree [WHEELS=dir] [QUICK=1] [NOPEER=1] [CHUNKS=1] [KERNELS="--only ..."]
 #          bash dev/cuda/memory_device_run.sh
 # QUICK=1: a check after a change: the tests, the test preset's conformance,
 # this tree's memory_check and the two benches without the peers, nothing else.
@@ -73,7 +73,7 @@ bench() {  # tree, extra arguments
         > "$OUT/bench-$1.log" 2>&1
     echo "bench $1 exit $?" >> "$OUT/bench-$1.log"
 }
-bench new 200 ${QUICK:+--no-peer}
+bench new 200 ${QUICK:+--no-peer} ${NOPEER:+--no-peer}
 [ $SECONDS -lt $LIMIT ] && bench old 60 --no-peer
 [ -n "$QUICK" ] && LIMIT=0  # no chunk sizes, no kernels
 M=$((1 << 20))
