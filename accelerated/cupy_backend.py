@@ -277,6 +277,16 @@ def norm_offsets(config: Config) -> np.ndarray:
     return np.array(offsets + [final], dtype=np.int64)
 
 
+def address_table(alloc, values: list, dtype):
+    """A small buffer from `alloc` holding `values` (addresses of buffers,
+    with their offsets), written once, at allocation, for kernels that reach
+    several buffers through it; in the memory plan's dry run only allocated."""
+    table = alloc(np.shape(values), dtype)
+    if not isinstance(table, VirtualArray):
+        table.set(np.array(values, dtype), stream=getattr(alloc, "stream", None))
+    return table
+
+
 def gradient_segments(config: Config) -> list:
     """[(first element, elements)] of the step's gradient segments, in the
     registry's order: the embedding's, one per layer (its norms, attention
@@ -312,11 +322,8 @@ class Gradient:
                                       zip(starts, parts, starts[1:])), starts
         self.starts, self.parts = list(starts), list(parts)
         self.size = starts[-1] + parts[-1].size
-        self.table = alloc((len(parts), 2), np.int64)
-        if not isinstance(self.table, VirtualArray):
-            self.table.set(np.array([[start, part.data.ptr]
-                                     for start, part in zip(starts, parts)], np.int64),
-                           stream=getattr(alloc, "stream", None))
+        self.table = address_table(alloc, [[start, part.data.ptr]
+                                           for start, part in zip(starts, parts)], np.int64)
 
     @classmethod
     def segments(cls, config: Config, alloc) -> "Gradient":
@@ -478,10 +485,7 @@ class Activations:
         # layers not yet reached are not live
         self.ln_partials = [alloc((cuda_kernels.layernorm_chunks(BT), 2 * D), f32)
                             for _ in range(2 * L + 1)]
-        self.ln_table = alloc((2 * L + 1,), np.uint64)
-        if not isinstance(self.ln_table, VirtualArray):
-            self.ln_table.set(np.array([p.data.ptr for p in self.ln_partials], np.uint64),
-                              stream=getattr(alloc, "stream", None))
+        self.ln_table = address_table(alloc, [p.data.ptr for p in self.ln_partials], np.uint64)
         self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
 
 
@@ -1078,6 +1082,7 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
                        recompute=recompute)
     G, G_micro = step_gradients(config, s, v)
     names.update(G.names("G"))
+    segments = {part.ptr for part in G.parts} if s.grad is None else set()  # in the arena
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
             names[value.ptr] = f"acts.{attr}"
@@ -1108,8 +1113,8 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
         note = PINNED.get(attr, "")
         if zeros:
             note = "zeros above the diagonal written once, at allocation, and kept"
-        kind = "gradient" if name.startswith("G.") and name != "G.table" else "activation"
-        buffers.append(Buffer(name, nbytes, kind, not note, note))
+        buffers.append(Buffer(name, nbytes, "gradient" if ptr in segments else "activation",
+                              not note, note))
     touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
     if accumulate > 1:
         # SPEC 19: each micro-batch's pass repeats micro-batch 0's commands on
@@ -1330,7 +1335,6 @@ class CupyProgram(CapturedProgram):
         self._done.record(self.stream)
         self.replays += 1
         self._stepped = True
-        self._gradient_overwritten = False
         return Event(self._done)
 
     def replay_timed(self) -> TimedEvent:
@@ -1343,7 +1347,6 @@ class CupyProgram(CapturedProgram):
         end.record(self.stream)
         self.replays += 1
         self._stepped = True
-        self._gradient_overwritten = False
         return TimedEvent(start, end)
 
     def _check_replay(self) -> None:
@@ -1352,6 +1355,7 @@ class CupyProgram(CapturedProgram):
         check_replay_state(self.device_state, self._owned, BACKEND)
 
     def _submit(self) -> None:
+        self._gradient_overwritten = False  # the step writes G again
         if self.graph is not None:
             self.graph.launch(stream=self.stream)
         else:

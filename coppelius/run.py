@@ -858,17 +858,16 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
 
 
-def _final_record(writer, program, config, last_tokens, updates, state=None, grads=None):
+def _final_record(writer, program, config, last_tokens, updates, state, grads):
     """The result file's final record; `updates`: the update count after
     the last step; `state`: the program's state then, when already copied
-    off the device (the last publication's); `grads`: the last step's
-    gradient, when already read (before the evaluation after it)."""
+    off the device (the last publication's), else None; `grads`: the last
+    step's gradient, read before the evaluation after it."""
     T = config.context
     reg = registry(config)
     emb = reg["tok_embedding.weight"]
     state = program.state() if state is None else state
     assert state.t == updates, (state.t, updates)
-    grads = program.gradients() if grads is None else grads
     block = np.stack([
         program.row_losses()[0],  # last step's row losses, batch element 0
         grads[emb.offset:emb.offset + T],  # first T elements of its embedding gradient

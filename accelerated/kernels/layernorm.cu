@@ -231,9 +231,9 @@ LAYERNORM_KERNELS(8)
 // (chunks, 2D), at the address partials[n] (each norm's are a buffer of
 // their own, live from its backward on), summed in chunk order into
 // G[offsets[n] .. + 2D) (its weight then its bias, adjacent in the
-// registry, in one segment of G: gseg, grad_at). A block of 8 x 32 threads takes 32 adjacent columns of one
-// norm: thread (g, j) sums the chunks g, g + 8, ... of column j in order,
-// then the 8 sums are added in order of g.
+// registry, in one segment of G: gseg, grad_at). A block of 8 x 32 threads
+// takes 32 adjacent columns of one norm: thread (g, j) sums the chunks g,
+// g + 8, ... of column j in order, then the 8 sums are added in order of g.
 #define LN_GROUPS 8
 extern "C" __global__ void __launch_bounds__(32 * LN_GROUPS)
 layernorm_param_grads(const float* const* __restrict__ partials,
