@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import LAYERNORM_EPS, Config
+from .config import Config, check_implemented
 from .layers.attention import attention_backward, attention_forward
 from .layers.crossentropy import crossentropy_backward, crossentropy_forward
 from .layers.embedding import embedding_backward, embedding_forward
@@ -20,7 +20,8 @@ from .layers.rope import rope_backward, rope_forward, rope_tables
 from .layers.swiglu import swiglu_backward, swiglu_forward
 from .params import registry
 
-EPS = float(LAYERNORM_EPS)
+# The family's fields (SPEC 21) this model computes; the others are refused
+IMPLEMENTED = ("norm_eps", "rope_base")
 
 
 def _heads(x, H):
@@ -40,18 +41,20 @@ def model_forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str
     """tokens (B,T) -> logits (B,T,V), and the cache for model_backward.
     `record`: a dict that receives each intermediate under its name in the
     project's naming scheme (reference/semantic.py), for debugging."""
+    check_implemented(config, IMPLEMENTED, "reference")
     w = registry(config).views(P)
     H = config.n_head
     B, T = tokens.shape
     keep = record.__setitem__ if record is not None else (lambda name, value: None)
-    cos, sin = rope_tables(T, config.head_dim, P.dtype)
+    eps = float(config.norm_eps)
+    cos, sin = rope_tables(T, config.head_dim, P.dtype, config.rope_base)
     x = embedding_forward(tokens, w["tok_embedding.weight"])  # (B,T,D)
     keep("embedding.out", x)
     layers = []
     for l in range(config.n_layer):
         p = f"layers.{l}."
         c = {}
-        h, c["ln1"] = layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], EPS)
+        h, c["ln1"] = layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], eps)
         q, c["q"] = linear_forward(h, w[p + "attn.q.weight"], policy)  # (B,T,D)
         k, c["k"] = linear_forward(h, w[p + "attn.k.weight"], policy)
         v, c["v"] = linear_forward(h, w[p + "attn.v.weight"], policy)
@@ -69,7 +72,7 @@ def model_forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str
         keep(p + "attn.out", y)
         x = x + y
         keep(p + "mid", x)
-        h, c["ln2"] = layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"], EPS)
+        h, c["ln2"] = layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"], eps)
         g, c["gate"] = linear_forward(h, w[p + "mlp.gate.weight"], policy)  # (B,T,F)
         u, c["up"] = linear_forward(h, w[p + "mlp.up.weight"], policy)
         a, c["swiglu"] = swiglu_forward(g, u)
@@ -82,7 +85,7 @@ def model_forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str
         x = x + y
         keep(p + "out", x)
         layers.append(c)
-    h, ln_f = layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"], EPS)
+    h, ln_f = layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"], eps)
     logits, head = linear_forward(h, w["lm_head.weight"], policy)  # (B,T,V), tied weight
     keep("final_norm.out", h)
     keep("logits", logits)
