@@ -48,7 +48,7 @@ except ImportError:  # the backend is simply unavailable
     mx = None
 
 from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
-from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
+from coppelius.reference.config import Config, Hyper, check_implemented, check_precision
 from coppelius.reference.errors import RunError
 from coppelius.reference.layers.rope import rope_tables
 from coppelius.reference.params import registry
@@ -108,6 +108,10 @@ def matmul_for(policy: str):
 
 # ---------------------------------------------------------------- forward
 
+# The family's fields (SPEC 21) this backend computes; the others are refused
+IMPLEMENTED = ("norm_eps", "rope_base")
+
+
 class Model:
     """The forward of SPEC sections 3 and 4 over a dict of MLX arrays. With
     recompute, each layer's gate and up products and SwiGLU are one
@@ -115,14 +119,15 @@ class Model:
     computes them again (the same values)."""
 
     def __init__(self, config: Config, policy: str, recompute: bool = False):
+        check_implemented(config, IMPLEMENTED, BACKEND)
         self.config = config
         self.matmul = matmul_for(policy)
         self.recompute = recompute
         T, E = config.context, config.head_dim
-        cos, sin = rope_tables(T, E)  # (T,E/2) float32, computed in float64 then rounded
+        cos, sin = rope_tables(T, E, np.float32, config.rope_base)  # (T,E/2), float64 then rounded
         self.cos, self.sin = mx.array(cos), mx.array(sin)
         self.scale = mx.array(np.float32(1.0 / math.sqrt(E)))  # float32(1/sqrt(E))
-        self.eps = mx.array(np.float32(float(LAYERNORM_EPS)))
+        self.eps = mx.array(np.float32(float(config.norm_eps)))
         # -inf where j > i (the future positions a row must not see), else 0:
         # added to the scores, exactly where's result (s + 0 is s, s + -inf is
         # -inf; the masked entries' gradient is p = 0 times what comes back).

@@ -334,8 +334,8 @@ def _family_value(where: str, key: str, value):
     allowed = kinds.get(key, (int, float, str))
     if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
         shown = "a table" if isinstance(value, dict) else repr(value)
-        want = {str: "a string", bool: "true or false", int: "an integer"}.get(
-            allowed[0], 'a number or a string like "1/2"')
+        want = {"norm": "a string", "tied": "true or false", "qkv_bias": "true or false",
+                "n_kv_head": "an integer"}.get(key, 'a number or a string like "1/2"')
         raise ConfigError(f"{where}: {key} = {shown}: must be {want}")
     if key in ("norm_eps", "rope_base", "rotary"):
         try:
