@@ -161,7 +161,7 @@ def check_implemented(config: Config, implemented: tuple, who: str) -> None:
             value = config.family()[name]
             shown = identity_number(value) if isinstance(value, Fraction) else repr(value)
             raise ConfigError(f"{who}: config field {name}={shown} (SPEC 21) is not "
-                              f"implemented by this backend yet")
+                              f"implemented here yet")
 
 
 def identity_number(q: Fraction) -> str:
