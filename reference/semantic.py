@@ -199,6 +199,8 @@ class Trace:
 
     def op(self, name: str, kind: str, fn, *args, out):
         names = (out,) if isinstance(out, str) else tuple(out)
+        if kind not in SHAPES:
+            raise ValueError(f"{name}: kind {kind!r} has no shape rule (semantic.SHAPES)")
         shapes, cache = SHAPES[kind](*args)
         if len(shapes) != len(names):
             raise ValueError(f"{name}: {len(names)} output names for {len(shapes)} outputs")
