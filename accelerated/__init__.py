@@ -1,7 +1,7 @@
 """Backends with the reference's interface (SPEC sections 13 and 14).
 
 Each backend module exposes `capture(config, hyper, precision, batch, state)
--> TrainingProgram` (see reference/program.py for the interface) and
+-> TrainingProgram` (see reference/contract.py for the interface) and
 `available() -> bool`.
 """
 
