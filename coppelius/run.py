@@ -278,9 +278,10 @@ def heldout_count(options: dict, K_stream: int, path) -> int:
 def check_gpus(backend: str, world: int) -> None:
     """SPEC 19: data parallelism is the CUDA backend's; MLX and the
     reference have one device."""
-    if world > 1 and backend != "cupy":
+    if world > 1 and not accelerated.capabilities(backend).data_parallel:
         raise RunError(f"--gpus {world}: backend {backend} has one device; data parallelism "
-                       f"runs on the cupy backend")
+                       f"runs on the {' and '.join(accelerated.data_parallel_backends())} "
+                       f"backend")
 
 
 def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int = 0,
@@ -304,8 +305,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
         config, defaults = config_from_toml(options["model"], config if options.get("preset")
                                             else None)
-    precision = check_precision(options.get("precision")
-                                or ("bf16" if backend == "cupy" else "fp32"))
+    can = accelerated.capabilities(backend)
+    precision = check_precision(options.get("precision") or can.default_precision)
     batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")
     accumulate = _positive(options.get("accumulate", 1), "accumulate")
     if batch % accumulate:
@@ -323,7 +324,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
     limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
-                                        on_host=backend != "cupy"),
+                                        on_host=can.host_data),
                       f"--batch={batch} on the {options.get('model') or name} model")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
     fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
@@ -1083,7 +1084,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
-        if plan.recompute and plan.backend != "reference":  # (the reference ignores it)
+        if plan.recompute and accelerated.capabilities(plan.backend).recompute:  # else ignored
             gpus += ", gate and up recomputed in the backward"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
