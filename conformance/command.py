@@ -1,5 +1,5 @@
-"""The conformance command line, shared by `python -m coppelius.conformance` and
-`coppelius conformance`.
+"""`coppelius conformance` (register(), for coppelius/cli.py) and
+`python -m coppelius.conformance` (main()): one command line, these options.
 
     --backend NAME      (repeatable) default: every available backend but the
                         reference (the reference against itself is a smoke check)
@@ -78,6 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare every intermediate of one step's forward and backward "
                              "with the reference's and name the first layer and tensor that "
                              "diverges")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conformance", help="check backends against the reference, tensor by tensor",
+        description="Drive each backend and the reference on the same inputs and compare "
+                    "logits, losses, every gradient, P, M, V, a loss trajectory and exact "
+                    "resume (SPEC 14). Exit status 1 when any check fails.")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
 
 
 def check_plan(config, batch: int, steps: int) -> None:
