@@ -93,18 +93,15 @@ def preset_name(config: Config) -> str:
 
 
 def default_precision(backend: str) -> str:
-    """SPEC section 6: bf16 on the CUDA backend, fp32 elsewhere."""
-    return "bf16" if backend == "cupy" else "fp32"
+    """SPEC section 6: bf16 on the CUDA backend, fp32 elsewhere (as declared)."""
+    return accelerated.capabilities(backend).default_precision
 
 
 def backend_device(backend: str) -> str:
+    """cuda, gpu (MLX on Apple silicon) or cpu, as the backend declares."""
     import platform
 
-    if backend == "cupy":
-        return "cuda"
-    if backend == "mlx" and platform.system() == "Darwin":
-        return "gpu"
-    return "cpu"
+    return accelerated.capabilities(backend).device_on(platform.system())
 
 
 def batch_list(given, default: int) -> list:
@@ -153,7 +150,7 @@ def program_runner(backend: str, config: Config, precision: str, batch: int, sta
     recompute: the gate and up products computed again in the backward."""
     module = accelerated.backend_module(backend)
     start = time.perf_counter()
-    pool = _cupy_pool() if backend == "cupy" else None
+    pool = _cupy_pool() if accelerated.capabilities(backend).device_memory else None
     base = pool.total_bytes() if pool is not None else 0
     program = module.capture(config, Hyper(), precision, batch, state, recompute=recompute)
 
@@ -434,12 +431,13 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
     runners = []
     programs = [] if args.no_reference else [
         ("reference", precision) for precision in args.precision or ["fp32"]]
-    programs += [(name, precision) for name in backends if name != "reference"
+    programs += [(name, precision) for name in backends
+                 if not accelerated.capabilities(name).defines
                  for precision in args.precision or [default_precision(name)]]
     variants = [(name, precision, False) for name, precision in programs]
     if args.recompute:
         variants += [(name, precision, True) for name, precision in programs
-                     if name != "reference"]
+                     if accelerated.capabilities(name).recompute]
     for name, precision, recompute in variants:
         label = f"{name} recompute" if recompute else name
         runners.append(program_runner(name, config, precision, batch, state, warm, label,
@@ -485,7 +483,8 @@ def run(args) -> int:
     if args.warmup < 0 or args.reference_coppelius < 0:
         raise ConfigError("--warmup and --reference-coppelius must be >= 0")
     target = fsutil.output_target(args.json, "--json") if args.json is not None else None
-    backends = args.backend or [n for n in accelerated.available_backends() if n != "reference"]
+    backends = args.backend or [n for n in accelerated.available_backends()
+                                if not accelerated.capabilities(n).defines]
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
     cuda_precisions = sorted({p for name in backends if backend_device(name) == "cuda"

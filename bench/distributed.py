@@ -41,11 +41,12 @@ def run(args) -> int:
             raise RunError(f"--gpus {n}: the launcher ({launch.launcher}) started "
                            f"{launch.world} ranks")
         return bench_rank(args, launch)
-    for name in args.backend or ["cupy"]:
-        if name != "cupy":
+    parallel = accelerated.data_parallel_backends()
+    for name in args.backend or parallel:
+        if name not in parallel:
             raise ConfigError(f"--gpus {n}: backend {name} has one device; data parallelism "
-                              f"runs on the cupy backend")
-    accelerated.backend_module("cupy")
+                              f"runs on the {' and '.join(parallel)} backend")
+        accelerated.backend_module(name)
     from coppelius.accelerated import distributed
 
     distributed.check_devices(n)

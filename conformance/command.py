@@ -1,5 +1,5 @@
-"""The conformance command line, shared by `python -m coppelius.conformance` and
-`coppelius conformance`.
+"""`coppelius conformance` (register(), for coppelius/cli.py) and
+`python -m coppelius.conformance` (main()): one command line, these options.
 
     --backend NAME      (repeatable) default: every available backend but the
                         reference (the reference against itself is a smoke check)
@@ -80,6 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "diverges")
 
 
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conformance", help="check backends against the reference, tensor by tensor",
+        description="Drive each backend and the reference on the same inputs and compare "
+                    "logits, losses, every gradient, P, M, V, a loss trajectory and exact "
+                    "resume (SPEC 14). Exit status 1 when any check fails.")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
 def check_plan(config, batch: int, steps: int) -> None:
     """Refuse a suite whose memory cannot exist here: its token windows
     (steps, B, T+1) and one step of the reference, at the least."""
@@ -88,8 +98,9 @@ def check_plan(config, batch: int, steps: int) -> None:
 
 
 def default_backends() -> list:
-    names = [n for n in accelerated.available_backends() if n != "reference"]
-    return names or ["reference"]
+    names = accelerated.available_backends()
+    checked = [n for n in names if not accelerated.capabilities(n).defines]
+    return checked or [n for n in names if accelerated.capabilities(n).defines]
 
 
 def _print(report: Report, failures_only: bool, rows=None) -> None:
@@ -151,7 +162,7 @@ def run(args) -> int:
                            f"holds {K}")
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
         inputs = f"stream {args.stream}, contexts from {args.context}"
-    if "reference" in backends:
+    if any(accelerated.capabilities(name).defines for name in backends):
         print("note: the reference program replays the definition itself: checking it is a "
               "smoke check of the suite, not a conformance result\n")
     status = 0

@@ -45,7 +45,7 @@ def test_on_the_emulated_backend():
 # ---------------------------------------------------------------- inside the emulator
 
 if EMULATED:
-    from coppelius import cli, reference, run
+    from coppelius import cli, reference, train
     from coppelius import launch as ranks
     from coppelius.accelerated import cupy_backend, distributed
     from coppelius.conformance.tolerances import relative_error, tolerance
@@ -88,7 +88,7 @@ def ranks_run(argvs, timeout=60):
         args = cli.build_parser().parse_args(argvs[r])
         args.argv = argvs[r]
         launch = ranks.Launch(r, world, None, "127.0.0.1", port, "torchrun")
-        statuses[r] = run.run_rank(args, launch, hard_exit=False)
+        statuses[r] = train.run_rank(args, launch, hard_exit=False)
 
     threads = [threading.Thread(target=one, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
@@ -321,7 +321,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
             signalled.set()
         return submitted
 
-    class OnRankOne(run.Stopper):
+    class OnRankOne(train.Stopper):
         @property
         def signum(self):
             mine = threading.current_thread().name == "rank-1"
@@ -332,7 +332,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
             pass
 
     monkeypatch.setattr(cupy_backend.CupyProgram, "submit", counting)
-    monkeypatch.setattr(run, "Stopper", OnRankOne)
+    monkeypatch.setattr(train, "Stopper", OnRankOne)
     a = tmp_path / "a"
     assert ranks_run([train_argv(stream, a, "--steps", "16", "--interval", "50")] * 2) \
         == [128 + 15] * 2

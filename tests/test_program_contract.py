@@ -22,11 +22,11 @@ from coppelius.conformance.cases import random_state
 from coppelius.conformance.suite import step_rows
 from coppelius.conformance.tolerances import tolerance
 from coppelius.conformance.tolerances import relative_error as error_and_worst
+from coppelius.reference.compilation import STAGE_STATES, STAGES, StageRecord
 from coppelius.reference.config import Config, Hyper, preset
+from coppelius.reference.contract import (MissingCapability, ProgramReset, ReplayError,
+                                          ReplayEvent, TrainingProgram)
 from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.program import (STAGE_STATES, STAGES, MissingCapability,
-                                         ProgramReset, ReplayError, ReplayEvent, StageRecord,
-                                         TrainingProgram)
 from coppelius.reference.semantic import activation_names, semantic_graph
 from coppelius.reference.state import State
 from coppelius.reference.step import step_activations
@@ -435,7 +435,7 @@ def call_every_method(program, tokens):
     args = {"upload_input": (tokens,), "logits": (tokens[:, :-1],), "evaluate": (tokens,),
             "activations": (tokens,), "semantic_debug_report_json": ("x",),
             "debug_report_json": ("x",), "compilation_debug_report_json": ("x",)}
-    from coppelius.reference.program import _protocol_methods
+    from coppelius.reference.contract import _protocol_methods
 
     for name in _protocol_methods():
         yield name, (lambda name=name: getattr(program, name)(*args.get(name, ())))
