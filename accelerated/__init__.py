@@ -15,7 +15,7 @@ from coppelius.reference.errors import ConfigError
 BACKENDS = {
     "reference": "coppelius.reference.program",
     "mlx": "coppelius.accelerated.mlx_backend",
-    "cupy": "coppelius.accelerated.cupy_backend",
+    "cupy": "coppelius.accelerated.cuda.program",
 }
 
 
