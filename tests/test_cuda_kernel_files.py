@@ -134,7 +134,8 @@ def test_dev_holds_no_copy_of_a_production_kernel_file():
         with open(path, encoding="utf-8") as f:
             text = f.read()
         same = [n for n, t in production.items() if t.strip() == text.strip()]
-        assert not same, f"{os.path.relpath(path, ROOT)} is a copy of accelerated/cuda/kernels/{same[0]}"
+        assert not same, (f"{os.path.relpath(path, ROOT)} is a copy of "
+                          f"accelerated/cuda/kernels/{same[0]}")
 
 
 def test_attention_variants_replace_the_fused_file_whole():

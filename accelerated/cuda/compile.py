@@ -105,7 +105,8 @@ class Kernels(PrecisionLaunchers, EmbeddingLaunchers, LayernormLaunchers, RopeLa
               AttentionLaunchers, AttentionFusedLaunchers, SwigluLaunchers, CrossentropyLaunchers,
               AdamwLaunchers):
     """The module compiled for one precision policy, and one launcher per
-    kernel (each family's, from its module: accelerated/cuda/<family>.py). Arguments are contiguous CuPy arrays (RawKernel checks neither
+    kernel (each family's, from its module: accelerated/cuda/<family>.py).
+    Arguments are contiguous CuPy arrays (RawKernel checks neither
     strides nor dtypes: the launchers pass explicit numpy scalars). Every
     launch goes to the current CuPy stream, so a launcher called inside a
     stream capture is recorded into the graph. replace swaps whole kernel

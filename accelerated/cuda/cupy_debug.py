@@ -3,7 +3,8 @@ run alone on host arrays, through the backend's own Model, buffers and
 kernels. The GPU tests (tests/cuda/) and the kernel
 experiments (dev/cuda/attention/check.py) both use them; training does not.
 
-    from coppelius.accelerated.cuda.cupy_debug import cudnn_from_batch, fused_from_batch, step_attention
+    from coppelius.accelerated.cuda.cupy_debug import (cudnn_from_batch, fused_from_batch,
+                                                       step_attention)
 
     with fused_from_batch(1):  # the project's fused attention kernels even at B=1
         y, dq, dk, dv = step_attention("bf16", q, k, v, dy)  # (B,H,T,E) each

@@ -5,8 +5,9 @@ launch, the bytes a launch must move at least, and the bandwidth that gives.
 
     PYTHONPATH=. python dev/cuda/kernel_bench.py [--old path/to/other/tree] [--batch 8]
 
---old: a source tree of the project whose kernels' module (accelerated/cuda/, or
-accelerated/cuda_kernels.py and kernels/ before the package) is loaded beside this tree's (its launchers' signatures as they
+--old: a source tree of the project whose kernels' module
+(accelerated/cuda/, or accelerated/cuda_kernels.py and kernels/ before the
+package) is loaded beside this tree's (its launchers' signatures as they
 were then). Each kernel is launched `--launches` times back to back in one
 CUDA graph, over enough copies of its buffers that a launch does not find
 its inputs in the L2 cache (working set over 200 MB), and the graph is

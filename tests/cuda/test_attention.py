@@ -1,6 +1,7 @@
 """The attention family (accelerated/cuda/attention.py, kernels/attention.cu):
-the materialized softmax against the reference's layer functions (hypothesis-drawn shapes and
-values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
+the materialized softmax against the reference's layer functions
+(hypothesis-drawn shapes and values; on a GPU, or on dev/cuda/emulated's
+stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest

@@ -1,6 +1,7 @@
 """The fused attention family (accelerated/cuda/attention_fused.py,
-kernels/attention_fused.cu), as the step runs it, against the reference's layer functions (hypothesis-drawn shapes and
-values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
+kernels/attention_fused.cu), as the step runs it, against the reference's
+layer functions (hypothesis-drawn shapes and values; on a GPU, or on
+dev/cuda/emulated's stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest

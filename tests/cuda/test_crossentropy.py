@@ -1,6 +1,7 @@
 """The cross-entropy family (accelerated/cuda/crossentropy.py,
-kernels/crossentropy.cu) against the reference's layer functions (hypothesis-drawn shapes and
-values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
+kernels/crossentropy.cu) against the reference's layer functions
+(hypothesis-drawn shapes and values; on a GPU, or on dev/cuda/emulated's
+stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest

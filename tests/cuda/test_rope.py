@@ -1,5 +1,6 @@
-"""The rope family (accelerated/cuda/rope.py, kernels/rope.cu) against the reference's layer functions (hypothesis-drawn shapes and
-values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
+"""The rope family (accelerated/cuda/rope.py, kernels/rope.cu) against the
+reference's layer functions (hypothesis-drawn shapes and values; on a GPU,
+or on dev/cuda/emulated's stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest
