@@ -681,7 +681,7 @@ class Dist:
     rank: int
     world: int
     group: object  # launch.Group: the control channel
-    comm: object = None  # accelerated.cuda.distributed.Communicator
+    comm: object = None  # accelerated.distributed.Communicator
     failure: object = None  # a launch.PeerFailure, once another rank failed
     programs: list = field(default_factory=list)  # captured over comm: released before it
 
