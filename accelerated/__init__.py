@@ -16,7 +16,7 @@ from coppelius.reference.errors import ConfigError
 BACKENDS = {
     "reference": "coppelius.reference.program",
     "mlx": "coppelius.accelerated.mlx_backend",
-    "cupy": "coppelius.accelerated.cupy_backend",
+    "cupy": "coppelius.accelerated.cuda.program",
 }
 
 # What each backend can do, declared here as data so that reading it imports

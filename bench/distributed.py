@@ -47,7 +47,7 @@ def run(args) -> int:
             raise ConfigError(f"--gpus {n}: backend {name} has one device; data parallelism "
                               f"runs on the {' and '.join(parallel)} backend")
         accelerated.backend_module(name)
-    from coppelius.accelerated import distributed
+    from coppelius.accelerated.cuda import distributed
 
     distributed.check_devices(n)
     argv = getattr(args, "argv", None) or sys.argv[1:]
@@ -82,7 +82,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
     """One rank of `bench --gpus N`; hard_exit False (ranks as threads, in
     tests): the process is never ended from here."""
     from coppelius import bench
-    from coppelius.accelerated import cupy_backend, distributed
+    from coppelius.accelerated.cuda import distributed
+    from coppelius.accelerated.cuda.program import capture
     from coppelius.reference.params import initialize
     from coppelius.reference.state import State
 
@@ -102,7 +103,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         distributed.use_device(launch.local_rank, r)
         single = None
         if r == 0:  # one GPU alone first, the others waiting for "go"
-            program = cupy_backend.capture(config, Hyper(), precision, b, state.copy(),
+            program = capture(config, Hyper(), precision, b, state.copy(),
                                            recompute=args.recompute)
             single = _time(program, inputs[:, :b], args.warmup)
             program.reset()
@@ -120,7 +121,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
 
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
-        program = cupy_backend.capture(config, Hyper(), precision, B, state.copy(), comm=comm,
+        program = capture(config, Hyper(), precision, B, state.copy(), comm=comm,
                                        recompute=args.recompute)
         several = _time(program, inputs, args.warmup)
         group.finish()

@@ -853,7 +853,7 @@ def main(args) -> int:
         backend = options.get("backend") or accelerated.best_backend()
         check_gpus(backend, gpus)
         accelerated.backend_module(backend)  # a clear error when it is not available here
-        from coppelius.accelerated import distributed
+        from coppelius.accelerated.cuda import distributed
 
         distributed.check_devices(gpus)
         argv = getattr(args, "argv", None) or sys.argv[1:]
@@ -944,7 +944,7 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
     failure by the rank it happened on, and by the others (as "stopped:
     rank r failed ...") unless they run under `--gpus`, whose own line
     (for a rank killed by a signal) or the failed rank's says it all."""
-    from coppelius.accelerated import distributed
+    from coppelius.accelerated.cuda import distributed
 
     r = launch.rank
     parent = os.environ.get(ranks.PARENT_ENV) == "1"

@@ -24,11 +24,6 @@ from .semantic import partitions
 from .state import State
 from .step import forward, row_losses, step, step_activations
 
-# moved to contract.py; re-exported until the CUDA package imports it from there
-from .compilation import STAGES  # noqa: E402,F401
-from .contract import (ProgramReset, StepRecords, Submitted, capture_enabled,  # noqa: E402,F401
-                       capture_or_fallback, check_capture, check_replay_state)
-
 
 class Event:
     """The reference computes synchronously: the event is complete on return."""

@@ -8,8 +8,9 @@ trajectory within the SPEC 14 tolerances, bitwise reproducible replays,
 exact resume, capture without update, the replay/event interface and the
 refusals. What only one backend has (MLX's single trace, CuPy's fused
 attention, each backend's replaced-state detection) stays in that backend's
-test file. The CuPy rows run on a GPU, and in CI on the CPU emulation of
-the CUDA backend (dev/cuda/emulate.py --pytest)."""
+test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
+of the CUDA backend, in this process (dev/cuda/emulated: the
+cuda_emulation fixture of conftest.py)."""
 
 import json
 import math
@@ -34,7 +35,7 @@ from coppelius.reference.step import step_activations
 BACKENDS = [
     pytest.param("reference"),
     pytest.param("mlx", marks=pytest.mark.mlx),
-    pytest.param("cupy", marks=pytest.mark.gpu),
+    pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.emulated]),
 ]
 PRECISIONS = ["fp32", "bf16"]
 CONFIG = preset("test")
@@ -43,7 +44,10 @@ B = 2
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """The backend module under test (skipped by its marker where it is absent)."""
+    """The backend module under test (skipped by its marker where it is
+    absent; cupy: on the CPU stand-ins where no GPU is here)."""
+    if request.param == "cupy":
+        request.getfixturevalue("cuda_emulation")
     return accelerated.backend_module(request.param)
 
 
