@@ -79,6 +79,15 @@ class Layout:
         return (2 if self.norm_bias else 1) * self.q.width
 
 
+def qkv_columns(heads: int, kv_heads: int, head_dim: int) -> tuple:
+    """(q, k, v) Columns of the fused q/k/v row: q's H heads, then k's and
+    v's Hkv heads each, E columns a head. The one place this arithmetic is
+    written; a consumer that has no Config (a cuDNN graph keyed by its
+    shape, a launcher given arrays) calls it with the heads it has."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return Columns(0, q), Columns(q, kv), Columns(q + kv, kv)
+
+
 @functools.lru_cache(maxsize=None)
 def layout(config: Config) -> Layout:
     """The layout of `config`, from its registry. Checks the adjacency the
@@ -88,9 +97,13 @@ def layout(config: Config) -> Layout:
     def rows(name):
         return reg[name].shape[0]
 
-    q, k, v = (rows(f"layers.0.attn.{part}.weight") for part in "qkv") if config.n_layer \
-        else (config.d_model, config.kv_dim, config.kv_dim)
-    gate = rows("layers.0.mlp.gate.weight") if config.n_layer else config.d_ff
+    columns = qkv_columns(config.n_head, config.kv_heads, config.head_dim)
+    q, k, v = (c.width for c in columns)
+    gate = config.d_ff
+    for l in range(config.n_layer):  # the registry's rows are the columns' widths
+        for part, width in zip("qkv", (q, k, v)):
+            assert rows(f"layers.{l}.attn.{part}.weight") == width, (l, part)
+        assert rows(f"layers.{l}.mlp.gate.weight") == rows(f"layers.{l}.mlp.up.weight") == gate
     D = config.d_model
     layers = tuple(_layer_offsets(reg, l, D, (q, k, v), gate, config.norm_bias)
                    for l in range(config.n_layer))
@@ -98,8 +111,8 @@ def layout(config: Config) -> Layout:
     if config.norm_bias:
         _adjacent(reg, "final_norm.bias", final + D)
     return Layout(heads=config.n_head, kv_heads=config.kv_heads, head_dim=config.head_dim,
-                  rotary_dim=config.rotary_dim, q=Columns(0, q), k=Columns(q, k),
-                  v=Columns(q + k, v), gate=Columns(0, gate), up=Columns(gate, gate),
+                  rotary_dim=config.rotary_dim, q=columns[0], k=columns[1], v=columns[2],
+                  gate=Columns(0, gate), up=Columns(gate, gate),
                   norm_bias=config.norm_bias, layers=layers, final_norm=final)
 
 

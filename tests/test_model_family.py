@@ -217,31 +217,12 @@ def test_norm_eps_and_rope_base_reach_the_forward():
     np.testing.assert_array_equal(logits(rope_base=500000)[:, 0], base[:, 0])
 
 
-@pytest.mark.parametrize("backend", [pytest.param("mlx", marks=pytest.mark.mlx),
-                                     pytest.param("cupy", marks=pytest.mark.gpu)])
-def test_norm_eps_and_rope_base_flow_through_every_backend(backend):
-    """A model whose norm_eps and rope_base are not the defaults: each
-    backend's logits against the reference's, within SPEC 14's fp32
-    tolerance, and a field it does not compute refused at capture."""
-    from coppelius import accelerated
-    from coppelius.conformance.cases import random_state
-    from coppelius.conformance.tolerances import relative_error, tolerance
-    from coppelius.reference.config import Hyper
+@pytest.mark.mlx
+def test_norm_eps_and_rope_base_flow_through_mlx():
+    # the CUDA backend's: tests/cuda/test_program.py
+    from support import check_family_fields_reach_the_step
 
-    module = accelerated.backend_module(backend)
-    config = Config(**SHAPE, norm_eps="1/1000", rope_base=500000)
-    state = random_state(config, 3)
-    tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.context))
-    program = module.capture(config, Hyper(), "fp32", 2, state)
-    want = model_forward(config, state.P, tokens, "fp32")[0]
-    error = relative_error(program.logits(tokens), want)[0]
-    assert error <= tolerance("logits", "fp32")
-    # the defaults' logits differ by far more than the tolerance: the fields reached the step
-    default = model_forward(Config(**SHAPE), state.P, tokens, "fp32")[0]
-    assert relative_error(default, want)[0] > 100 * tolerance("logits", "fp32")
-    with pytest.raises(ConfigError, match=r"config field norm='rmsnorm'"):
-        module.capture(Config(**SHAPE, norm="rmsnorm"), Hyper(), "fp32", 2,
-                       random_state(Config(**SHAPE, norm="rmsnorm"), 3))
+    check_family_fields_reach_the_step("mlx")
 
 
 def test_a_hugging_face_export_of_a_member_it_cannot_write_is_refused(tmp_path):

@@ -19,6 +19,7 @@ except ImportError:  # the backend is simply unavailable
 from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
 from coppelius.reference.config import Config, Hyper
 from coppelius.reference.layers.rope import rope_tables
+from coppelius.reference.layout import layout
 from coppelius.reference.params import registry
 
 from . import adamw, attention, cudnn_attention, layernorm
@@ -73,14 +74,9 @@ class Buffers:
 def norm_offsets(config: Config) -> np.ndarray:
     """(2L+1,) int64: offsets of every norm's weight, in the order of the
     layernorm partials: 2l attn_norm, 2l+1 mlp_norm, 2L final_norm."""
-    reg = registry(config)
-    offsets = []
-    for l in range(config.n_layer):
-        offsets += [reg[f"layers.{l}.attn_norm.weight"].offset,
-                    reg[f"layers.{l}.mlp_norm.weight"].offset]
-    final = reg["final_norm.weight"].offset
-    assert reg["final_norm.bias"].offset == final + config.d_model
-    return np.array(offsets + [final], dtype=np.int64)
+    lay = layout(config)  # (which checks that each bias follows its weight)
+    offsets = [at for w in lay.layers for at in (w.attn_norm, w.mlp_norm)]
+    return np.array(offsets + [lay.final_norm], dtype=np.int64)
 
 
 def address_table(alloc, values: list, dtype):
@@ -199,6 +195,7 @@ class Activations:
     def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool,
                  recompute: bool = False):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
+        lay = layout(config)  # the fused rows' widths: qkv (q | k | v), gate_up (gate | up)
         BT = B * T
         self.B, self.T, self.train = B, T, train
         self.recompute = recompute = recompute and train
@@ -223,7 +220,7 @@ class Activations:
         # layernorm writes it again, into h_back, for that product's weight
         # gradient
         self.h = alloc((BT, D), op_dtype)
-        self.qkv = per_layer((BT, 3 * D), op_dtype)  # rotated q, k and v, operands
+        self.qkv = per_layer((BT, lay.qkv_width), op_dtype)  # rotated q, k and v, operands
         if cudnn:  # per row: the softmax's log-sum-exp, for the backward
             self.att_stats = per_layer((B, H, T), f32)
         elif fused:  # per row: the softmax's maximum and sum, for the backward
@@ -243,7 +240,8 @@ class Activations:
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
         # gate and up projections: kept per layer, or (recompute) one buffer
         # for every layer's forward and, below, one for the backward's
-        self.gu = [alloc((BT, 2 * F), f32)] * L if recompute else per_layer((BT, 2 * F), f32)
+        GU = lay.gate_up_width
+        self.gu = [alloc((BT, GU), f32)] * L if recompute else per_layer((BT, GU), f32)
         # silu(g) * u, operand: one for every layer, read at once by the down
         # product; the backward writes it again (swiglu_backward), into
         # a_back, for the down weight's gradient
@@ -254,7 +252,7 @@ class Activations:
         # cross-entropy take them one chunk of rows at a time (Model.classifier_loss)
         self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
         # scratch
-        self.qkv32 = alloc((BT, 3 * D), f32)  # projections before rope
+        self.qkv32 = alloc((BT, lay.qkv_width), f32)  # projections before rope
         self.proj = alloc((BT, D), f32)  # output of the o and down products
         # p as an operand: the kernels write its causal part only, the zeros
         # above the diagonal stay from here on
@@ -269,8 +267,8 @@ class Activations:
         self.dres = alloc((BT, D), f32)  # gradient of the residual stream
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
         self.da = alloc((BT, F), f32)
-        self.dgu = alloc((BT, 2 * F), op_dtype)
-        self.gu_back = alloc((BT, 2 * F), f32) if recompute else None
+        self.dgu = alloc((BT, GU), op_dtype)
+        self.gu_back = alloc((BT, GU), f32) if recompute else None
         # the forward's h and a, written again by the backward: buffers of
         # their own, so that the forward's are not live from the last layer's
         # forward to the loss, the step's peak, nor these before the backward
@@ -283,13 +281,13 @@ class Activations:
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
         # gradients of the rotated q, k: float32, or bfloat16 operands as
         # cuDNN's attention writes them (the rope backward reads either)
-        self.dqk = alloc((BT, 2 * D), op_dtype if cudnn else f32)
-        self.dqkv = alloc((BT, 3 * D), op_dtype)  # gradients of the q, k, v projections
+        self.dqk = alloc((BT, lay.qk_width), op_dtype if cudnn else f32)
+        self.dqkv = alloc((BT, lay.qkv_width), op_dtype)  # gradients of the q, k, v projections
         # each norm's weight and bias partial sums (2l attn_norm, 2l+1 mlp_norm,
         # 2L final_norm), reduced at the end of the backward through a table
         # of their addresses: buffers of their own, so that those of the
         # layers not yet reached are not live
-        self.ln_partials = [alloc((layernorm.layernorm_chunks(BT), 2 * D), f32)
+        self.ln_partials = [alloc((layernorm.layernorm_chunks(BT), lay.norm_params), f32)
                             for _ in range(2 * L + 1)]
         self.ln_table = address_table(alloc, [p.data.ptr for p in self.ln_partials], np.uint64)
         self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
@@ -353,7 +351,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     partial = alloc((max(adamw.NORM_BLOCKS, adamw.adamw_blocks(N)),), np.float32)
     norm = alloc((2,), np.float32)
     decay = alloc.upload(reg.decay_ranges())
-    cos, sin = (alloc.upload(x) for x in rope_tables(T, E))
+    cos, sin = (alloc.upload(x) for x in rope_tables(T, E, np.float32, config.rope_base))
     ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
     norms = alloc.upload(norm_offsets(config))

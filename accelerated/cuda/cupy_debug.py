@@ -112,6 +112,7 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
     stream.synchronize()  # the results are read on the host next
     blas.close()
     dqk = _as_float(acts.dqk, "bf16" if acts.dqk.dtype == np.uint16 else "fp32")  # dq, dk
-    dv = _as_float(acts.dqkv, precision)[:, 2 * D:]
-    return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
-            heads(dv))
+    lay = model.layout  # dqk's rows: dq | dk; dqkv's: dq | dk | dv
+    dv = _as_float(acts.dqkv, precision)[:, lay.v.start:lay.v.stop]
+    return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, lay.q.start:lay.q.stop]),
+            heads(dqk[:, lay.k.start:lay.k.stop]), heads(dv))

@@ -6,49 +6,17 @@ operations it lowers (reference/semantic.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from coppelius.reference.config import LAYERNORM_EPS, Config
+from coppelius.reference.layout import layout
 from coppelius.reference.params import registry
 
 from . import attention, cudnn_attention
 from .buffers import Activations, Gradient, StepBuffers, _ptr
 from .memory_plan import VirtualArray
 
-EPS = np.float32(float(LAYERNORM_EPS))
-
-
-@dataclass(frozen=True)
-class LayerOffsets:
-    """Offsets into P (and G) of one layer's parameters."""
-
-    attn_norm: int  # attn_norm.weight (D,), its bias right after
-    qkv: int  # q, k, v weights, adjacent: one (3D, D) matrix
-    o: int  # (D, D)
-    mlp_norm: int  # mlp_norm.weight (D,), its bias right after
-    gate_up: int  # gate, up weights, adjacent: one (2F, D) matrix
-    down: int  # (D, F)
-
-
-def layer_offsets(config: Config) -> list:
-    """Per layer, the offsets of its parameters; checks the adjacency the
-    fused products rely on."""
-    reg = registry(config)
-    D, F = config.d_model, config.d_ff
-    out = []
-    for l in range(config.n_layer):
-        s = {name.split(".", 2)[2]: spec.offset for name, spec in reg.by_name.items()
-             if name.startswith(f"layers.{l}.")}
-        assert s["attn.k.weight"] == s["attn.q.weight"] + D * D
-        assert s["attn.v.weight"] == s["attn.k.weight"] + D * D
-        assert s["mlp.up.weight"] == s["mlp.gate.weight"] + F * D
-        assert s["attn_norm.bias"] == s["attn_norm.weight"] + D
-        assert s["mlp_norm.bias"] == s["mlp_norm.weight"] + D
-        out.append(LayerOffsets(s["attn_norm.weight"], s["attn.q.weight"], s["attn.o.weight"],
-                                s["mlp_norm.weight"], s["mlp.gate.weight"], s["mlp.down.weight"]))
-    return out
+EPS = np.float32(float(LAYERNORM_EPS))  # the default norm_eps; a model's own is Model.eps
 
 
 class Model:
@@ -63,12 +31,16 @@ class Model:
         self.G = G  # Gradient
         self.cos, self.sin = cos, sin  # (T, E/2)
         self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
-        self.layers = layer_offsets(config)
+        # the fused q/k/v and gate/up columns and the parameters' offsets
+        # (reference/layout.py): every width and column below is the layout's
+        self.layout = layout(config)
+        self.layers = self.layout.layers
+        self.eps = np.float32(float(config.norm_eps))
         self.scale = attention.attention_scale(config.head_dim)
         D = config.d_model
         V = config.vocab
         self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
-        self.final_norm = registry(config)["final_norm.weight"].offset
+        self.final_norm = self.layout.final_norm
         self.G_emb = G.view(self.emb, V * D).reshape(V, D)
         self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
 
@@ -82,13 +54,14 @@ class Model:
     def _tap(self, name, buffer, part=None):
         # activations(): the backward reuses its buffers layer after layer,
         # so an eager debugging step reads each intermediate as it is made
-        # (part: (i, n), the i-th of n equal column blocks). Never set on the
+        # (part: the layout's Columns of the buffer's rows). Never set on the
         # captured program: a tap reads the device, which a capture forbids.
         if self.tap is not None:
             self.tap(name, buffer, part)
 
     def norm(self, offset):
-        # (weight, bias) views of P for a norm whose weight starts at offset
+        # (weight, bias) views of P for a norm whose weight starts at offset;
+        # the layout checked that the bias follows the weight
         D = self.config.d_model
         return self.P[offset:offset + D], self.P[offset + D:offset + 2 * D]
 
@@ -131,6 +104,7 @@ class Model:
         whole logits (BT, V). The step's logits are classifier_loss()'s, by chunks."""
         c, k = self.config, self.k
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
+        lay = self.layout
         T = a.T
         self.at("embedding")
         k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
@@ -141,10 +115,10 @@ class Model:
             prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
             self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
             k.layernorm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
-                                *self.norm(w.attn_norm), EPS)
+                                *self.norm(w.attn_norm), self.eps)
             self._tap(p + "attn_norm.out", a.h)
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-            self.linear_forward(a.h, w.qkv, a.qkv32, 3 * D, D)  # (BT,3D)
+            self.linear_forward(a.h, w.qkv, a.qkv32, lay.qkv_width, D)  # (BT,qkv)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
             self.at(p + "attn.core")
@@ -154,10 +128,10 @@ class Model:
             # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
             self.at(p + "attn.residual", p + "mlp_norm")
             k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
-                                *self.norm(w.mlp_norm), EPS)
+                                *self.norm(w.mlp_norm), self.eps)
             self._tap(p + "mlp_norm.out", a.h)
             self.at(p + "mlp.gate", p + "mlp.up")
-            self.linear_forward(a.h, w.gate_up, a.gu[l], 2 * F, D)  # (BT,2F)
+            self.linear_forward(a.h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
             self.at(p + "mlp.swiglu")
             k.swiglu_forward(a.gu[l], a.a)
             self._tap(p + "mlp.h", a.a)
@@ -166,7 +140,7 @@ class Model:
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
-                            *self.norm(self.final_norm), EPS)
+                            *self.norm(self.final_norm), self.eps)
         if not a.train:
             self.at("lm_head")
             self.linear_forward(a.hf, self.emb, a.logits, V, D)
@@ -205,14 +179,15 @@ class Model:
             self.linear_backward_weight(dlogits, hf, self.emb, V, D, beta=0.0 if r0 == 0 else 1.0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
-        """a.qkv[l] (BT,3D) -> a.y[l] (BT,D); kept for the backward: a.att[l]
+        """a.qkv[l] (BT,qkv) -> a.y[l] (BT,D); kept for the backward: a.att[l]
         (B,H,T,T) probabilities, or the fused kernels' a.att_m[l], a.att_l[l]
         (B,H,T) row maxima and sums."""
-        c = self.config
+        c, lay = self.config, self.layout
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
         if a.path.kind == "cudnn":
             qkv = a.qkv[l]
-            self._cudnn("forward", a, (_ptr(qkv), _ptr(qkv, D), _ptr(qkv, 2 * D), _ptr(a.y[l]),
+            self._cudnn("forward", a, (_ptr(qkv), _ptr(qkv, K), _ptr(qkv, Vc), _ptr(a.y[l]),
                                        _ptr(a.att_stats[l])))
             return
         if a.fused:
@@ -221,16 +196,16 @@ class Model:
             return
         qkv, att, y = a.qkv[l], a.att[l], a.y[l]
         for b in range(B):  # one strided batched product over the H heads
-            q, kk = _ptr(qkv, b * T * 3 * D), _ptr(qkv, b * T * 3 * D + D)
+            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
             # s_h (T,T) = q_h (T,E) @ k_h^T
-            self.gemm(False, True, T, T, E, q, 3 * D, kk, 3 * D, _ptr(att, b * H * T * T), T,
+            self.gemm(False, True, T, T, E, q, W, kk, W, _ptr(att, b * H * T * T), T,
                       batch=H, stride_a=E, stride_b=E, stride_c=T * T)
         self.k.attention_softmax_forward(att, a.att_op, self.scale)
         p = self.operand(att, a.att_op)
         for b in range(B):
-            v = _ptr(qkv, b * T * 3 * D + 2 * D)
+            v = _ptr(qkv, b * T * W + Vc)
             # y_h (T,E) = p_h (T,T) @ v_h, at column h*E of y
-            self.gemm(False, False, T, E, T, _ptr(p, b * H * T * T), T, v, 3 * D,
+            self.gemm(False, False, T, E, T, _ptr(p, b * H * T * T), T, v, W,
                       _ptr(y, b * T * D), D, c_type=self.op, batch=H, stride_a=T * T, stride_b=E,
                       stride_c=E)
 
@@ -243,7 +218,7 @@ class Model:
         micro-batch of an accumulated step (SPEC 19) passes `rows`, the
         whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
         slice of the whole batch's row losses; it computes no mean loss."""
-        c, k = self.config, self.k
+        c, k, lay = self.config, self.k, self.layout
         L, D, F = c.n_layer, c.d_model, c.d_ff
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
@@ -275,21 +250,21 @@ class Model:
                 # the forward's kernel and product: the forward's bits
                 self.at(p + "mlp_norm", p + "mlp.gate", p + "mlp.up")
                 k.layernorm_forward(a.x_mid[l], None, None, a.h_back, a.mean2[l], a.rstd2[l],
-                                    weight, bias, EPS)
-                self.linear_forward(a.h_back, w.gate_up, a.gu_back, 2 * F, D)
+                                    weight, bias, self.eps)
+                self.linear_forward(a.h_back, w.gate_up, a.gu_back, lay.gate_up_width, D)
                 gu = a.gu_back
             self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
             k.swiglu_backward(a.da, gu, a.dgu, a.a_back)
             self.at(p + "mlp.down.backward")
             self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
-            self._tap(p + "mlp.dgate", a.dgu, (0, 2))
-            self._tap(p + "mlp.dup", a.dgu, (1, 2))
+            self._tap(p + "mlp.dgate", a.dgu, lay.gate)
+            self._tap(p + "mlp.dup", a.dgu, lay.up)
             # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
             # h = mlp_norm(x_mid) is not kept per layer either: the layernorm
             # backward writes it again (the forward's bits) for the gate and up
             # weights' gradient dgu^T h
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
-            self.linear_backward_input(a.dgu, w.gate_up, a.dh, 2 * F, D)
+            self.linear_backward_input(a.dgu, w.gate_up, a.dh, lay.gate_up_width, D)
             self._tap(p + "mlp_norm.dout", a.dh)
             self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
                     *(() if a.recompute else (p + "mlp_norm",)))
@@ -298,7 +273,7 @@ class Model:
                                  a.dres_op, a.ln_partials[2 * l + 1],
                                  **({} if a.recompute else {"b": bias, "h": a.h_back}))
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
-            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, 2 * F, D)
+            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, lay.gate_up_width, D)
             self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
             self.at(p + "attn.o.backward")
@@ -308,19 +283,19 @@ class Model:
                       D)
             self._tap(p + "attn.dy", a.dy)
             self.at(p + "attn.core.backward")
-            self.attention_backward(a, l)  # -> a.dqkv (BT,3D)
-            # dh = dh_q + dh_k + dh_v: the sum inside one (BT,3D) x (3D,D) product
+            self.attention_backward(a, l)  # -> a.dqkv (BT,qkv)
+            # dh = dh_q + dh_k + dh_v: the sum inside one (BT,qkv) x (qkv,D) product
             # (h = attn_norm(x) written again by the layernorm backward, as above)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
                     p + "attn_norm.dout_sum")
-            self.linear_backward_input(a.dqkv, w.qkv, a.dh, 3 * D, D)
+            self.linear_backward_input(a.dqkv, w.qkv, a.dh, lay.qkv_width, D)
             self._tap(p + "attn_norm.dout", a.dh)
             self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
             weight, bias = self.norm(w.attn_norm)
             k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
                                  a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h_back)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
-            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, 3 * D, D)
+            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, lay.qkv_width, D)
         self._tap("embedding.dout", a.dres)
         # the gather gradient, added to the unembedding gradient already in G_emb
         self.at("embedding.backward", "tok_embedding.dweight_sum")
@@ -331,15 +306,17 @@ class Model:
         k.layernorm_param_grads(a.ln_partials, a.ln_table, self.norm_offsets, self.G)
 
     def attention_backward(self, a: Activations, l: int) -> None:
-        """a.dy (BT,D) -> a.dqkv (BT,3D): dq, dk through rope, and dv."""
-        c = self.config
+        """a.dy (BT,D) -> a.dqkv (BT,qkv): dq, dk through rope, and dv."""
+        c, lay = self.config, self.layout
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
+        QK = lay.qk_width  # the dqk row: dq, then dk at column K
         if a.path.kind == "cudnn":
-            # q, k, v, y, dy, stats -> dq, dk (into dqk), dv (into dqkv[:, 2D:])
+            # q, k, v, y, dy, stats -> dq, dk (into dqk), dv (into dqkv's v columns)
             qkv = a.qkv[l]
-            self._cudnn("backward", a, (_ptr(qkv), _ptr(qkv, D), _ptr(qkv, 2 * D), _ptr(a.y[l]),
+            self._cudnn("backward", a, (_ptr(qkv), _ptr(qkv, K), _ptr(qkv, Vc), _ptr(a.y[l]),
                                         _ptr(a.dy), _ptr(a.att_stats[l]), _ptr(a.dqk),
-                                        _ptr(a.dqk, D), _ptr(a.dqkv, 2 * D)))
+                                        _ptr(a.dqk, K), _ptr(a.dqkv, Vc)))
             self._rope_backward(a, l)
             return
         if a.fused:
@@ -349,25 +326,25 @@ class Model:
             return
         qkv, att = a.qkv[l], a.att[l]
         for b in range(B):
-            v = _ptr(qkv, b * T * 3 * D + 2 * D)
+            v = _ptr(qkv, b * T * W + Vc)
             # dp_h (T,T) = dy_h (T,E) @ v_h^T
-            self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D), D, v, 3 * D,
+            self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D), D, v, W,
                       _ptr(a.dp, b * H * T * T), T, batch=H, stride_a=E, stride_b=E,
                       stride_c=T * T)
         self.k.attention_softmax_backward(att, a.dp, a.ds, a.att_op, self.scale)
         p = self.operand(att, a.att_op)
         for b in range(B):
-            q, kk = _ptr(qkv, b * T * 3 * D), _ptr(qkv, b * T * 3 * D + D)
+            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
             hh = dict(batch=H, stride_a=T * T, stride_b=E, stride_c=E)
-            # dv_h (T,E) = p_h^T dy_h, an operand only: straight into dqkv[:, 2D:]
+            # dv_h (T,E) = p_h^T dy_h, an operand only: straight into dqkv's v columns
             self.gemm(True, False, T, E, T, _ptr(p, b * H * T * T), T, _ptr(a.dy, b * T * D), D,
-                      _ptr(a.dqkv, b * T * 3 * D + 2 * D), 3 * D, c_type=self.op, **hh)
-            # dq_h = ds_h k_h ; dk_h = ds_h^T q_h  (T,E), into dqk (BT,2D)
+                      _ptr(a.dqkv, b * T * W + Vc), W, c_type=self.op, **hh)
+            # dq_h = ds_h k_h ; dk_h = ds_h^T q_h  (T,E), into dqk (BT,qk)
             ds = _ptr(a.ds, b * H * T * T)
-            self.gemm(False, False, T, E, T, ds, T, kk, 3 * D, _ptr(a.dqk, b * T * 2 * D), 2 * D,
+            self.gemm(False, False, T, E, T, ds, T, kk, W, _ptr(a.dqk, b * T * QK), QK,
                       **hh)
-            self.gemm(True, False, T, E, T, ds, T, q, 3 * D, _ptr(a.dqk, b * T * 2 * D + D),
-                      2 * D, **hh)
+            self.gemm(True, False, T, E, T, ds, T, q, W, _ptr(a.dqk, b * T * QK + K),
+                      QK, **hh)
         self._rope_backward(a, l)
 
     def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
@@ -386,12 +363,12 @@ class Model:
             g.execute(pointers, workspace)
 
     def _rope_backward(self, a: Activations, l: int) -> None:
-        """a.dqk (BT,2D), the gradients of the rotated q and k (float32, or
-        bfloat16 operands as cuDNN writes them) -> a.dqkv[:, :2D]."""
-        p = f"layers.{l}."
-        self._tap(p + "attn.dq", a.dqk, (0, 2))
-        self._tap(p + "attn.dk", a.dqk, (1, 2))
-        self._tap(p + "attn.dv", a.dqkv, (2, 3))
+        """a.dqk (BT,qk), the gradients of the rotated q and k (float32, or
+        bfloat16 operands as cuDNN writes them) -> a.dqkv's q and k columns."""
+        p, lay = f"layers.{l}.", self.layout
+        self._tap(p + "attn.dq", a.dqk, lay.q)  # dqk's rows: dq, then dk at k's columns
+        self._tap(p + "attn.dk", a.dqk, lay.k)
+        self._tap(p + "attn.dv", a.dqkv, lay.v)
         self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
         if a.dqk.dtype == np.float32:
             self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)

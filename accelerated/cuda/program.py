@@ -16,7 +16,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.config import Config, Hyper
+from coppelius.reference.config import Config, Hyper, check_implemented
 from coppelius.reference.errors import RunError
 from coppelius.reference.params import registry
 from coppelius.reference.compilation import MemoryAnalysis
@@ -36,6 +36,8 @@ from .report import _memory_analysis, _partition_outcomes, _report
 from .step import kernels_for, memory_plan, run_step, step_gradients
 
 BACKEND = "cupy"
+# The family's fields (SPEC 21) this backend computes; the others are refused at capture
+IMPLEMENTED = ("norm_eps", "rope_base")
 
 
 def available() -> bool:
@@ -115,6 +117,7 @@ class CupyProgram(CapturedProgram):
                  accumulate: int | None = None, comm=None, recompute: bool = False):
         k = hyper.accumulate if accumulate is None else accumulate
         self.recompute = bool(recompute)
+        check_implemented(config, IMPLEMENTED, BACKEND)  # before anything is allocated
         check_capture(config, precision, batch, state, k)
         # SPEC 19: W ranks of b = B/W contexts each, in k micro-batches of B/(W*k)
         W = 1 if comm is None else comm.world
@@ -529,10 +532,8 @@ class CupyProgram(CapturedProgram):
 
         def read(buffer, part=None):  # -> (B, T, columns) float32 on the host
             x = _as_float32(buffer.get(stream=self.stream)).reshape(B * T, -1)
-            if part is not None:
-                i, n = part
-                width = x.shape[1] // n
-                x = x[:, i * width:(i + 1) * width]
+            if part is not None:  # a layout's Columns of the buffer's rows
+                x = x[:, part.start:part.stop]
             return x.reshape(B, T, -1)
 
         out, chunks = {}, {"logits": [], "dlogits": []}
@@ -551,12 +552,12 @@ class CupyProgram(CapturedProgram):
         out["embedding.out"] = read(acts.x[0])
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            for i, part in enumerate("qkv"):
-                out[p + f"attn.{part}"] = read(acts.qkv[l], (i, 3))
+            for part in "qkv":
+                out[p + f"attn.{part}"] = read(acts.qkv[l], getattr(model.layout, part))
             out[p + "attn.y"] = read(acts.y[l])
             out[p + "mid"] = read(acts.x_mid[l])
-            out[p + "mlp.gate"] = read(acts.gu[l], (0, 2))
-            out[p + "mlp.up"] = read(acts.gu[l], (1, 2))
+            out[p + "mlp.gate"] = read(acts.gu[l], model.layout.gate)
+            out[p + "mlp.up"] = read(acts.gu[l], model.layout.up)
             out[p + "out"] = read(acts.x[l + 1])
         out["final_norm.out"] = read(acts.hf)
         for name, parts in chunks.items():

@@ -186,3 +186,9 @@ def test_executable_plan_lists_the_captured_commands():
     assert (gemm["launch"]["m"], gemm["launch"]["n"], gemm["launch"]["k"]) == \
         (B * CONFIG.context, 3 * D, D)
     assert "acts.h" in gemm["buffers"] and "acts.qkv32" in gemm["buffers"]
+
+
+def test_norm_eps_and_rope_base_reach_the_captured_step():
+    from support import check_family_fields_reach_the_step
+
+    check_family_fields_reach_the_step("cupy")
