@@ -36,8 +36,9 @@ from coppelius import report, sample
 from coppelius.evaluate import held_out_losses
 from coppelius.reference import checkpoint, fsutil, limits, results
 from coppelius.reference.binding import load_state
-from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
-                                        config_from_toml, parse_rational, preset, rational_text)
+from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_implemented,
+                                        check_precision, config_from_toml, parse_rational,
+                                        preset, rational_text)
 from coppelius.reference.errors import (CoppeliusError, IdentityMismatch, NonFiniteError,
                                         ResultFileError, RunError, StreamError)
 from coppelius.reference.params import initialize, registry
@@ -256,7 +257,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     run_dir, options = resolve_options(args)
     backend = options.get("backend") or accelerated.best_backend()
     check_gpus(backend, world)
-    accelerated.backend_module(backend)  # a clear error when it is not available here
+    module = accelerated.backend_module(backend)  # a clear error when it is not available here
     name = options.get("preset") or data.default_preset()
     if name not in PRESETS:
         raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
@@ -264,6 +265,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
         config, defaults = config_from_toml(options["model"], config if options.get("preset")
                                             else None)
+    # a family field (SPEC 21) the backend does not compute: refused before anything is written
+    check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
     can = accelerated.capabilities(backend)
     precision = check_precision(options.get("precision") or can.default_precision)
     batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")

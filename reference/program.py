@@ -22,6 +22,7 @@ from .contract import (CapturedProgram, ReplayError, TrainingProgram, check_logi
 from .params import registry
 from .semantic import partitions
 from .state import State
+from .model import IMPLEMENTED  # noqa: F401  (the family's fields the reference computes)
 from .step import forward, row_losses, step, step_activations
 
 

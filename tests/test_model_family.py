@@ -240,3 +240,16 @@ def test_a_hugging_face_export_of_a_member_it_cannot_write_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"--format hf of .*ck\.bin: config field norm_eps=1/1000"):
         export(path, str(tmp_path / "hf"), fmt="hf", no_tokenizer=True)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_run_of_a_field_the_backend_does_not_compute_writes_nothing(tmp_path, capsys):
+    from coppelius.cli import main
+
+    model = tmp_path / "m.toml"
+    model.write_text('vocab = 300\nnorm = "rmsnorm"\n')
+    status = main(["train", "--preset", "test", "--model", str(model), "--backend", "reference",
+                   "--steps", "2", "--no-sample", "--run-dir", str(tmp_path / "R")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "reference: config field norm='rmsnorm' (SPEC 21) is not implemented" in err[0]
+    assert not (tmp_path / "R").exists()
