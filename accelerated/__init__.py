@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 import platform
 
-from coppelius.reference.contract import Capabilities
-from coppelius.reference.errors import ConfigError
+from ..reference.contract import Capabilities
+from ..reference.errors import ConfigError
 
 BACKENDS = {
     "reference": "coppelius.reference.program",

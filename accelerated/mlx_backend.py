@@ -47,17 +47,17 @@ try:
 except ImportError:  # the backend is simply unavailable
     mx = None
 
-from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
-from coppelius.reference.config import Config, Hyper, check_implemented, check_precision
-from coppelius.reference.errors import RunError
-from coppelius.reference.layers.rope import rope_tables
-from coppelius.reference.params import registry
-from coppelius.reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
+from ..reference.adamw import AdamWConstants, float32_of, schedule_table
+from ..reference.config import Config, Hyper, check_implemented, check_precision
+from ..reference.errors import RunError
+from ..reference.layers.rope import rope_tables
+from ..reference.params import registry
+from ..reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
                                              compilation_report)
-from coppelius.reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
+from ..reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
                                           check_logits_tokens, check_replay_state, check_tokens)
-from coppelius.reference.semantic import activation_names, gradient_name, partitions
-from coppelius.reference.state import State
+from ..reference.semantic import activation_names, gradient_name, partitions
+from ..reference.state import State
 
 BACKEND = "mlx"
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Config, Hyper, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import ConfigError, OutputError
+from .. import accelerated
+from ..reference.config import PRECISIONS, Config, Hyper, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import ConfigError, OutputError
 
 EAGER, COMPILED = "torch eager", "torch.compile + graph"  # the peers' row names
 PEERS = (EAGER, COMPILED)
@@ -79,7 +79,7 @@ def flops_per_step(config: Config, batch: int) -> float:
     """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
     usual estimate: 2 forward and 4 backward per multiply-add of a weight,
     plus the two attention products, causal mask not discounted)."""
-    from coppelius.reference.params import registry
+    from ..reference.params import registry
 
     N = registry(config).total
     T, L, D = config.context, config.n_layer, config.d_model
@@ -87,7 +87,7 @@ def flops_per_step(config: Config, batch: int) -> float:
 
 
 def preset_name(config: Config) -> str:
-    from coppelius.reference.config import PRESETS
+    from ..reference.config import PRESETS
 
     return next((name for name, c in PRESETS.items() if c == config), "custom")
 
@@ -202,7 +202,7 @@ def peer_runner(kind: str, config: Config, precision: str, device: str, batch: i
     input for the compiled step's own warm-up (never zeros)."""
     import torch
 
-    from coppelius.bench import torch_peer
+    from . import torch_peer
 
     start = time.perf_counter()
     meter = _TorchMemory(device)
@@ -467,12 +467,12 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
 
 def run(args) -> int:
     if args.gpus is not None:
-        from coppelius.bench.distributed import run as run_gpus
+        from .distributed import run as run_gpus
 
         return run_gpus(args)
-    from coppelius.reference import fsutil
-    from coppelius.reference.params import initialize
-    from coppelius.reference.state import State
+    from ..reference import fsutil
+    from ..reference.params import initialize
+    from ..reference.state import State
 
     config, defaults = preset_config(args.preset or "tiny"), {}
     if args.model:
@@ -492,7 +492,7 @@ def run(args) -> int:
     peers, notes = peer_plan(args.no_peer, args.no_compile, args.precision or cuda_precisions)
     threads = None
     if any(device == "cpu" for _, device, _ in peers):
-        from coppelius.bench.torch_peer import set_threads
+        from .torch_peer import set_threads
 
         threads = set_threads()
     state = State.fresh(initialize(config))  # every implementation starts from these bits

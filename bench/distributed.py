@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from coppelius import accelerated
+from .. import accelerated
 from coppelius import launch as ranks
-from coppelius.reference.config import Hyper, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import CoppeliusError, ConfigError, RunError
+from ..reference.config import Hyper, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import CoppeliusError, ConfigError, RunError
 
 
 def run(args) -> int:
@@ -47,7 +47,7 @@ def run(args) -> int:
             raise ConfigError(f"--gpus {n}: backend {name} has one device; data parallelism "
                               f"runs on the {' and '.join(parallel)} backend")
         accelerated.backend_module(name)
-    from coppelius.accelerated.cuda import distributed
+    from ..accelerated.cuda import distributed
 
     distributed.check_devices(n)
     argv = getattr(args, "argv", None) or sys.argv[1:]
@@ -81,11 +81,11 @@ def _time(program, inputs, warmup: int) -> tuple:
 def bench_rank(args, launch, hard_exit: bool = True) -> int:
     """One rank of `bench --gpus N`; hard_exit False (ranks as threads, in
     tests): the process is never ended from here."""
-    from coppelius import bench
-    from coppelius.accelerated.cuda import distributed
-    from coppelius.accelerated.cuda.program import capture
-    from coppelius.reference.params import initialize
-    from coppelius.reference.state import State
+    from .. import bench
+    from ..accelerated.cuda import distributed
+    from ..accelerated.cuda.program import capture
+    from ..reference.params import initialize
+    from ..reference.state import State
 
     r, n = launch.rank, launch.world
     parent = os.environ.get(ranks.PARENT_ENV) == "1"

@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
-from coppelius.reference.fsutil import path_argument
-from coppelius.reference.limits import ID, check_fits, step_bytes
+from .. import accelerated
+from ..reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
+from ..reference.fsutil import path_argument
+from ..reference.limits import ID, check_fits, step_bytes
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -152,7 +152,7 @@ def run(args) -> int:
     check_plan(config, batch, args.steps)
     windows, inputs = None, None
     if args.stream:
-        from coppelius.reference.stream import open_stream
+        from ..reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
         need, K = args.context + args.steps * batch, stream.n_contexts(config.context)
@@ -207,8 +207,8 @@ def hyper_from_learner(learner: str, path) -> tuple:
 def load_checkpoint(path, preset_name: str | None = None) -> tuple:
     """-> (config, hyper, precision, batch, state, header) of a checkpoint file.
     `preset_name`, when given, must name the checkpoint's model."""
-    from coppelius.reference.binding import state_from_source
-    from coppelius.reference.sources import CheckpointFileSource
+    from ..reference.binding import state_from_source
+    from ..reference.sources import CheckpointFileSource
 
     named = None if preset_name is None else preset_config(preset_name).identity()
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
@@ -234,7 +234,7 @@ def load_checkpoint(path, preset_name: str | None = None) -> tuple:
 def debug_checkpoint(args, backends: list) -> int:
     """One step from a real checkpoint on the reference and on each backend;
     every tensor's difference, worst first."""
-    from coppelius.reference.stream import open_stream
+    from ..reference.stream import open_stream
 
     if not args.stream:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
@@ -268,7 +268,7 @@ def debug_checkpoint(args, backends: list) -> int:
 def debug_activations(args, backends: list) -> int:
     """Every intermediate of one step on each backend against the
     reference's, under one naming scheme; the first divergence named."""
-    from coppelius.reference.step import step_activations
+    from ..reference.step import step_activations
 
     from .activations import activation_rows, first_divergence, layer_of
 
@@ -289,7 +289,7 @@ def debug_activations(args, backends: list) -> int:
         where = "the initialization"
     batch = args.batch or batch
     if args.stream:
-        from coppelius.reference.stream import open_stream
+        from ..reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
         tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     """`python -m coppelius.conformance`: the same options as `coppelius conformance`."""
     import sys
 
-    from coppelius.reference.errors import CoppeliusError
+    from ..reference.errors import CoppeliusError
 
     parser = argparse.ArgumentParser(prog="python -m coppelius.conformance",
                                      description="Check backends against the reference (SPEC 14).")

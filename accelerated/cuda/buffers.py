@@ -16,11 +16,11 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
-from coppelius.reference.config import Config, Hyper
-from coppelius.reference.layers.rope import rope_tables
-from coppelius.reference.layout import layout
-from coppelius.reference.params import registry
+from ...reference.adamw import AdamWConstants, float32_of, schedule_table
+from ...reference.config import Config, Hyper
+from ...reference.layers.rope import rope_tables
+from ...reference.layout import layout
+from ...reference.params import registry
 
 from . import adamw, attention, cudnn_attention, layernorm
 from .cublas import WORKSPACE_BYTES

@@ -44,7 +44,7 @@ import os
 
 import numpy as np
 
-from coppelius.reference.layout import qkv_columns
+from ...reference.layout import qkv_columns
 
 try:
     import cupy

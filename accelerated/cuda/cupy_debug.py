@@ -3,7 +3,7 @@ run alone on host arrays, through the backend's own Model, buffers and
 kernels. The GPU tests (tests/cuda/) and the kernel
 experiments (dev/cuda/attention/check.py) both use them; training does not.
 
-    from coppelius.accelerated.cuda.cupy_debug import (cudnn_from_batch, fused_from_batch,
+    from .cupy_debug import (cudnn_from_batch, fused_from_batch,
                                                        step_attention)
 
     with fused_from_batch(1):  # the project's fused attention kernels even at B=1
@@ -26,9 +26,9 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.config import Config
-from coppelius.reference.layers.rope import rope_tables
-from coppelius.reference.params import registry
+from ...reference.config import Config
+from ...reference.layers.rope import rope_tables
+from ...reference.params import registry
 
 from . import attention_fused, cublas, cudnn_attention
 from .buffers import Activations, Buffers, Gradient

@@ -39,7 +39,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.errors import RunError
+from ...reference.errors import RunError
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coppelius.reference.layout import qkv_columns
+from ...reference.layout import qkv_columns
 
 THREADS = 256  # elementwise kernels
 WARPS = 8  # warp-per-row kernels: rows per block

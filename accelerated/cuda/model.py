@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from coppelius.reference.config import LAYERNORM_EPS, Config
-from coppelius.reference.layout import layout
-from coppelius.reference.params import registry
+from ...reference.config import LAYERNORM_EPS, Config
+from ...reference.layout import layout
+from ...reference.params import registry
 
 from . import attention, cudnn_attention
 from .buffers import Activations, Gradient, StepBuffers, _ptr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coppelius.reference.config import Config
+from ...reference.config import Config
 
 from . import attention, attention_fused, cudnn_attention
 

@@ -16,15 +16,15 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.config import Config, Hyper, check_implemented
-from coppelius.reference.errors import RunError
-from coppelius.reference.params import registry
-from coppelius.reference.compilation import MemoryAnalysis
-from coppelius.reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
+from ...reference.config import Config, Hyper, check_implemented
+from ...reference.errors import RunError
+from ...reference.params import registry
+from ...reference.compilation import MemoryAnalysis
+from ...reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
                                           capture_enabled, capture_or_fallback, check_capture,
                                           check_logits_tokens, check_replay_state, check_tokens)
-from coppelius.reference.semantic import activation_names
-from coppelius.reference.state import State
+from ...reference.semantic import activation_names
+from ...reference.state import State
 
 from . import cublas, cudnn_attention, layernorm
 from .buffers import Activations, Buffers, Gradient, _ptr, allocate_state

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from coppelius.reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
+from ...reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
                                              compilation_report)
-from coppelius.reference.semantic import partitions
+from ...reference.semantic import partitions
 
 from . import attention_fused
 from .memory_plan import planning_enabled

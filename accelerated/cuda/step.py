@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from coppelius.reference.config import Config, Hyper
+from ...reference.config import Config, Hyper
 
 from . import adamw, compile
 from .buffers import Activations, Gradient, StepBuffers, allocate_state
