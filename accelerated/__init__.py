@@ -1,7 +1,7 @@
 """Backends with the reference's interface (SPEC sections 13 and 14).
 
 Each backend module exposes `capture(config, hyper, precision, batch, state)
--> TrainingProgram` (see reference/program.py for the interface) and
+-> TrainingProgram` (see reference/contract.py for the interface) and
 `available() -> bool`.
 """
 
@@ -10,13 +10,54 @@ from __future__ import annotations
 import importlib
 import platform
 
-from coppelius.reference.errors import ConfigError
+from ..reference.contract import Capabilities
+from ..reference.errors import ConfigError
 
 BACKENDS = {
     "reference": "coppelius.reference.program",
     "mlx": "coppelius.accelerated.mlx_backend",
-    "cupy": "coppelius.accelerated.cupy_backend",
+    "cupy": "coppelius.accelerated.cuda.program",
 }
+
+# What each backend can do, declared here as data so that reading it imports
+# no backend (importing cupy takes seconds). tests/test_capabilities.py checks
+# what it can against the programs themselves.
+CAPABILITIES = {
+    # the definition: NumPy on the host, fp32 by default; chosen where nothing else is
+    "reference": Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
+                              device_memory=False, host_data=True, recompute=False,
+                              defines=True, device="cpu", preference=0),
+    # Apple silicon's GPU, on unified memory (host memory); on Linux MLX runs
+    # on the CPU with the netlib reference BLAS (about 30x slower than
+    # NumPy's OpenBLAS on a large product): a conformance backend there,
+    # never chosen by default
+    "mlx": Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
+                        device_memory=False, host_data=True, recompute=True, defines=False,
+                        device="gpu", preference=1, platforms=("Darwin",)),
+    # an NVIDIA GPU (available() only where there is one): bf16 by default
+    # (SPEC 6), CUDA events around a replay, CuPy's memory pool, NCCL ranks
+    "cupy": Capabilities(default_precision="bf16", data_parallel=True, device_clock=True,
+                         device_memory=True, host_data=False, recompute=True, defines=False,
+                         device="cuda", preference=2),
+}
+
+# a backend in BACKENDS without a declaration (a test's stand-in) can do the
+# least: fp32 on the host, checked like any other, never chosen by default
+UNDECLARED = Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
+                          device_memory=False, host_data=True, recompute=False, defines=False,
+                          device="cpu", preference=-1)
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend `name` declares it can do; a clear error if unknown."""
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name!r}: unknown (choose from {', '.join(BACKENDS)})")
+    return CAPABILITIES.get(name, UNDECLARED)
+
+
+def data_parallel_backends() -> list:
+    """The backends that run W > 1 ranks (SPEC 19), by name."""
+    return [name for name in BACKENDS if capabilities(name).data_parallel]
 
 
 def backend_module(name: str):
@@ -44,14 +85,9 @@ def available_backends() -> list:
 
 
 def best_backend() -> str:
-    """cupy with a GPU, else mlx on Apple silicon, else the reference.
-
-    MLX on Linux runs on the CPU with the netlib reference BLAS (about 30x
-    slower than NumPy's OpenBLAS on a large product): it is a conformance
-    backend there and never chosen by default."""
-    names = available_backends()
-    if "cupy" in names:
-        return "cupy"
-    if "mlx" in names and platform.system() == "Darwin":
-        return "mlx"
-    return "reference"
+    """The available backend of the highest declared preference among those
+    preferred on this platform: cupy with a GPU, else mlx on Apple silicon,
+    else the reference (CAPABILITIES says why)."""
+    system = platform.system()
+    names = [name for name in available_backends() if capabilities(name).preferred_on(system)]
+    return max(names, key=lambda name: capabilities(name).preference, default="reference")

@@ -47,19 +47,17 @@ try:
 except ImportError:  # the backend is simply unavailable
     mx = None
 
-from coppelius.reference.adamw import AdamWConstants, float32_of, schedule_table
-from coppelius.reference.config import LAYERNORM_EPS, Config, Hyper, check_precision
-from coppelius.reference.errors import RunError
-from coppelius.reference.layers.rope import rope_tables
-from coppelius.reference.params import registry
-from coppelius.reference.program import (CapturedProgram, MemoryAnalysis, MissingCapability,
-                                         PartitionOutcome, ReplayError, Resource, StepRecords,
-                                         Submitted, capture_enabled, capture_or_fallback,
-                                         check_capture,
-                                         check_logits_tokens, check_replay_state, check_tokens,
-                                         compilation_report)
-from coppelius.reference.semantic import activation_names, gradient_name, partitions
-from coppelius.reference.state import State
+from ..reference.adamw import AdamWConstants, float32_of, schedule_table
+from ..reference.config import Config, Hyper, check_implemented, check_precision
+from ..reference.errors import RunError
+from ..reference.layers.rope import rope_tables
+from ..reference.params import registry
+from ..reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
+                                             compilation_report)
+from ..reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
+                                          check_logits_tokens, check_replay_state, check_tokens)
+from ..reference.semantic import activation_names, gradient_name, partitions
+from ..reference.state import State
 
 BACKEND = "mlx"
 
@@ -108,6 +106,10 @@ def matmul_for(policy: str):
 
 # ---------------------------------------------------------------- forward
 
+# The family's fields (SPEC 21) this backend computes; the others are refused
+IMPLEMENTED = ("norm_eps", "rope_base")
+
+
 class Model:
     """The forward of SPEC sections 3 and 4 over a dict of MLX arrays. With
     recompute, each layer's gate and up products and SwiGLU are one
@@ -115,14 +117,15 @@ class Model:
     computes them again (the same values)."""
 
     def __init__(self, config: Config, policy: str, recompute: bool = False):
+        check_implemented(config, IMPLEMENTED, BACKEND)
         self.config = config
         self.matmul = matmul_for(policy)
         self.recompute = recompute
         T, E = config.context, config.head_dim
-        cos, sin = rope_tables(T, E)  # (T,E/2) float32, computed in float64 then rounded
+        cos, sin = rope_tables(T, E, np.float32, config.rope_base)  # (T,E/2), float64 then rounded
         self.cos, self.sin = mx.array(cos), mx.array(sin)
         self.scale = mx.array(np.float32(1.0 / math.sqrt(E)))  # float32(1/sqrt(E))
-        self.eps = mx.array(np.float32(float(LAYERNORM_EPS)))
+        self.eps = mx.array(np.float32(float(config.norm_eps)))
         # -inf where j > i (the future positions a row must not see), else 0:
         # added to the scores, exactly where's result (s + 0 is s, s + -inf is
         # -inf; the masked entries' gradient is p = 0 times what comes back).
@@ -342,9 +345,7 @@ class MLXProgram(CapturedProgram):
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
                  accumulate: int | None = None, recompute: bool = False):
-        check_capture(config, precision, batch, state, accumulate)
-        self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
-        self.accumulate = hyper.accumulate if accumulate is None else accumulate
+        self._bind(config, hyper, precision, batch, state, accumulate)
         self.recompute = bool(recompute)
         self.model = Model(config, precision, self.recompute)
         self.adamw = AdamW(config, hyper)
@@ -359,9 +360,9 @@ class MLXProgram(CapturedProgram):
         self._owned = self.device_state  # the state this program last produced
         self._tokens = None  # the input slot, (B,T+1) int32
         self._loss = self._rows = self._grads = None  # outputs of the last replay
-        self._pending = None  # the arrays of a replay submitted and not yet waited for
+        self._pending = None  # the Event of a replay submitted and not yet waited for
         self._eval = None  # the forward-only program, compiled on first evaluate()
-        self.captured = capture_enabled() and capture_or_fallback(self, self._record)
+        self.captured = self._capture()
         self._graph = self._count_graph()
 
     # -- the step ------------------------------------------------------------
@@ -440,8 +441,8 @@ class MLXProgram(CapturedProgram):
         outputs = [*self.device_state.arrays(), loss, rows, norm, *grads.values()]
         mx.async_eval(outputs)  # starts the graph; the host returns at once
         self.replays += 1
-        self._pending = outputs
-        return Event(outputs)
+        self._pending = Event(outputs)  # no query: MLX tells completion only by waiting
+        return self._pending
 
     def submit(self, tokens) -> Submitted:
         """One step submitted with async_eval; its records are the arrays
@@ -458,53 +459,25 @@ class MLXProgram(CapturedProgram):
 
         return Submitted(read)
 
-    def loss(self):
-        """The last replay's loss: an MLX array, lazy until waited for."""
-        self._last("loss")
-        return self._loss
-
-    def is_complete(self) -> bool:
-        if self._pending is None:
-            return True
-        # MLX has no query of a submitted evaluation: only waiting tells
-        raise MissingCapability("is_complete(): backend mlx cannot query a submitted replay "
-                                "without waiting for it (call wait())")
-
-    def wait(self) -> None:
-        if self._pending is not None:
-            mx.eval(self._pending)
-            self._pending = None
-
     def _release(self) -> None:
         self.device_state = self._owned = None
         self._tokens = self._loss = self._rows = self._grads = self._norm = None
         self._step = self._eval = self._pending = None
         mx.clear_cache()  # the freed buffers go back to the system, not to MLX's cache
 
-    def replay_and_wait(self) -> float:
-        self.replay()
-        self.wait()
+    def _host_loss(self) -> float:
         return float(self._loss.item())  # the one device-to-host read per step
 
-    def replay_timed_and_wait(self):
-        """-> (mean loss, device seconds). MLX exposes no device clock, so the
-        device time is NaN; the caller's host clock measures the step."""
-        return self.replay_and_wait(), math.nan
-
-    def _last(self, what):
-        if self._loss is None:
-            raise ReplayError(f"{what}: no step has been replayed yet")
-
     def row_losses(self) -> np.ndarray:
-        self._last("row_losses")
+        self._need_replay("row_losses")
         return np.array(self._rows, dtype=np.float32)  # (B,T)
 
     def gradients(self) -> np.ndarray:
-        self._last("gradients")
+        self._need_replay("gradients")
         return _to_host(self.config, self._grads)  # (N,)
 
     def grad_norm(self) -> float:
-        self._last("grad_norm")
+        self._need_replay("grad_norm")
         return float(self._norm.item())
 
     def state(self) -> State:
@@ -585,16 +558,14 @@ class MLXProgram(CapturedProgram):
     def _memory_analysis(self) -> MemoryAnalysis:
         return _memory_analysis(self)
 
-    def diagnostics(self) -> dict:
-        report = _report(self)
-        report["runtime"] = {
+    def _runtime(self) -> dict:
+        return {
             "mlx_version": mx.__version__,
             "device": str(mx.default_device()),
             "update_count": int(self.device_state.t.item()),  # a sync: not for the hot loop
             "active_bytes": int(mx.get_active_memory()),
             "peak_bytes": int(mx.get_peak_memory()),
         }
-        return report
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Config, Hyper, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import ConfigError, OutputError
+from .. import accelerated
+from ..reference.config import PRECISIONS, Config, Hyper, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import ConfigError, OutputError
 
 EAGER, COMPILED = "torch eager", "torch.compile + graph"  # the peers' row names
 PEERS = (EAGER, COMPILED)
@@ -79,7 +79,7 @@ def flops_per_step(config: Config, batch: int) -> float:
     """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
     usual estimate: 2 forward and 4 backward per multiply-add of a weight,
     plus the two attention products, causal mask not discounted)."""
-    from coppelius.reference.params import registry
+    from ..reference.params import registry
 
     N = registry(config).total
     T, L, D = config.context, config.n_layer, config.d_model
@@ -87,24 +87,21 @@ def flops_per_step(config: Config, batch: int) -> float:
 
 
 def preset_name(config: Config) -> str:
-    from coppelius.reference.config import PRESETS
+    from ..reference.config import PRESETS
 
     return next((name for name, c in PRESETS.items() if c == config), "custom")
 
 
 def default_precision(backend: str) -> str:
-    """SPEC section 6: bf16 on the CUDA backend, fp32 elsewhere."""
-    return "bf16" if backend == "cupy" else "fp32"
+    """SPEC section 6: bf16 on the CUDA backend, fp32 elsewhere (as declared)."""
+    return accelerated.capabilities(backend).default_precision
 
 
 def backend_device(backend: str) -> str:
+    """cuda, gpu (MLX on Apple silicon) or cpu, as the backend declares."""
     import platform
 
-    if backend == "cupy":
-        return "cuda"
-    if backend == "mlx" and platform.system() == "Darwin":
-        return "gpu"
-    return "cpu"
+    return accelerated.capabilities(backend).device_on(platform.system())
 
 
 def batch_list(given, default: int) -> list:
@@ -153,7 +150,7 @@ def program_runner(backend: str, config: Config, precision: str, batch: int, sta
     recompute: the gate and up products computed again in the backward."""
     module = accelerated.backend_module(backend)
     start = time.perf_counter()
-    pool = _cupy_pool() if backend == "cupy" else None
+    pool = _cupy_pool() if accelerated.capabilities(backend).device_memory else None
     base = pool.total_bytes() if pool is not None else 0
     program = module.capture(config, Hyper(), precision, batch, state, recompute=recompute)
 
@@ -205,7 +202,7 @@ def peer_runner(kind: str, config: Config, precision: str, device: str, batch: i
     input for the compiled step's own warm-up (never zeros)."""
     import torch
 
-    from coppelius.bench import torch_peer
+    from . import torch_peer
 
     start = time.perf_counter()
     meter = _TorchMemory(device)
@@ -434,12 +431,13 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
     runners = []
     programs = [] if args.no_reference else [
         ("reference", precision) for precision in args.precision or ["fp32"]]
-    programs += [(name, precision) for name in backends if name != "reference"
+    programs += [(name, precision) for name in backends
+                 if not accelerated.capabilities(name).defines
                  for precision in args.precision or [default_precision(name)]]
     variants = [(name, precision, False) for name, precision in programs]
     if args.recompute:
         variants += [(name, precision, True) for name, precision in programs
-                     if name != "reference"]
+                     if accelerated.capabilities(name).recompute]
     for name, precision, recompute in variants:
         label = f"{name} recompute" if recompute else name
         runners.append(program_runner(name, config, precision, batch, state, warm, label,
@@ -469,12 +467,12 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
 
 def run(args) -> int:
     if args.gpus is not None:
-        from coppelius.bench.distributed import run as run_gpus
+        from .distributed import run as run_gpus
 
         return run_gpus(args)
-    from coppelius.reference import fsutil
-    from coppelius.reference.params import initialize
-    from coppelius.reference.state import State
+    from ..reference import fsutil
+    from ..reference.params import initialize
+    from ..reference.state import State
 
     config, defaults = preset_config(args.preset or "tiny"), {}
     if args.model:
@@ -485,7 +483,8 @@ def run(args) -> int:
     if args.warmup < 0 or args.reference_coppelius < 0:
         raise ConfigError("--warmup and --reference-coppelius must be >= 0")
     target = fsutil.output_target(args.json, "--json") if args.json is not None else None
-    backends = args.backend or [n for n in accelerated.available_backends() if n != "reference"]
+    backends = args.backend or [n for n in accelerated.available_backends()
+                                if not accelerated.capabilities(n).defines]
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
     cuda_precisions = sorted({p for name in backends if backend_device(name) == "cuda"
@@ -493,7 +492,7 @@ def run(args) -> int:
     peers, notes = peer_plan(args.no_peer, args.no_compile, args.precision or cuda_precisions)
     threads = None
     if any(device == "cpu" for _, device, _ in peers):
-        from coppelius.bench.torch_peer import set_threads
+        from .torch_peer import set_threads
 
         threads = set_threads()
     state = State.fresh(initialize(config))  # every implementation starts from these bits

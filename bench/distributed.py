@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from coppelius import accelerated
+from .. import accelerated
 from coppelius import launch as ranks
-from coppelius.reference.config import Hyper, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import CoppeliusError, ConfigError, RunError
+from ..reference.config import Hyper, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import CoppeliusError, ConfigError, RunError
 
 
 def run(args) -> int:
@@ -41,12 +41,13 @@ def run(args) -> int:
             raise RunError(f"--gpus {n}: the launcher ({launch.launcher}) started "
                            f"{launch.world} ranks")
         return bench_rank(args, launch)
-    for name in args.backend or ["cupy"]:
-        if name != "cupy":
+    parallel = accelerated.data_parallel_backends()
+    for name in args.backend or parallel:
+        if name not in parallel:
             raise ConfigError(f"--gpus {n}: backend {name} has one device; data parallelism "
-                              f"runs on the cupy backend")
-    accelerated.backend_module("cupy")
-    from coppelius.accelerated import distributed
+                              f"runs on the {' and '.join(parallel)} backend")
+        accelerated.backend_module(name)
+    from ..accelerated.cuda import distributed
 
     distributed.check_devices(n)
     argv = getattr(args, "argv", None) or sys.argv[1:]
@@ -80,10 +81,11 @@ def _time(program, inputs, warmup: int) -> tuple:
 def bench_rank(args, launch, hard_exit: bool = True) -> int:
     """One rank of `bench --gpus N`; hard_exit False (ranks as threads, in
     tests): the process is never ended from here."""
-    from coppelius import bench
-    from coppelius.accelerated import cupy_backend, distributed
-    from coppelius.reference.params import initialize
-    from coppelius.reference.state import State
+    from .. import bench
+    from ..accelerated.cuda import distributed
+    from ..accelerated.cuda.program import capture
+    from ..reference.params import initialize
+    from ..reference.state import State
 
     r, n = launch.rank, launch.world
     parent = os.environ.get(ranks.PARENT_ENV) == "1"
@@ -101,7 +103,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         distributed.use_device(launch.local_rank, r)
         single = None
         if r == 0:  # one GPU alone first, the others waiting for "go"
-            program = cupy_backend.capture(config, Hyper(), precision, b, state.copy(),
+            program = capture(config, Hyper(), precision, b, state.copy(),
                                            recompute=args.recompute)
             single = _time(program, inputs[:, :b], args.warmup)
             program.reset()
@@ -119,7 +121,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
 
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
-        program = cupy_backend.capture(config, Hyper(), precision, B, state.copy(), comm=comm,
+        program = capture(config, Hyper(), precision, B, state.copy(), comm=comm,
                                        recompute=args.recompute)
         several = _time(program, inputs, args.warmup)
         group.finish()

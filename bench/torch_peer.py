@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from coppelius.reference.config import LAYERNORM_EPS, ROPE_BASE, Config, Hyper
-from coppelius.reference.params import registry
+from ..reference.config import LAYERNORM_EPS, ROPE_BASE, Config, Hyper
+from ..reference.params import registry
 
 
 def rope_tables(T: int, E: int, device) -> tuple:

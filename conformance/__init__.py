@@ -1,7 +1,7 @@
 """The conformance suite (SPEC section 14): every backend against the
 reference, per tensor, with the tolerances of conformance/tolerances.py.
 
-    from coppelius.conformance import run_suite
+    from . import run_suite
     report = run_suite("mlx", "test", "fp32")
     print(report.table()); print(report.summary()); report.passed
 """

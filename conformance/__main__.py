@@ -1,5 +1,5 @@
 import sys
 
-from coppelius.conformance.command import main
+from .command import main
 
 sys.exit(main())

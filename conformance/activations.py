@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from coppelius.reference.semantic import activation_names
+from ..reference.semantic import activation_names
 
 from .suite import Row, compare
 from .tolerances import tolerance

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from coppelius.reference.config import SEED, Config
-from coppelius.reference.params import initialize, registry
-from coppelius.reference.state import State
+from ..reference.config import SEED, Config
+from ..reference.params import initialize, registry
+from ..reference.state import State
 
 TOKEN_SEED = 20260925  # the project seed (SPEC section 1), reused for the token windows
 

@@ -1,5 +1,5 @@
-"""The conformance command line, shared by `python -m coppelius.conformance` and
-`coppelius conformance`.
+"""`coppelius conformance` (register(), for coppelius/cli.py) and
+`python -m coppelius.conformance` (main()): one command line, these options.
 
     --backend NAME      (repeatable) default: every available backend but the
                         reference (the reference against itself is a smoke check)
@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
-from coppelius.reference.fsutil import path_argument
-from coppelius.reference.limits import ID, check_fits, step_bytes
+from .. import accelerated
+from ..reference.config import PRECISIONS, Hyper, config_from_identity, config_from_toml
+from ..reference.config import preset as preset_config
+from ..reference.errors import CheckpointError, ConfigError, IdentityMismatch, RunError
+from ..reference.fsutil import path_argument
+from ..reference.limits import ID, check_fits, step_bytes
 
 from . import cases
 from .suite import Report, run_hypothesis, run_suite, step_rows
@@ -80,6 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "diverges")
 
 
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conformance", help="check backends against the reference, tensor by tensor",
+        description="Drive each backend and the reference on the same inputs and compare "
+                    "logits, losses, every gradient, P, M, V, a loss trajectory and exact "
+                    "resume (SPEC 14). Exit status 1 when any check fails.")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
 def check_plan(config, batch: int, steps: int) -> None:
     """Refuse a suite whose memory cannot exist here: its token windows
     (steps, B, T+1) and one step of the reference, at the least."""
@@ -88,8 +98,9 @@ def check_plan(config, batch: int, steps: int) -> None:
 
 
 def default_backends() -> list:
-    names = [n for n in accelerated.available_backends() if n != "reference"]
-    return names or ["reference"]
+    names = accelerated.available_backends()
+    checked = [n for n in names if not accelerated.capabilities(n).defines]
+    return checked or [n for n in names if accelerated.capabilities(n).defines]
 
 
 def _print(report: Report, failures_only: bool, rows=None) -> None:
@@ -141,7 +152,7 @@ def run(args) -> int:
     check_plan(config, batch, args.steps)
     windows, inputs = None, None
     if args.stream:
-        from coppelius.reference.stream import open_stream
+        from ..reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
         need, K = args.context + args.steps * batch, stream.n_contexts(config.context)
@@ -151,7 +162,7 @@ def run(args) -> int:
                            f"holds {K}")
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
         inputs = f"stream {args.stream}, contexts from {args.context}"
-    if "reference" in backends:
+    if any(accelerated.capabilities(name).defines for name in backends):
         print("note: the reference program replays the definition itself: checking it is a "
               "smoke check of the suite, not a conformance result\n")
     status = 0
@@ -196,8 +207,8 @@ def hyper_from_learner(learner: str, path) -> tuple:
 def load_checkpoint(path, preset_name: str | None = None) -> tuple:
     """-> (config, hyper, precision, batch, state, header) of a checkpoint file.
     `preset_name`, when given, must name the checkpoint's model."""
-    from coppelius.reference.binding import state_from_source
-    from coppelius.reference.sources import CheckpointFileSource
+    from ..reference.binding import state_from_source
+    from ..reference.sources import CheckpointFileSource
 
     named = None if preset_name is None else preset_config(preset_name).identity()
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
@@ -223,7 +234,7 @@ def load_checkpoint(path, preset_name: str | None = None) -> tuple:
 def debug_checkpoint(args, backends: list) -> int:
     """One step from a real checkpoint on the reference and on each backend;
     every tensor's difference, worst first."""
-    from coppelius.reference.stream import open_stream
+    from ..reference.stream import open_stream
 
     if not args.stream:
         raise RunError("--checkpoint needs --stream (the token stream to take context --context from)")
@@ -257,7 +268,7 @@ def debug_checkpoint(args, backends: list) -> int:
 def debug_activations(args, backends: list) -> int:
     """Every intermediate of one step on each backend against the
     reference's, under one naming scheme; the first divergence named."""
-    from coppelius.reference.step import step_activations
+    from ..reference.step import step_activations
 
     from .activations import activation_rows, first_divergence, layer_of
 
@@ -278,7 +289,7 @@ def debug_activations(args, backends: list) -> int:
         where = "the initialization"
     batch = args.batch or batch
     if args.stream:
-        from coppelius.reference.stream import open_stream
+        from ..reference.stream import open_stream
 
         stream = open_stream(args.stream, config.vocab)
         tokens = stream.batch(args.context, batch, config.context)  # (B, T+1)
@@ -308,7 +319,7 @@ def main(argv=None) -> int:
     """`python -m coppelius.conformance`: the same options as `coppelius conformance`."""
     import sys
 
-    from coppelius.reference.errors import CoppeliusError
+    from ..reference.errors import CoppeliusError
 
     parser = argparse.ArgumentParser(prog="python -m coppelius.conformance",
                                      description="Check backends against the reference (SPEC 14).")

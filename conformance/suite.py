@@ -29,13 +29,13 @@ from fractions import Fraction
 
 import numpy as np
 
-from coppelius import accelerated
-from coppelius import reference  # the definition: reference.step, reference.forward
-from coppelius.reference.config import Config, Hyper, check_precision
-from coppelius.reference.config import preset as preset_config
-from coppelius.reference.params import registry
-from coppelius.reference.state import State
-from coppelius.reference.step import check_accumulate
+from .. import accelerated
+from .. import reference  # the definition: reference.step, reference.forward
+from ..reference.config import Config, Hyper, check_precision
+from ..reference.config import preset as preset_config
+from ..reference.params import registry
+from ..reference.state import State
+from ..reference.step import check_accumulate
 
 from . import cases
 from .tolerances import passes, relative_error, tolerance
@@ -222,7 +222,7 @@ def update_diagnosis(config: Config, hyper: Hyper, precision: str, state: State,
     lr * g / (|g| + epsilon), nearly lr * sign(g): where |g| is near epsilon
     a gradient difference far inside the gradient tolerance moves P by up to
     lr, so a correct fp32 backend can miss the P tolerance there."""
-    from coppelius.reference.adamw import adamw_update
+    from ..reference.adamw import adamw_update
 
     if not failed:
         return []

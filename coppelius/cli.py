@@ -14,13 +14,13 @@ from coppelius.reference.errors import CoppeliusError
 # module -> the subcommands it registers
 MODULES = (
     "coppelius.data",  # tokenize
-    "coppelius.run",  # train
+    "coppelius.train",  # train
     "coppelius.evaluate",  # eval
     "coppelius.report",  # inspect, report
     "coppelius.sample",  # sample
     "coppelius.exchange",  # export, import
-    "coppelius.conformance_cmd",  # conformance
-    "coppelius.program_cmd",  # program
+    "coppelius.conformance.command",  # conformance
+    "coppelius.program",  # program
     "coppelius.bench",  # bench
 )
 

@@ -634,10 +634,14 @@ def check_replaceable(out: str) -> None:
 # coppelius tokenize
 
 def default_preset() -> str:
-    """`coppelius` where a GPU with CuPy is available, else `tiny` (SPEC section 15)."""
-    from coppelius.accelerated import best_backend
+    """`coppelius` where the best backend has a CUDA device (a GPU with CuPy),
+    else `tiny` (SPEC section 15)."""
+    import platform
 
-    return "coppelius" if best_backend() == "cupy" else "tiny"
+    from coppelius.accelerated import best_backend, capabilities
+
+    return "coppelius" if capabilities(best_backend()).device_on(platform.system()) == "cuda" \
+        else "tiny"
 
 
 def register(subparsers) -> None:

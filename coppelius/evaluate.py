@@ -65,7 +65,7 @@ def main(args) -> int:
     from coppelius import data
     from coppelius.reference.binding import state_from_source
     from coppelius.reference.sources import CheckpointFileSource
-    from coppelius.run import RUN_FILE, read_run_file
+    from coppelius.run_file import RUN_FILE, read_run_file
 
     path = args.checkpoint
     with CheckpointFileSource(path) as source:  # validated once, then bound by name

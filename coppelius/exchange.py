@@ -67,8 +67,9 @@ from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, Recipe
                                          UnexpectedValue, bind, bind_vectors, check_bindings,
                                          flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
-from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, config_from_identity,
-                                        Hyper, data_identity, initialization_identity,
+from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, Hyper,
+                                        check_implemented, config_from_identity,
+                                        data_identity, initialization_identity,
                                         parameter_count, preset, schema_identity, tensor_count)
 from coppelius.reference.errors import ConfigError, CoppeliusError
 from coppelius.reference.fsutil import Lock, output_target, path_argument, publish, same_file
@@ -192,6 +193,8 @@ def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {checkpoint}")
+        if fmt == "hf":  # config.json writes the defaults' StableLM (SPEC 20)
+            check_implemented(config, (), f"--format hf of {checkpoint}")
         files = {}
         if fmt == "hf" and not no_tokenizer:  # before the work: a missing one is refused first
             files[hf.TOKENIZER] = _run_tokenizer(checkpoint, header, config, tokenizer)

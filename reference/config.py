@@ -19,15 +19,27 @@ import numpy as np
 
 from .errors import ConfigError
 
-LAYERNORM_EPS = Fraction(1, 100000)
-ROPE_BASE = 10000
+LAYERNORM_EPS = Fraction(1, 100000)  # the default norm_eps (SPEC 3, 21)
+ROPE_BASE = 10000  # the default rope_base (SPEC 3, 21)
 SEED = 20260925
 PRECISIONS = ("fp32", "bf16")
+NORMS = ("layernorm", "rmsnorm")
+
+# The family's fields (SPEC 21) beside the shape: each default is the model of
+# SPEC sections 1 to 5, and a field at its default adds nothing to the model
+# identity. Declared here once; the registry (params.py), the layouts
+# (layout.py) and every backend read them from the Config.
+SHAPE_FIELDS = ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")
+FAMILY_FIELDS = ("norm", "norm_eps", "n_kv_head", "tied", "rope_base", "rotary", "qkv_bias")
+FAMILY_DEFAULTS = {"norm": "layernorm", "norm_eps": LAYERNORM_EPS, "tied": True,
+                   "rope_base": Fraction(ROPE_BASE), "rotary": Fraction(1), "qkv_bias": False}
+RATIONAL_LIMIT = Fraction(2**64)  # rope_base and norm_eps are float32 somewhere; far inside
 
 
 @dataclass(frozen=True)
 class Config:
-    """A model shape. Validated on construction; the error names the field."""
+    """A model: its shape (SPEC 1) and its family's fields (SPEC 21).
+    Validated on construction; the error names the field."""
 
     vocab: int  # V
     context: int  # T
@@ -37,28 +49,130 @@ class Config:
     d_ff: int  # F
     steps: int = 8  # default steps of one invocation (run policy, not model)
     interval: int = 4  # default checkpoint interval (run policy, not model)
+    norm: str = "layernorm"  # or "rmsnorm" (no bias)
+    norm_eps: Fraction = LAYERNORM_EPS  # the norms' epsilon, exact
+    n_kv_head: int | None = None  # Hkv, divides H; None (or H): H, no grouping; read kv_heads
+    tied: bool = True  # the logits use tok_embedding.weight; False: lm_head.weight of its own
+    rope_base: Fraction = Fraction(ROPE_BASE)
+    rotary: Fraction = Fraction(1)  # the rotated fraction of each head, R = rotary * E
+    qkv_bias: bool = False  # q, k, v products add a bias
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in SHAPE_FIELDS + ("steps", "interval"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config field {field.name}={value!r}: must be a positive integer")
+                raise ConfigError(f"config field {name}={value!r}: must be a positive integer")
         if self.d_model % self.n_head != 0:
             raise ConfigError(
                 f"config field n_head={self.n_head}: must divide d_model={self.d_model}")
         if self.head_dim % 2 != 0:
             raise ConfigError(
                 f"config field n_head={self.n_head}: head dim d_model/n_head={self.head_dim} must be even")
+        self._check_family()
+
+    def _check_family(self):
+        if self.norm not in NORMS:
+            raise ConfigError(f"config field norm={self.norm!r}: must be one of {', '.join(NORMS)}")
+        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.n_head % kv:
+            raise ConfigError(f"config field n_kv_head={kv!r}: must be a positive integer "
+                              f"dividing n_head={self.n_head}")
+        # kept as None when it is H, so equal models compare equal and a
+        # configuration that changes n_head (a TOML file over a preset) keeps
+        # "no grouping" rather than a count that no longer divides
+        object.__setattr__(self, "n_kv_head", None if kv == self.n_head else kv)
+        for name in ("tied", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name}={getattr(self, name)!r}: must be true or false")
+        for name in ("norm_eps", "rope_base", "rotary"):
+            value = getattr(self, name)
+            if not isinstance(value, Fraction):
+                value = parse_rational(value, f"config field {name}") \
+                    if not isinstance(value, bool) else value
+                object.__setattr__(self, name, value)
+            if not isinstance(value, Fraction) or not 0 < value < RATIONAL_LIMIT:
+                raise ConfigError(f"config field {name}={_show_value(value)}: must be a positive "
+                                  f"number below 2^64")
+            if np.float32(float(value)) == 0:
+                raise ConfigError(f"config field {name}={_show_value(value)}: rounds to zero "
+                                  f"in float32")
+        if self.rotary > 1:
+            raise ConfigError(f"config field rotary={_show_value(self.rotary)}: must be in (0, 1]")
+        R = self.rotary * self.head_dim
+        if R.denominator != 1 or R % 2:
+            raise ConfigError(f"config field rotary={_show_value(self.rotary)}: rotary * head dim "
+                              f"({self.head_dim}) must be an even integer")
 
     @property
     def head_dim(self) -> int:  # E
         return self.d_model // self.n_head
 
+    @property
+    def kv_heads(self) -> int:  # Hkv
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:  # Hkv * E: the width of k and of v
+        return self.kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:  # R = rotary * E: the rotated elements of each head
+        return int(self.rotary * self.head_dim)
+
+    @property
+    def norm_bias(self) -> bool:
+        """Whether each norm has a bias (layernorm) or only a weight (rmsnorm)."""
+        return self.norm == "layernorm"
+
+    def family(self) -> dict:
+        """The family's fields (SPEC 21) by name, defaults included."""
+        return {name: self.kv_heads if name == "n_kv_head" else getattr(self, name)
+                for name in FAMILY_FIELDS}
+
+    def non_default(self) -> tuple:
+        """The family's fields that differ from SPEC 1-5's model, in SPEC 21's order."""
+        return tuple(name for name in FAMILY_FIELDS
+                     if (self.n_kv_head is not None if name == "n_kv_head"
+                         else getattr(self, name) != FAMILY_DEFAULTS[name]))
+
     def identity(self) -> str:
-        """The model identity of SPEC section 10."""
-        return (f"vocab={self.vocab}|context={self.context}|d_model={self.d_model}"
+        """The model identity of SPEC section 10, with SPEC 21's parts: norm,
+        eps, rope_base and tied always (their values replace the defaults'),
+        then kv_heads, rotary and qkv_bias where they are not the defaults."""
+        text = (f"vocab={self.vocab}|context={self.context}|d_model={self.d_model}"
                 f"|n_layer={self.n_layer}|n_head={self.n_head}|d_ff={self.d_ff}"
-                f"|norm=layernorm|eps={rational_text(LAYERNORM_EPS)}|rope_base={ROPE_BASE}|tied=1")
+                f"|norm={self.norm}|eps={identity_number(self.norm_eps)}"
+                f"|rope_base={identity_number(self.rope_base)}|tied={int(self.tied)}")
+        if self.n_kv_head is not None:
+            text += f"|kv_heads={self.n_kv_head}"
+        if self.rotary != 1:
+            text += f"|rotary={identity_number(self.rotary)}"
+        if self.qkv_bias:
+            text += "|qkv_bias=1"
+        return text
+
+
+def check_implemented(config: Config, implemented: tuple, who: str) -> None:
+    """Refuse, naming the field and its value, a configuration that sets a
+    family field (SPEC 21) away from its default where `who` (a backend)
+    does not implement it yet; `implemented` names the fields it does."""
+    for name in config.non_default():
+        if name not in implemented:
+            value = config.family()[name]
+            shown = identity_number(value) if isinstance(value, Fraction) else repr(value)
+            raise ConfigError(f"{who}: config field {name}={shown} (SPEC 21) is not "
+                              f"implemented here yet")
+
+
+def identity_number(q: Fraction) -> str:
+    """An exact rational in a model identity: an integer as itself (10000),
+    anything else as rational_text (1/100000, 5/10)."""
+    q = Fraction(q)
+    return str(q.numerator) if q.denominator == 1 else rational_text(q)
+
+
+def _show_value(value) -> str:
+    return _show(value) if isinstance(value, Fraction) else repr(value)
 
 
 PRESETS = {
@@ -105,24 +219,43 @@ def parse_rational(text, field: str) -> Fraction:
     return value
 
 
-MODEL_FIELDS = ("vocab", "context", "d_model", "n_layer", "n_head", "d_ff")
+MODEL_FIELDS = SHAPE_FIELDS
 
 
 def config_from_identity(model: str, where: str = "checkpoint") -> Config:
-    """The Config whose model identity (SPEC 10) is exactly `model`: a preset
-    when one matches (for its steps and interval). Anything this version does
-    not implement (another norm, a missing field) is refused, naming `where`."""
+    """The Config whose model identity (SPEC 10, 21) is exactly `model`: a
+    preset when one matches (for its steps and interval). Anything this
+    version does not write (another norm, a missing field, a value spelled
+    another way) is refused, naming `where`."""
     for config in PRESETS.values():
         if config.identity() == model:
             return config
-    fields = dict(part.partition("=")[::2] for part in str(model).split("|"))
     try:
-        config = Config(**{k: int(fields[k]) for k in MODEL_FIELDS})
+        config = Config(**_identity_fields(str(model)))
     except (KeyError, ValueError, ConfigError):
         config = None
     if config is None or config.identity() != model:
         raise ConfigError(f"{where}: model identity {model!r} is not one this version implements")
     return config
+
+
+def _identity_fields(model: str) -> dict:
+    """The Config fields a model identity names (its canonical form is
+    checked by rebuilding it); KeyError or ValueError where one is missing
+    or unreadable."""
+    fields = dict(part.partition("=")[::2] for part in model.split("|"))
+    out = {k: int(fields[k]) for k in SHAPE_FIELDS}
+    flags = {"0": False, "1": True}
+    out.update(norm=fields["norm"], norm_eps=parse_rational(fields["eps"], "eps"),
+               rope_base=parse_rational(fields["rope_base"], "rope_base"),
+               tied=flags[fields["tied"]])
+    if "kv_heads" in fields:
+        out["n_kv_head"] = int(fields["kv_heads"])
+    if "rotary" in fields:
+        out["rotary"] = parse_rational(fields["rotary"], "rotary")
+    if "qkv_bias" in fields:
+        out["qkv_bias"] = flags[fields["qkv_bias"]]
+    return out
 
 
 # What a model configuration file may set (SPEC 17): the model's fields, and
@@ -131,7 +264,7 @@ def config_from_identity(model: str, where: str = "checkpoint") -> Config:
 # interval default to the tiny preset's (a configuration that trains on a CPU
 # in minutes is the likely reason to write one).
 RUN_KEYS = ("steps", "interval", "batch")
-MODEL_FILE_KEYS = MODEL_FIELDS + RUN_KEYS
+MODEL_FILE_KEYS = MODEL_FIELDS + FAMILY_FIELDS + RUN_KEYS
 MODEL_FILE_BYTES = 1 << 20  # a model file is a few lines; anything larger is not one
 FIELD_LIMIT = 1 << 31  # every field is an int32 somewhere (token ids, kernel indices)
 
@@ -172,7 +305,8 @@ def config_from_toml(path, base: Config | None = None) -> tuple:
         if key not in MODEL_FILE_KEYS:
             raise ConfigError(f"{where}: unknown key {key!r} (a model file sets "
                               f"{', '.join(MODEL_FILE_KEYS)})")
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < FIELD_LIMIT:
+        if key not in FAMILY_FIELDS and (isinstance(value, bool) or not isinstance(value, int)
+                                         or not 0 < value < FIELD_LIMIT):
             shown = "a table" if isinstance(value, dict) else repr(value)
             raise ConfigError(f"{where}: {key} = {shown}: must be a positive integer "
                               f"below 2^31")
@@ -183,11 +317,32 @@ def config_from_toml(path, base: Config | None = None) -> tuple:
                               f"file sets all of {', '.join(MODEL_FIELDS)})")
         base = PRESETS["tiny"]  # every model field is the file's; steps and interval default
     fields = {k: doc[k] for k in MODEL_FIELDS + ("steps", "interval") if k in doc}
+    fields.update({k: _family_value(where, k, doc[k]) for k in FAMILY_FIELDS if k in doc})
     try:
         config = dataclasses.replace(base, **fields)
     except ConfigError as e:  # a shape the model cannot take (n_head not dividing d_model, ...)
         raise ConfigError(f"{where}: {e}") from None
     return config, {k: doc[k] for k in ("batch",) if k in doc}
+
+
+def _family_value(where: str, key: str, value):
+    """A family field (SPEC 21) as a TOML file writes it: norm a string,
+    tied and qkv_bias booleans, n_kv_head an integer, norm_eps, rope_base
+    and rotary a number or a string of an exact rational ("1/2", "1e-5"); a
+    float is read from its decimal text, so 1e-5 is exactly 1/100000."""
+    kinds = {"norm": (str,), "tied": (bool,), "qkv_bias": (bool,), "n_kv_head": (int,)}
+    allowed = kinds.get(key, (int, float, str))
+    if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+        shown = "a table" if isinstance(value, dict) else repr(value)
+        want = {"norm": "a string", "tied": "true or false", "qkv_bias": "true or false",
+                "n_kv_head": "an integer"}.get(key, 'a number or a string like "1/2"')
+        raise ConfigError(f"{where}: {key} = {shown}: must be {want}")
+    if key in ("norm_eps", "rope_base", "rotary"):
+        try:
+            return parse_rational(repr(value) if isinstance(value, float) else value, key)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return value
 
 
 def rational_text(q: Fraction) -> str:
@@ -358,18 +513,28 @@ def initialization_identity(seed: int = SEED) -> str:
 
 
 def parameter_count(config: Config) -> int:
-    """N of SPEC section 2 from the shape alone: the embedding (V, D); per
-    layer two norms (2 D each), q, k, v, o (D^2 each) and gate, up, down
-    (D F each); the final norm (2 D). Equal to registry(config).total (a test
-    checks it), but computed without building the registry, so a file that
-    claims a model of 10^8 layers is sized, and refused, in no time."""
-    V, D, F, L = config.vocab, config.d_model, config.d_ff, config.n_layer
-    return V * D + L * (4 * D + 4 * D * D + 3 * D * F) + 2 * D
+    """N of SPEC sections 2 and 21 from the configuration alone: the
+    embedding (V, D); per layer two norms (D each, 2 D with a bias), q and o
+    (D^2 each), k and v (Hkv E D each) with their biases where set, and gate,
+    up, down (D F each); the final norm; lm_head (V D) when untied. Equal to
+    registry(config).total (a test checks it), but computed without building
+    the registry, so a file that claims a model of 10^8 layers is sized, and
+    refused, in no time."""
+    V, D, F, L, KV = config.vocab, config.d_model, config.d_ff, config.n_layer, config.kv_dim
+    norm = 2 * D if config.norm_bias else D
+    attention = 2 * D * D + 2 * KV * D + (D + 2 * KV if config.qkv_bias else 0)
+    head = 0 if config.tied else V * D
+    return V * D + L * (2 * norm + attention + 3 * D * F) + norm + head
 
 
 def tensor_count(config: Config) -> int:
-    """How many named tensors the registry lists: 11 per layer, 3 more."""
-    return 11 * config.n_layer + 3
+    """How many named tensors the registry lists (aliases not counted): per
+    layer two norms, four attention products (and three biases where set)
+    and three MLP products; the embedding, the final norm, lm_head when
+    untied."""
+    norm = 2 if config.norm_bias else 1
+    layer = 2 * norm + 4 + (3 if config.qkv_bias else 0) + 3
+    return layer * config.n_layer + 1 + norm + (0 if config.tied else 1)
 
 
 # ---------------------------------------------------------------- identities read back

@@ -1,16 +1,21 @@
 """The model forward (SPEC section 3), loss (section 4) and the hand-written
 backward (section 5), composed from the layer functions.
 
-Parameters arrive as the flat vector P; `registry(config).views(P)` gives the
-named tensors. The dtype follows P: float32 normally, float64 for the
-finite-difference tests (precision policy fp32 only).
+Parameters arrive as the flat vector P; the tape gives the named tensors
+(`registry(config).views(P)`). The dtype follows P: float32 normally, float64
+for the finite-difference tests (precision policy fp32 only).
+
+Each layer call goes through a tape (reference/tape.py): `t.op(name, kind,
+fn, *args, out=names)` is `fn(*args)` under the operation's and its
+outputs' names in the semantic graph (reference/semantic.py), which is
+traced from these same functions.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .config import LAYERNORM_EPS, Config
+from .config import Config, check_implemented
 from .layers.attention import attention_backward, attention_forward
 from .layers.crossentropy import crossentropy_backward, crossentropy_forward
 from .layers.embedding import embedding_backward, embedding_forward
@@ -18,9 +23,10 @@ from .layers.layernorm import layernorm_backward, layernorm_forward
 from .layers.linear import linear_backward, linear_forward
 from .layers.rope import rope_backward, rope_forward, rope_tables
 from .layers.swiglu import swiglu_backward, swiglu_forward
-from .params import registry
+from .tape import Tape, gradient_name
 
-EPS = float(LAYERNORM_EPS)
+# The family's fields (SPEC 21) this model computes; the others are refused
+IMPLEMENTED = ("norm_eps", "rope_base")
 
 
 def _heads(x, H):
@@ -35,124 +41,179 @@ def _merge(x):
     return x.transpose(0, 2, 1, 3).reshape(B, T, H * E)
 
 
+# The per-head layers on the model's (B,T,D) tensors, heads side by side
+
+def _rope_forward(x, cos, sin, H):
+    # x (B,T,D) -> (B,T,D): each head (B,T,H,E) rotated
+    B, T, D = x.shape
+    return rope_forward(x.reshape(B, T, H, D // H), cos, sin).reshape(B, T, D)
+
+
+def _rope_backward(dout, cos, sin, H):
+    # dout (B,T,D) -> dx (B,T,D)
+    B, T, D = dout.shape
+    return rope_backward(dout.reshape(B, T, H, D // H), cos, sin).reshape(B, T, D)
+
+
+def _attention_forward(q, k, v, H, policy):
+    # q, k, v (B,T,D) -> y (B,T,D), the cache (on the (B,H,T,E) views)
+    y, cache = attention_forward(_heads(q, H), _heads(k, H), _heads(v, H), policy)
+    return _merge(y), cache
+
+
+def _attention_backward(dy, cache, H, policy):
+    # dy (B,T,D) -> dq, dk, dv (B,T,D)
+    dq, dk, dv = attention_backward(_heads(dy, H), cache, policy)
+    return _merge(dq), _merge(dk), _merge(dv)
+
+
+def _add(*terms):
+    # a + b + ..., left to right: the residuals, and the sums of partial gradients
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
 def model_forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str,
-                  record: dict | None = None):
+                  record: dict | None = None, tape=None):
     """tokens (B,T) -> logits (B,T,V), and the cache for model_backward.
     `record`: a dict that receives each intermediate under its name in the
-    project's naming scheme (reference/semantic.py), for debugging."""
-    w = registry(config).views(P)
+    project's naming scheme (reference/semantic.py), for debugging. `tape`:
+    what makes the layer calls (default: a Tape(record) that runs them)."""
+    check_implemented(config, IMPLEMENTED, "reference")
+    t = Tape(record) if tape is None else tape
+    w = t.parameters(config, P)
     H = config.n_head
     B, T = tokens.shape
-    keep = record.__setitem__ if record is not None else (lambda name, value: None)
-    cos, sin = rope_tables(T, config.head_dim, P.dtype)
-    x = embedding_forward(tokens, w["tok_embedding.weight"])  # (B,T,D)
-    keep("embedding.out", x)
+    eps = float(config.norm_eps)
+    cos, sin = rope_tables(T, config.head_dim, P.dtype, config.rope_base)
+    x = t.op("embedding", "embedding", embedding_forward, tokens, w["tok_embedding.weight"],
+             out="embedding.out")  # (B,T,D)
     layers = []
     for l in range(config.n_layer):
         p = f"layers.{l}."
         c = {}
-        h, c["ln1"] = layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], EPS)
-        q, c["q"] = linear_forward(h, w[p + "attn.q.weight"], policy)  # (B,T,D)
-        k, c["k"] = linear_forward(h, w[p + "attn.k.weight"], policy)
-        v, c["v"] = linear_forward(h, w[p + "attn.v.weight"], policy)
-        keep(p + "attn_norm.out", h)
-        keep(p + "attn.q_proj", q)
-        keep(p + "attn.k_proj", k)
-        q = rope_forward(q.reshape(B, T, H, -1), cos, sin).reshape(B, T, -1)
-        k = rope_forward(k.reshape(B, T, H, -1), cos, sin).reshape(B, T, -1)
-        keep(p + "attn.q", q)
-        keep(p + "attn.k", k)
-        keep(p + "attn.v", v)
-        y, c["attn"] = attention_forward(_heads(q, H), _heads(k, H), _heads(v, H), policy)
-        keep(p + "attn.y", _merge(y))
-        y, c["o"] = linear_forward(_merge(y), w[p + "attn.o.weight"], policy)
-        keep(p + "attn.out", y)
-        x = x + y
-        keep(p + "mid", x)
-        h, c["ln2"] = layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"], EPS)
-        g, c["gate"] = linear_forward(h, w[p + "mlp.gate.weight"], policy)  # (B,T,F)
-        u, c["up"] = linear_forward(h, w[p + "mlp.up.weight"], policy)
-        a, c["swiglu"] = swiglu_forward(g, u)
-        y, c["down"] = linear_forward(a, w[p + "mlp.down.weight"], policy)  # (B,T,D)
-        keep(p + "mlp_norm.out", h)
-        keep(p + "mlp.gate", g)
-        keep(p + "mlp.up", u)
-        keep(p + "mlp.h", a)
-        keep(p + "mlp.out", y)
-        x = x + y
-        keep(p + "out", x)
+        h, c["ln1"] = t.op(p + "attn_norm", "layernorm", layernorm_forward, x,
+                           w[p + "attn_norm.weight"], w[p + "attn_norm.bias"], eps,
+                           out=p + "attn_norm.out")
+        q, c["q"] = t.op(p + "attn.q", "linear", linear_forward, h, w[p + "attn.q.weight"],
+                         policy, out=p + "attn.q_proj")  # (B,T,D)
+        k, c["k"] = t.op(p + "attn.k", "linear", linear_forward, h, w[p + "attn.k.weight"],
+                         policy, out=p + "attn.k_proj")
+        v, c["v"] = t.op(p + "attn.v", "linear", linear_forward, h, w[p + "attn.v.weight"],
+                         policy, out=p + "attn.v")
+        q = t.op(p + "attn.rope_q", "rope", _rope_forward, q, cos, sin, H, out=p + "attn.q")
+        k = t.op(p + "attn.rope_k", "rope", _rope_forward, k, cos, sin, H, out=p + "attn.k")
+        y, c["attn"] = t.op(p + "attn.core", "attention", _attention_forward, q, k, v, H, policy,
+                            out=p + "attn.y")
+        y, c["o"] = t.op(p + "attn.o", "linear", linear_forward, y, w[p + "attn.o.weight"],
+                         policy, out=p + "attn.out")
+        x = t.op(p + "attn.residual", "add", _add, x, y, out=p + "mid")
+        h, c["ln2"] = t.op(p + "mlp_norm", "layernorm", layernorm_forward, x,
+                           w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"], eps,
+                           out=p + "mlp_norm.out")
+        g, c["gate"] = t.op(p + "mlp.gate", "linear", linear_forward, h,
+                            w[p + "mlp.gate.weight"], policy, out=p + "mlp.gate")  # (B,T,F)
+        u, c["up"] = t.op(p + "mlp.up", "linear", linear_forward, h, w[p + "mlp.up.weight"],
+                          policy, out=p + "mlp.up")
+        a, c["swiglu"] = t.op(p + "mlp.swiglu", "swiglu", swiglu_forward, g, u, out=p + "mlp.h")
+        y, c["down"] = t.op(p + "mlp.down", "linear", linear_forward, a,
+                            w[p + "mlp.down.weight"], policy, out=p + "mlp.out")  # (B,T,D)
+        x = t.op(p + "mlp.residual", "add", _add, x, y, out=p + "out")
         layers.append(c)
-    h, ln_f = layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"], EPS)
-    logits, head = linear_forward(h, w["lm_head.weight"], policy)  # (B,T,V), tied weight
-    keep("final_norm.out", h)
-    keep("logits", logits)
+    h, ln_f = t.op("final_norm", "layernorm", layernorm_forward, x, w["final_norm.weight"],
+                   w["final_norm.bias"], eps, out="final_norm.out")
+    logits, head = t.op("lm_head", "linear", linear_forward, h, w["lm_head.weight"], policy,
+                        out="logits")  # (B,T,V), tied weight
     cache = dict(tokens=tokens, layers=layers, ln_f=ln_f, head=head, cos=cos, sin=sin)
     return logits, cache
 
 
 def model_backward(config: Config, P: np.ndarray, dlogits: np.ndarray, cache, policy: str,
-                   record: dict | None = None):
+                   record: dict | None = None, tape=None):
     """dlogits (B,T,V) -> G, the gradient of every parameter as a fresh flat
-    vector in the registry's layout. `record`: as in model_forward, the
-    gradient of each named intermediate (`layers.3.attn.dq`, ...)."""
-
-    reg = registry(config)
-    G = np.zeros_like(P)
-    g = reg.views(G)
+    vector in the registry's layout. `record` and `tape`: as in
+    model_forward; the gradient of each named intermediate is
+    `layers.3.attn.dq`, ..., of a parameter `layers.3.attn.q.dweight`."""
+    t = Tape(record) if tape is None else tape
+    d = gradient_name
+    g = {}  # each parameter's gradient by name, laid out as G at the end
     H = config.n_head
-    B, T, V = dlogits.shape
-    keep = record.__setitem__ if record is not None else (lambda name, value: None)
+    V = dlogits.shape[-1]
     cos, sin = cache["cos"], cache["sin"]
 
-    dh, d_head = linear_backward(dlogits, cache["head"], policy)
-    keep("final_norm.dout", dh)
-    dx, g["final_norm.weight"][...], g["final_norm.bias"][...] = layernorm_backward(dh, cache["ln_f"])
+    dh, g["lm_head.weight"] = t.op("lm_head.backward", "linear_backward", linear_backward,
+                                   dlogits, cache["head"], policy,
+                                   out=("final_norm.dout", "lm_head.dweight"))
+    dx, g["final_norm.weight"], g["final_norm.bias"] = t.op(
+        "final_norm.backward", "layernorm_backward", layernorm_backward, dh, cache["ln_f"],
+        out=(f"layers.{config.n_layer - 1}.dout", "final_norm.dweight", "final_norm.dbias"))
     for l in reversed(range(config.n_layer)):
         p = f"layers.{l}."
         c = cache["layers"][l]
-        keep(p + "dout", dx)
         # x = x + down(swiglu(gate(h), up(h))), h = mlp_norm(x)
-        da, g[p + "mlp.down.weight"][...] = linear_backward(dx, c["down"], policy)
-        dgate, dup = swiglu_backward(da, c["swiglu"])
-        dh1, g[p + "mlp.gate.weight"][...] = linear_backward(dgate, c["gate"], policy)
-        dh2, g[p + "mlp.up.weight"][...] = linear_backward(dup, c["up"], policy)
-        dh = dh1 + dh2
-        keep(p + "mlp.dh", da)
-        keep(p + "mlp.dgate", dgate)
-        keep(p + "mlp.dup", dup)
-        keep(p + "mlp_norm.dout", dh)
-        dxn, g[p + "mlp_norm.weight"][...], g[p + "mlp_norm.bias"][...] = layernorm_backward(dh, c["ln2"])
-        dx = dx + dxn
-        keep(p + "dmid", dx)
+        da, g[p + "mlp.down.weight"] = t.op(
+            p + "mlp.down.backward", "linear_backward", linear_backward, dx, c["down"], policy,
+            out=(p + "mlp.dh", d(p + "mlp.down.weight")))
+        dgate, dup = t.op(p + "mlp.swiglu.backward", "swiglu_backward", swiglu_backward, da,
+                          c["swiglu"], out=(p + "mlp.dgate", p + "mlp.dup"))
+        dh1, g[p + "mlp.gate.weight"] = t.op(
+            p + "mlp.gate.backward", "linear_backward", linear_backward, dgate, c["gate"],
+            policy, out=(p + "mlp_norm.dout_gate", d(p + "mlp.gate.weight")))
+        dh2, g[p + "mlp.up.weight"] = t.op(
+            p + "mlp.up.backward", "linear_backward", linear_backward, dup, c["up"], policy,
+            out=(p + "mlp_norm.dout_up", d(p + "mlp.up.weight")))
+        dh = t.op(p + "mlp_norm.dout_sum", "add", _add, dh1, dh2, out=p + "mlp_norm.dout")
+        dxn, g[p + "mlp_norm.weight"], g[p + "mlp_norm.bias"] = t.op(
+            p + "mlp_norm.backward", "layernorm_backward", layernorm_backward, dh, c["ln2"],
+            out=(p + "mlp_norm.dx", d(p + "mlp_norm.weight"), d(p + "mlp_norm.bias")))
+        dx = t.op(p + "mlp.residual.backward", "add", _add, dx, dxn, out=p + "dmid")
         # x = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
-        dy, g[p + "attn.o.weight"][...] = linear_backward(dx, c["o"], policy)
-        dq, dk, dv = attention_backward(_heads(dy, H), c["attn"], policy)
-        keep(p + "attn.dy", dy)
-        keep(p + "attn.dq", _merge(dq))
-        keep(p + "attn.dk", _merge(dk))
-        keep(p + "attn.dv", _merge(dv))
-        dq = rope_backward(_merge(dq).reshape(B, T, H, -1), cos, sin).reshape(B, T, -1)
-        dk = rope_backward(_merge(dk).reshape(B, T, H, -1), cos, sin).reshape(B, T, -1)
-        dh, g[p + "attn.q.weight"][...] = linear_backward(dq, c["q"], policy)
-        dhk, g[p + "attn.k.weight"][...] = linear_backward(dk, c["k"], policy)
-        dhv, g[p + "attn.v.weight"][...] = linear_backward(_merge(dv), c["v"], policy)
-        dh = dh + dhk + dhv
-        keep(p + "attn_norm.dout", dh)
-        dxn, g[p + "attn_norm.weight"][...], g[p + "attn_norm.bias"][...] = layernorm_backward(dh, c["ln1"])
-        dx = dx + dxn
-    keep("embedding.dout", dx)
+        dy, g[p + "attn.o.weight"] = t.op(
+            p + "attn.o.backward", "linear_backward", linear_backward, dx, c["o"], policy,
+            out=(p + "attn.dy", d(p + "attn.o.weight")))
+        dq, dk, dv = t.op(p + "attn.core.backward", "attention_backward", _attention_backward,
+                          dy, c["attn"], H, policy,
+                          out=(p + "attn.dq", p + "attn.dk", p + "attn.dv"))
+        dq = t.op(p + "attn.rope_q.backward", "rope_backward", _rope_backward, dq, cos, sin, H,
+                  out=p + "attn.dq_proj")
+        dk = t.op(p + "attn.rope_k.backward", "rope_backward", _rope_backward, dk, cos, sin, H,
+                  out=p + "attn.dk_proj")
+        dhq, g[p + "attn.q.weight"] = t.op(
+            p + "attn.q.backward", "linear_backward", linear_backward, dq, c["q"], policy,
+            out=(p + "attn_norm.dout_q", d(p + "attn.q.weight")))
+        dhk, g[p + "attn.k.weight"] = t.op(
+            p + "attn.k.backward", "linear_backward", linear_backward, dk, c["k"], policy,
+            out=(p + "attn_norm.dout_k", d(p + "attn.k.weight")))
+        dhv, g[p + "attn.v.weight"] = t.op(
+            p + "attn.v.backward", "linear_backward", linear_backward, dv, c["v"], policy,
+            out=(p + "attn_norm.dout_v", d(p + "attn.v.weight")))
+        dh = t.op(p + "attn_norm.dout_sum", "add", _add, dhq, dhk, dhv, out=p + "attn_norm.dout")
+        dxn, g[p + "attn_norm.weight"], g[p + "attn_norm.bias"] = t.op(
+            p + "attn_norm.backward", "layernorm_backward", layernorm_backward, dh, c["ln1"],
+            out=(p + "attn_norm.dx", d(p + "attn_norm.weight"), d(p + "attn_norm.bias")))
+        # the gradient of the layer's input x: the previous layer's output
+        dx = t.op(p + "attn.residual.backward", "add", _add, dx, dxn,
+                  out=f"layers.{l - 1}.dout" if l else "embedding.dout")
+    gather = t.op("embedding.backward", "embedding_backward", embedding_backward, dx,
+                  cache["tokens"], V, out="tok_embedding.dweight_gather")
     # tied embedding: the unembedding gradient plus the gather gradient
-    g["tok_embedding.weight"][...] = d_head + embedding_backward(dx, cache["tokens"], V)
-    return G
+    g["tok_embedding.weight"] = t.op("tok_embedding.dweight_sum", "add", _add,
+                                     g["lm_head.weight"], gather, out="tok_embedding.dweight")
+    return t.flatten(config, g, P)
 
 
-def loss_forward(logits, targets):
+def loss_forward(logits, targets, tape=None):
     """-> row losses (B,T) and the cache for loss_backward."""
-    return crossentropy_forward(logits, targets)
+    t = Tape() if tape is None else tape
+    return t.op("loss", "crossentropy", crossentropy_forward, logits, targets, out="row_losses")
 
 
-def loss_backward(ce_cache, n_rows, dtype):
+def loss_backward(ce_cache, n_rows, dtype, tape=None):
     """Gradient of the mean over n_rows rows -> dlogits (B,T,V)."""
+    t = Tape() if tape is None else tape
     probs, targets = ce_cache
     dce = np.full(targets.shape, 1.0 / n_rows, dtype=dtype)
-    return crossentropy_backward(dce, ce_cache)
+    return t.op("loss.backward", "crossentropy_backward", crossentropy_backward, dce, ce_cache,
+                out="dlogits")

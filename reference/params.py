@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import SEED, Config
 
-ALIASES = {"lm_head.weight": "tok_embedding.weight"}  # tied unembedding, no storage
+TIED = {"lm_head.weight": "tok_embedding.weight"}  # the tied unembedding: an alias, no storage
 
 
 @dataclass(frozen=True)
@@ -47,26 +47,7 @@ class Registry:
     """Names, shapes, offsets, decay and aliases of one configuration."""
 
     def __init__(self, config: Config):
-        V, D, F, L = config.vocab, config.d_model, config.d_ff, config.n_layer
-        small = 0.02 / math.sqrt(2 * L)  # residual projections; sqrt in float64
-        table = [("tok_embedding.weight", (V, D), "normal", 0.02)]
-        for l in range(L):
-            p = f"layers.{l}."
-            table += [
-                (p + "attn_norm.weight", (D,), "ones", 0.0),
-                (p + "attn_norm.bias", (D,), "zeros", 0.0),
-                (p + "attn.q.weight", (D, D), "normal", 0.02),
-                (p + "attn.k.weight", (D, D), "normal", 0.02),
-                (p + "attn.v.weight", (D, D), "normal", 0.02),
-                (p + "attn.o.weight", (D, D), "normal", small),
-                (p + "mlp_norm.weight", (D,), "ones", 0.0),
-                (p + "mlp_norm.bias", (D,), "zeros", 0.0),
-                (p + "mlp.gate.weight", (F, D), "normal", 0.02),
-                (p + "mlp.up.weight", (F, D), "normal", 0.02),
-                (p + "mlp.down.weight", (D, F), "normal", small),
-            ]
-        table += [("final_norm.weight", (D,), "ones", 0.0),
-                  ("final_norm.bias", (D,), "zeros", 0.0)]
+        table = declare(config)
         self.config = config
         self.specs: list[ParamSpec] = []
         offset = 0
@@ -76,7 +57,7 @@ class Registry:
             offset += spec.size
         self.total = offset
         self.by_name = {spec.name: spec for spec in self.specs}
-        self.aliases = dict(ALIASES)
+        self.aliases = dict(TIED) if config.tied else {}
 
     def __iter__(self):
         return iter(self.specs)
@@ -117,6 +98,42 @@ class Registry:
     def describe(self) -> list:
         """[{name, shape, offset}] in canonical order (the checkpoint header)."""
         return [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in self.specs]
+
+
+def declare(config: Config) -> list:
+    """[(name, shape, init, std)] of every parameter in the canonical order
+    of SPEC 2 and 21, from the configuration: the one place the model's
+    parameters are listed. A norm has a bias where it is a layernorm; k and
+    v are (Hkv E, D); q, k, v have biases right after their weights where
+    qkv_bias is set; an untied model ends with lm_head.weight."""
+    V, D, F, L = config.vocab, config.d_model, config.d_ff, config.n_layer
+    KV = config.kv_dim  # Hkv * E
+    small = 0.02 / math.sqrt(2 * L)  # residual projections; sqrt in float64
+
+    def norm(name):
+        bias = [(name + ".bias", (D,), "zeros", 0.0)] if config.norm_bias else []
+        return [(name + ".weight", (D,), "ones", 0.0)] + bias
+
+    def product(name, rows, cols, std, bias=False):
+        bias = [(name + ".bias", (rows,), "zeros", 0.0)] if bias else []
+        return [(name + ".weight", (rows, cols), "normal", std)] + bias
+
+    table = [("tok_embedding.weight", (V, D), "normal", 0.02)]
+    for l in range(L):
+        p = f"layers.{l}."
+        table += (norm(p + "attn_norm")
+                  + product(p + "attn.q", D, D, 0.02, config.qkv_bias)
+                  + product(p + "attn.k", KV, D, 0.02, config.qkv_bias)
+                  + product(p + "attn.v", KV, D, 0.02, config.qkv_bias)
+                  + product(p + "attn.o", D, D, small)
+                  + norm(p + "mlp_norm")
+                  + product(p + "mlp.gate", F, D, 0.02)
+                  + product(p + "mlp.up", F, D, 0.02)
+                  + product(p + "mlp.down", D, F, small))
+    table += norm("final_norm")
+    if not config.tied:
+        table += product("lm_head", V, D, 0.02)
+    return table
 
 
 @functools.lru_cache(maxsize=None)

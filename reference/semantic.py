@@ -5,8 +5,16 @@ tensors with their shapes. Every backend's program reports this same graph
 (`semantic_graph()`), and says in its compilation report how it lowered
 each operation to its own executable work.
 
+The graph is not written down here: it is traced from the reference itself.
+reference/model.py makes each layer call through a tape (reference/tape.py)
+that names the operation and its outputs; `Trace` is the tape that records
+those calls instead of computing them, and semantic_graph runs the step's
+forward, loss and backward with it, as reference/step.py composes them. The
+exposed intermediates (`activation_names`) and the fusion candidates
+(`partitions`) are read off the traced graph.
+
 Tensor names are the one naming scheme of the project's intermediates
-(SPEC 13, also used by `conformance --activations`):
+(SPEC 13, also used by `conformance --activations`), as model.py gives them:
 
     embedding.out                      (B,T,D)  the gathered rows, x of layer 0
     layers.{l}.attn_norm.out           (B,T,D)  h = attn_norm(x)
@@ -40,8 +48,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from .config import Config, check_precision
+import numpy as np
+
+from .config import NORMS, Config, check_precision
+from .model import loss_backward, loss_forward, model_backward, model_forward
 from .params import registry
+from .tape import gradient_name
 
 SCHEMA = "coppelius.semantic_graph.v1"
 PHASES = ("forward", "loss", "backward", "update")
@@ -115,184 +127,185 @@ def report_json(document: dict) -> str:
     return json.dumps(document, sort_keys=True, indent=2, allow_nan=False) + "\n"
 
 
-def gradient_name(name: str) -> str:
-    """The name of the gradient of tensor `name`: `d` before its last segment."""
-    head, _, last = name.rpartition(".")
-    return f"{head}.d{last}" if head else f"d{last}"
+# ------------------------------------------------------------------ tracing
+
+@dataclass(frozen=True)
+class Symbol:
+    """A tensor of the graph while tracing: its name and shape, no values."""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype = np.dtype(np.float32)  # P's, for the rope tables
 
 
-LAYER_FORWARD = ("attn_norm.out", "attn.q", "attn.k", "attn.v", "attn.y", "mid", "mlp_norm.out",
-                 "mlp.gate", "mlp.up", "mlp.h", "out")
-LAYER_BACKWARD = ("dout", "mlp.dh", "mlp.dgate", "mlp.dup", "mlp_norm.dout", "dmid", "attn.dy",
-                  "attn.dq", "attn.dk", "attn.dv", "attn_norm.dout")
+# Tracing computes nothing: the shapes of each kind's outputs from its
+# arguments (those of the function model.py calls), and for a forward that
+# returns a cache, what the cache stands for in the graph: the tensors its
+# backward reads (layernorm's xhat and rstd stand for x, attention's p for q
+# and k, crossentropy's probabilities for the logits). A new kind adds a line.
+SHAPES = {
+    "embedding": lambda ids, W: ([ids.shape + W.shape[1:]], None),
+    "layernorm": lambda x, w, b, eps: ([x.shape], (x, w)),
+    "linear": lambda x, W, policy: ([x.shape[:-1] + W.shape[:1]], (x, W)),
+    "rope": lambda x, cos, sin, H: ([x.shape], None),
+    "attention": lambda q, k, v, H, policy: ([q.shape], (q, k, v)),
+    "add": lambda *terms: ([terms[0].shape], None),
+    "swiglu": lambda g, u: ([g.shape], (g, u)),
+    "crossentropy": lambda logits, targets: ([logits.shape[:-1]], (logits, targets)),
+    "mean": lambda x: ([()], None),
+    "crossentropy_backward": lambda dce, cache: ([cache[0].shape], None),
+    "linear_backward": lambda dy, cache, policy: ([x.shape for x in cache], None),
+    "layernorm_backward": lambda dout, cache: ([cache[0].shape, cache[1].shape, cache[1].shape],
+                                               None),  # dx, dw, db
+    "rope_backward": lambda dout, cos, sin, H: ([dout.shape], None),
+    "attention_backward": lambda dy, cache, H, policy: ([x.shape for x in cache], None),
+    "swiglu_backward": lambda da, cache: ([x.shape for x in cache], None),
+    "embedding_backward": lambda dx, ids, V: ([(V, dx.shape[-1])], None),
+}
 
 
-def activation_names(config: Config) -> list:
-    """[(name, phase)] of the intermediates every backend exposes for
-    debugging (`activations(tokens)`, `conformance --activations`), in the
-    order the step computes them: the forward layer by layer, then the
-    backward from the last layer to the first. phase: forward or backward."""
-    L = config.n_layer
-    out = [("embedding.out", "forward")]
-    for l in range(L):
-        out += [(f"layers.{l}.{name}", "forward") for name in LAYER_FORWARD]
-    out += [("final_norm.out", "forward"), ("logits", "forward"), ("row_losses", "forward"),
-            ("dlogits", "backward"), ("final_norm.dout", "backward")]
-    for l in reversed(range(L)):
-        out += [(f"layers.{l}.{name}", "backward") for name in LAYER_BACKWARD]
-    out.append(("embedding.dout", "backward"))
-    return out
+def _symbols(args):
+    """The graph tensors among an operation's arguments, in order (a cache's too)."""
+    for a in args:
+        if isinstance(a, Symbol):
+            yield a
+        elif isinstance(a, tuple):
+            yield from _symbols(a)
+
+
+class Trace:
+    """The tape of semantic_graph (reference/tape.py's interface): records
+    each operation the model makes, in the phase the step is in, and its
+    outputs as tensors of the graph, in order of first appearance. An
+    output of the backward is a gradient, a view of G where it is a
+    parameter's; every other output is an activation."""
+
+    def __init__(self, config: Config):
+        self.phase = PHASES[0]
+        self.tensors: dict = {}
+        self.operations: list = []
+        reg = registry(config)
+        self._parameter_gradients = {gradient_name(n) for n in (*reg.by_name, *reg.aliases)}
+
+    def tensor(self, name, shape, role, dtype="float32", view_of=None) -> Symbol:
+        self.tensors.setdefault(name, Tensor(name, tuple(shape), dtype, role, view_of))
+        return Symbol(name, tuple(shape))
+
+    def record(self, name, kind, inputs, outputs) -> None:
+        for n in (*inputs, *outputs):
+            assert n in self.tensors, n
+        self.operations.append(Operation(len(self.operations), name, kind, self.phase,
+                                         tuple(inputs), tuple(outputs)))
+
+    def op(self, name: str, kind: str, fn, *args, out):
+        names = (out,) if isinstance(out, str) else tuple(out)
+        if kind not in SHAPES:
+            raise ValueError(f"{name}: kind {kind!r} has no shape rule (semantic.SHAPES)")
+        shapes, cache = SHAPES[kind](*args)
+        if len(shapes) != len(names):
+            raise ValueError(f"{name}: {len(names)} output names for {len(shapes)} outputs")
+        role = "gradient" if self.phase == "backward" else "activation"
+        outputs = []
+        for n, shape in zip(names, shapes):
+            if n in self.tensors:
+                raise ValueError(f"{name}: its output {n} is already a tensor of the graph")
+            view = "G" if n in self._parameter_gradients else None
+            outputs.append(self.tensor(n, shape, role, view_of=view))
+        self.record(name, kind, [s.name for s in _symbols(args)], names)
+        if cache is not None:
+            return outputs[0], cache
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def parameters(self, config, P) -> dict:
+        return {name: Symbol(name, self.tensors[name].shape)
+                for name in (*registry(config).by_name, *registry(config).aliases)}
+
+    def flatten(self, config, grads: dict, like) -> Symbol:
+        return Symbol("G", self.tensors["G"].shape)
 
 
 @functools.lru_cache(maxsize=None)
 def semantic_graph(config: Config, batch: int, precision: str) -> SemanticGraph:
     """The step of a (batch, T) window under `precision`, forward, loss,
-    backward and AdamW, in the reference's order (reference/model.py,
-    reference/step.py)."""
+    backward and AdamW: the operations reference/model.py makes, traced
+    (no arithmetic), composed as reference/step.py composes them."""
     check_precision(precision)
-    B, T, D, F, V, L = batch, config.context, config.d_model, config.d_ff, config.vocab, \
-        config.n_layer
+    B, T = batch, config.context
     reg = registry(config)
-    tensors: dict = {}
-    ops: list = []
-
-    def tensor(name, shape, role="activation", dtype="float32", view_of=None):
-        tensors.setdefault(name, Tensor(name, tuple(shape), dtype, role, view_of))
-        return name
-
-    def grad(name):  # the gradient of an existing tensor, same shape
-        t = tensors[name]
-        view = "G" if t.role == "parameter" else None
-        return tensor(gradient_name(name), t.shape, "gradient", view_of=view)
-
-    def op(name, kind, phase, inputs, outputs):
-        for n in (*inputs, *outputs):
-            assert n in tensors, n
-        ops.append(Operation(len(ops), name, kind, phase, tuple(inputs), tuple(outputs)))
-
-    tensor("tokens", (B, T + 1), "input", dtype="int64")
+    trace = Trace(config)
+    trace.tensor("tokens", (B, T + 1), "input", dtype="int64")
     for spec in reg:
-        tensor(spec.name, spec.shape, "parameter", view_of="P")
+        trace.tensor(spec.name, spec.shape, "parameter", view_of="P")
     for alias, owner in reg.aliases.items():
-        tensor(alias, reg[owner].shape, "parameter", view_of="P")
-    for name in ("P", "M", "V"):
-        tensor(name, (reg.total,), "state")
-    tensor("t", (), "state", dtype="int32")
-    tensor("G", (reg.total,), "gradient")
-    btd, btf = (B, T, D), (B, T, F)
+        trace.tensor(alias, reg[owner].shape, "parameter", view_of="P")
+    P = trace.tensor("P", (reg.total,), "state")
+    for name in ("M", "V"):
+        trace.tensor(name, (reg.total,), "state")
+    trace.tensor("t", (), "state", dtype="int32")
+    trace.tensor("G", (reg.total,), "gradient")
 
-    # -- forward (SPEC 3)
-    x = tensor("embedding.out", btd)
-    op("embedding", "embedding", "forward", ["tokens", "tok_embedding.weight"], [x])
-    for l in range(L):
-        p = f"layers.{l}."
-        h = tensor(p + "attn_norm.out", btd)
-        op(p + "attn_norm", "layernorm", "forward",
-           [x, p + "attn_norm.weight", p + "attn_norm.bias"], [h])
-        for part in ("q", "k"):
-            op(p + f"attn.{part}", "linear", "forward", [h, p + f"attn.{part}.weight"],
-               [tensor(p + f"attn.{part}_proj", btd)])
-        op(p + "attn.v", "linear", "forward", [h, p + "attn.v.weight"],
-           [tensor(p + "attn.v", btd)])
-        for part in ("q", "k"):
-            op(p + f"attn.rope_{part}", "rope", "forward", [p + f"attn.{part}_proj"],
-               [tensor(p + f"attn.{part}", btd)])
-        op(p + "attn.core", "attention", "forward", [p + "attn.q", p + "attn.k", p + "attn.v"],
-           [tensor(p + "attn.y", btd)])
-        op(p + "attn.o", "linear", "forward", [p + "attn.y", p + "attn.o.weight"],
-           [tensor(p + "attn.out", btd)])
-        mid = tensor(p + "mid", btd)
-        op(p + "attn.residual", "add", "forward", [x, p + "attn.out"], [mid])
-        h = tensor(p + "mlp_norm.out", btd)
-        op(p + "mlp_norm", "layernorm", "forward",
-           [mid, p + "mlp_norm.weight", p + "mlp_norm.bias"], [h])
-        for part in ("gate", "up"):
-            op(p + f"mlp.{part}", "linear", "forward", [h, p + f"mlp.{part}.weight"],
-               [tensor(p + f"mlp.{part}", btf)])
-        op(p + "mlp.swiglu", "swiglu", "forward", [p + "mlp.gate", p + "mlp.up"],
-           [tensor(p + "mlp.h", btf)])
-        op(p + "mlp.down", "linear", "forward", [p + "mlp.h", p + "mlp.down.weight"],
-           [tensor(p + "mlp.out", btd)])
-        x = tensor(p + "out", btd)
-        op(p + "mlp.residual", "add", "forward", [mid, p + "mlp.out"], [x])
-    last = x
-    op("final_norm", "layernorm", "forward", [x, "final_norm.weight", "final_norm.bias"],
-       [tensor("final_norm.out", btd)])
-    op("lm_head", "linear", "forward", ["final_norm.out", "lm_head.weight"],
-       [tensor("logits", (B, T, V))])
+    # as step.loss_and_grads: the inputs and the targets are the window's
+    # first and last T ids, both of the tensor `tokens`
+    window = Symbol("tokens", (B, T))
+    trace.phase = "forward"  # SPEC 3
+    logits, cache = model_forward(config, P, window, precision, tape=trace)
+    trace.phase = "loss"  # SPEC 4
+    ce, ce_cache = loss_forward(logits, window, tape=trace)
+    trace.op("loss.mean", "mean", np.mean, ce, out="loss")  # step()'s mean of the row losses
+    trace.phase = "backward"  # SPEC 5
+    dlogits = loss_backward(ce_cache, B * T, np.float32, tape=trace)
+    model_backward(config, P, dlogits, cache, precision, tape=trace)
 
-    # -- loss (SPEC 4)
-    op("loss", "crossentropy", "loss", ["logits", "tokens"], [tensor("row_losses", (B, T))])
-    op("loss.mean", "mean", "loss", ["row_losses"], [tensor("loss", ())])
+    # -- update (SPEC 7): step.step's tail after the gradient, written here
+    # (it calls adamw.py on the flat vectors, not the model): G is every
+    # parameter's gradient in the registry's layout; the clip scale is an
+    # input of the update whether or not it clips
+    trace.phase = "update"
+    trace.tensor("grad_norm", (), "state")
+    trace.tensor("clip_scale", (), "state")
+    trace.record("gradient_norm", "gradient_norm", ["G"], ["grad_norm"])
+    trace.record("clip", "clip_scale", ["grad_norm"], ["clip_scale"])
+    trace.record("adamw", "adamw", ["P", "M", "V", "G", "clip_scale", "t"], ["P", "M", "V", "t"])
+    return SemanticGraph(config, batch, precision, tuple(trace.tensors.values()),
+                         tuple(trace.operations))
 
-    # -- backward (SPEC 5), as reference.model.model_backward
-    op("loss.backward", "crossentropy_backward", "backward", ["logits", "tokens"],
-       [grad("logits")])
-    op("lm_head.backward", "linear_backward", "backward",
-       ["dlogits", "final_norm.out", "lm_head.weight"],
-       [grad("final_norm.out"), grad("lm_head.weight")])
-    op("final_norm.backward", "layernorm_backward", "backward",
-       ["final_norm.dout", last, "final_norm.weight"],
-       [grad(last), grad("final_norm.weight"), grad("final_norm.bias")])
-    for l in reversed(range(L)):
-        p = f"layers.{l}."
-        dout = gradient_name(p + "out")
-        op(p + "mlp.down.backward", "linear_backward", "backward",
-           [dout, p + "mlp.h", p + "mlp.down.weight"],
-           [grad(p + "mlp.h"), grad(p + "mlp.down.weight")])
-        op(p + "mlp.swiglu.backward", "swiglu_backward", "backward",
-           [p + "mlp.dh", p + "mlp.gate", p + "mlp.up"], [grad(p + "mlp.gate"), grad(p + "mlp.up")])
-        for part in ("gate", "up"):
-            op(p + f"mlp.{part}.backward", "linear_backward", "backward",
-               [p + f"mlp.d{part}", p + "mlp_norm.out", p + f"mlp.{part}.weight"],
-               [tensor(p + f"mlp_norm.dout_{part}", btd, "gradient"),
-                grad(p + f"mlp.{part}.weight")])
-        op(p + "mlp_norm.dout_sum", "add", "backward",
-           [p + "mlp_norm.dout_gate", p + "mlp_norm.dout_up"], [grad(p + "mlp_norm.out")])
-        op(p + "mlp_norm.backward", "layernorm_backward", "backward",
-           [p + "mlp_norm.dout", p + "mid", p + "mlp_norm.weight"],
-           [tensor(p + "mlp_norm.dx", btd, "gradient"), grad(p + "mlp_norm.weight"),
-            grad(p + "mlp_norm.bias")])
-        op(p + "mlp.residual.backward", "add", "backward", [dout, p + "mlp_norm.dx"],
-           [grad(p + "mid")])
-        op(p + "attn.o.backward", "linear_backward", "backward",
-           [p + "dmid", p + "attn.y", p + "attn.o.weight"],
-           [grad(p + "attn.y"), grad(p + "attn.o.weight")])
-        op(p + "attn.core.backward", "attention_backward", "backward",
-           [p + "attn.dy", p + "attn.q", p + "attn.k", p + "attn.v"],
-           [grad(p + "attn.q"), grad(p + "attn.k"), grad(p + "attn.v")])
-        for part in ("q", "k"):
-            op(p + f"attn.rope_{part}.backward", "rope_backward", "backward",
-               [p + f"attn.d{part}"], [grad(p + f"attn.{part}_proj")])
-        for part in ("q", "k", "v"):
-            dproj = p + (f"attn.d{part}_proj" if part != "v" else "attn.dv")
-            op(p + f"attn.{part}.backward", "linear_backward", "backward",
-               [dproj, p + "attn_norm.out", p + f"attn.{part}.weight"],
-               [tensor(p + f"attn_norm.dout_{part}", btd, "gradient"),
-                grad(p + f"attn.{part}.weight")])
-        op(p + "attn_norm.dout_sum", "add", "backward",
-           [p + f"attn_norm.dout_{part}" for part in "qkv"], [grad(p + "attn_norm.out")])
-        x_in = f"layers.{l - 1}.out" if l else "embedding.out"
-        op(p + "attn_norm.backward", "layernorm_backward", "backward",
-           [p + "attn_norm.dout", x_in, p + "attn_norm.weight"],
-           [tensor(p + "attn_norm.dx", btd, "gradient"), grad(p + "attn_norm.weight"),
-            grad(p + "attn_norm.bias")])
-        op(p + "attn.residual.backward", "add", "backward", [p + "dmid", p + "attn_norm.dx"],
-           [grad(x_in)])
-    # the tied embedding: the gather gradient plus the unembedding gradient
-    gather = tensor("tok_embedding.dweight_gather", reg["tok_embedding.weight"].shape, "gradient")
-    op("embedding.backward", "embedding_backward", "backward", ["embedding.dout", "tokens"],
-       [gather])
-    op("tok_embedding.dweight_sum", "add", "backward", ["lm_head.dweight", gather],
-       [grad("tok_embedding.weight")])
 
-    # -- update (SPEC 7): G is every parameter's gradient, in the registry's layout
-    tensor("grad_norm", (), "state")
-    tensor("clip_scale", (), "state")
-    op("gradient_norm", "gradient_norm", "update", ["G"], ["grad_norm"])
-    op("clip", "clip_scale", "update", ["grad_norm"], ["clip_scale"])
-    op("adamw", "adamw", "update", ["P", "M", "V", "G", "clip_scale", "t"], ["P", "M", "V", "t"])
-    return SemanticGraph(config, batch, precision, tuple(tensors.values()), tuple(ops))
+# ------------------------------------------------------------------ exposed intermediates
+
+# Tensors of the graph no backend has to expose: the products a backend
+# fuses into the operation that reads them (the q and k products into rope,
+# each residual branch into its add), and the mean loss (the program's loss())
+NOT_EXPOSED = ("attn.q_proj", "attn.k_proj", "attn.out", "mlp.out", "loss")
+
+
+def _local(name: str) -> str:
+    """`layers.3.attn.q` -> `attn.q`: a name within its layer."""
+    return name.split(".", 2)[2] if name.startswith("layers.") else name
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_names(config: Config) -> tuple:
+    graph = semantic_graph(config, 1, "fp32")
+    first_read = {}
+    for o in graph.operations:
+        for position, name in enumerate(o.inputs):
+            first_read.setdefault(name, (o.index, position))
+    forward = [t.name for t in graph.tensors
+               if t.role == "activation" and _local(t.name) not in NOT_EXPOSED]
+    grads = {gradient_name(name) for name in forward}
+    backward = [t.name for t in graph.tensors if t.role == "gradient" and t.name in grads]
+    return tuple((name, phase) for names, phase in ((forward, "forward"), (backward, "backward"))
+                 for name in sorted(names, key=first_read.__getitem__))
+
+
+def activation_names(config: Config) -> list:
+    """[(name, phase)] of the intermediates every backend exposes for
+    debugging (`activations(tokens)`, `conformance --activations`): the
+    graph's activations but NOT_EXPOSED, in the order the step first reads
+    them (the forward layer by layer), then the gradients of those, in the
+    order the backward first reads them (from the last layer to the first).
+    phase: forward or backward."""
+    return list(_activation_names(config))
 
 
 # ------------------------------------------------------------------ fusion candidates
@@ -306,26 +319,47 @@ class Partition:
     operations: tuple  # operation names
 
 
+# The order of the kinds within a block (the operations of `layers.3.attn.`):
+# the products, the residual with its norm, the attention core
+PARTITION_KINDS = ("shared_input_products", "residual_norm", "attention", "loss")
+
+
+def _fused_name(names) -> str:
+    """The products' block and last segments: `attn.qkv` for q, k and v,
+    `mlp.gate_up` for gate and up (the usual names of the fused products)."""
+    block = names[0].rpartition(".")[0]
+    parts = [n.rpartition(".")[2] for n in names]
+    return block + "." + ("".join(parts) if all(len(p) == 1 for p in parts) else "_".join(parts))
+
+
 @functools.lru_cache(maxsize=None)
 def partitions(config: Config) -> tuple:
-    """The fusion candidates of the step, backend-independent: per layer the
-    q, k, v products (one input), the gate and up products, each residual
-    add with the norm that reads its sum, the attention core (scores,
-    softmax and p v without the (T, T) scores in memory); and the loss with
-    its gradient. Each backend's report says which it applied and why not."""
-    out = []
-    L = config.n_layer
-    for l in range(L):
-        p = f"layers.{l}."
-        nxt = f"layers.{l + 1}.attn_norm" if l + 1 < L else "final_norm"
-        out += [
-            Partition(p + "attn.qkv", "shared_input_products",
-                      (p + "attn.q", p + "attn.k", p + "attn.v")),
-            Partition(p + "attn.residual_norm", "residual_norm",
-                      (p + "attn.residual", p + "mlp_norm")),
-            Partition(p + "attn.core", "attention", (p + "attn.core", p + "attn.core.backward")),
-            Partition(p + "mlp.gate_up", "shared_input_products", (p + "mlp.gate", p + "mlp.up")),
-            Partition(p + "mlp.residual_norm", "residual_norm", (p + "mlp.residual", nxt)),
-        ]
-    out.append(Partition("loss", "loss", ("loss", "loss.backward")))
-    return tuple(out)
+    """The fusion candidates of the step, backend-independent, found in its
+    graph: the forward products that read one input (per layer q, k, v and
+    gate, up), each residual add with the norm that reads its sum, the
+    attention core with its backward (scores, softmax and p v without the
+    (T, T) scores in memory), and the loss with its gradient. Block by block
+    (`layers.3.attn`, then `layers.3.mlp`, ...), in PARTITION_KINDS' order
+    within a block. Each backend's report says which it applied and why not."""
+    graph = semantic_graph(config, 1, "fp32")
+    names = {o.name for o in graph.operations}
+    forward = [o for o in graph.operations if o.phase in ("forward", "loss")]
+    readers = {}
+    for o in forward:
+        for name in o.inputs:
+            readers.setdefault(name, []).append(o)
+    found = []
+    for o in forward:
+        products = [r for r in readers.get(o.inputs[0], []) if r.kind == "linear"]
+        if o.kind == "linear" and len(products) > 1 and o is products[0]:
+            found.append(Partition(_fused_name([r.name for r in products]),
+                                   "shared_input_products", tuple(r.name for r in products)))
+        norm = [r for r in readers.get(o.outputs[0], []) if r.kind in NORMS]  # config.norm's
+        if o.kind == "add" and norm:
+            found.append(Partition(o.name + "_norm", "residual_norm", (o.name, norm[0].name)))
+        for kind, partition in (("attention", "attention"), ("crossentropy", "loss")):
+            if o.kind == kind and o.name + ".backward" in names:
+                found.append(Partition(o.name, partition, (o.name, o.name + ".backward")))
+    blocks = list(dict.fromkeys(p.name.rpartition(".")[0] for p in found))
+    return tuple(sorted(found, key=lambda p: (blocks.index(p.name.rpartition(".")[0]),
+                                              PARTITION_KINDS.index(p.kind))))

@@ -10,6 +10,7 @@ from .errors import RunError
 from .model import loss_backward, loss_forward, model_backward, model_forward
 from .params import registry
 from .state import State, StepResult
+from .tape import Tape
 
 
 def forward(config: Config, P: np.ndarray, tokens: np.ndarray, policy: str = "fp32") -> np.ndarray:
@@ -109,12 +110,11 @@ def step_activations(config: Config, P: np.ndarray, tokens: np.ndarray, policy: 
     check_precision(policy)
     tokens = np.asarray(tokens)
     record = {}
+    tape = Tape(record)  # keeps every named output of the step's operations
     with np.errstate(all="ignore"):
-        logits, cache = model_forward(config, P, tokens[:, :-1], policy, record)
-        ce, ce_cache = loss_forward(logits, tokens[:, 1:])
-        record["row_losses"] = ce
-        dlogits = loss_backward(ce_cache, ce.size, P.dtype)
-        record["dlogits"] = dlogits
-        model_backward(config, P, dlogits, cache, policy, record)
+        logits, cache = model_forward(config, P, tokens[:, :-1], policy, tape=tape)
+        ce, ce_cache = loss_forward(logits, tokens[:, 1:], tape)
+        dlogits = loss_backward(ce_cache, ce.size, P.dtype, tape)
+        model_backward(config, P, dlogits, cache, policy, tape=tape)
     return {name: np.ascontiguousarray(record[name], dtype=np.float32)
             for name, _ in activation_names(config)}

@@ -42,3 +42,33 @@ def pattern_stream(path, config, contexts: int, noise: float) -> str:
     ids[noisy] = rng.integers(0, config.vocab, noisy.sum())
     write_stream(path, ids, source_mtime_ns=0, source_size=0)
     return str(path)
+
+
+def check_family_fields_reach_the_step(backend: str) -> None:
+    """A model whose norm_eps and rope_base are not the defaults (SPEC 21):
+    the backend's logits against the reference's within SPEC 14's fp32
+    tolerance (the defaults' logits are far outside it, so the fields
+    reached the step), and a field it does not compute refused at capture,
+    naming the field."""
+    import pytest
+
+    from coppelius import accelerated
+    from coppelius.conformance.cases import random_state
+    from coppelius.conformance.tolerances import relative_error, tolerance
+    from coppelius.reference.config import Config, Hyper
+    from coppelius.reference.errors import ConfigError
+    from coppelius.reference.model import model_forward
+
+    shape = dict(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96)
+    module = accelerated.backend_module(backend)
+    config = Config(**shape, norm_eps="1/1000", rope_base=500000)
+    state = random_state(config, 3)
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.context))
+    program = module.capture(config, Hyper(), "fp32", 2, state)
+    want = model_forward(config, state.P, tokens, "fp32")[0]
+    assert relative_error(program.logits(tokens), want)[0] <= tolerance("logits", "fp32")
+    default = model_forward(Config(**shape), state.P, tokens, "fp32")[0]
+    assert relative_error(default, want)[0] > 100 * tolerance("logits", "fp32")
+    rms = Config(**shape, norm="rmsnorm")
+    with pytest.raises(ConfigError, match=rf"{backend}: config field norm='rmsnorm'"):
+        module.capture(rms, Hyper(), "fp32", 2, random_state(rms, 3))

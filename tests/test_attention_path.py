@@ -1,4 +1,4 @@
-"""Which attention the CuPy backend's step runs (cupy_backend.attention_path)
+"""Which attention the CuPy backend's step runs (policy.attention_path)
 and the one reason it gives when cuDNN's is not used: no GPU needed (the
 cuDNN side is replaced by stand-ins that serve or refuse a shape)."""
 
@@ -6,7 +6,8 @@ import types
 
 import pytest
 
-from coppelius.accelerated import cuda_kernels, cudnn_attention, cupy_backend
+from coppelius.accelerated.cuda import attention_fused, cudnn_attention, policy
+from coppelius.accelerated.cuda.attention import attention_scale
 from coppelius.reference.config import Config, preset
 
 COPPELIUS = preset("coppelius")
@@ -33,7 +34,7 @@ def trial(outcome):
 def served(monkeypatch):
     monkeypatch.delenv("COPPELIUS_NO_CUDNN", raising=False)
     monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 2)
-    monkeypatch.setattr(cuda_kernels, "ATTENTION_FUSED_MIN_BATCH", 4)
+    monkeypatch.setattr(attention_fused, "ATTENTION_FUSED_MIN_BATCH", 4)
     monkeypatch.setattr(cudnn_attention, "_trials", {})
     monkeypatch.setattr(cudnn_attention, "_trial", trial(""))
     stand_in = Served()
@@ -42,29 +43,29 @@ def served(monkeypatch):
 
 
 def test_cudnn_from_its_batch_on_where_it_serves_the_shape(served):
-    path = cupy_backend.attention_path(COPPELIUS, "bf16", 8)
-    assert path == cupy_backend.AttentionPath("cudnn", "")
-    scale = cuda_kernels.attention_scale(64)
+    path = policy.attention_path(COPPELIUS, "bf16", 8)
+    assert path == policy.AttentionPath("cudnn", "")
+    scale = attention_scale(64)
     assert served.asked == [("forward", 8, 1024, 8, 64, scale), ("backward", 8, 1024, 8, 64, scale)]
-    assert cupy_backend.fused_attention(COPPELIUS, "bf16", 8)
+    assert policy.fused_attention(COPPELIUS, "bf16", 8)
 
 
 def test_a_forward_only_step_asks_for_the_forward_alone(served):
-    path = cupy_backend.attention_path(COPPELIUS, "bf16", 3, context=17, train=False)
+    path = policy.attention_path(COPPELIUS, "bf16", 3, context=17, train=False)
     assert path.kind == "cudnn"
     assert [a[:3] for a in served.asked] == [("forward", 3, 17)]
 
 
 def test_below_cudnns_batch_the_projects_kernels_with_the_reason(served):
-    path = cupy_backend.attention_path(COPPELIUS, "bf16", 1)
+    path = policy.attention_path(COPPELIUS, "bf16", 1)
     assert path.kind == "materialized"  # below the fused kernels' batch too
     assert path.reason.startswith("batch 1 < 2: ")
     assert served.asked == []  # below the threshold cuDNN is not asked
-    assert not cupy_backend.fused_attention(COPPELIUS, "bf16", 1)
+    assert not policy.fused_attention(COPPELIUS, "bf16", 1)
 
 
 def test_fp32_keeps_the_materialized_scores(served):
-    path = cupy_backend.attention_path(COPPELIUS, "fp32", 8)
+    path = policy.attention_path(COPPELIUS, "fp32", 8)
     assert path.kind == "materialized" and path.reason.startswith("fp32 policy")
     assert served.asked == []
 
@@ -75,7 +76,7 @@ def test_a_shape_cudnn_refuses_runs_the_projects_kernels_with_cudnns_reason(monk
                                                                               E, kind):
     monkeypatch.delenv("COPPELIUS_NO_CUDNN", raising=False)
     monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 1)
-    monkeypatch.setattr(cuda_kernels, "ATTENTION_FUSED_MIN_BATCH", 4)
+    monkeypatch.setattr(attention_fused, "ATTENTION_FUSED_MIN_BATCH", 4)
     why = f"cuDNN refuses the backward of B={batch} T=64 H=2 E={E} (RuntimeError: no engine)"
     monkeypatch.setattr(cudnn_attention, "_trials", {})
     monkeypatch.setattr(cudnn_attention, "_trial", trial(""))
@@ -83,10 +84,10 @@ def test_a_shape_cudnn_refuses_runs_the_projects_kernels_with_cudnns_reason(monk
                         lambda direction, *shape: why if direction == "backward" else
                         types.SimpleNamespace(device=0))
     config = Config(vocab=8, context=64, d_model=2 * E, n_layer=1, n_head=2, d_ff=8)
-    assert cupy_backend.attention_path(config, "bf16", batch) == cupy_backend.AttentionPath(kind,
+    assert policy.attention_path(config, "bf16", batch) == policy.AttentionPath(kind,
                                                                                             why)
     # a forward-only step needs no backward: cuDNN's
-    assert cupy_backend.attention_path(config, "bf16", batch, train=False).kind == "cudnn"
+    assert policy.attention_path(config, "bf16", batch, train=False).kind == "cudnn"
 
 
 def test_a_failed_trial_is_the_reason_and_is_remembered(served, monkeypatch):
@@ -97,8 +98,8 @@ def test_a_failed_trial_is_the_reason_and_is_remembered(served, monkeypatch):
     trials = []
     monkeypatch.setattr(cudnn_attention, "_trial", lambda graphs: trials.append(graphs) or why)
     for _ in range(2):
-        assert cupy_backend.attention_path(COPPELIUS, "bf16", 8) == \
-            cupy_backend.AttentionPath("fused", why)
+        assert policy.attention_path(COPPELIUS, "bf16", 8) == \
+            policy.AttentionPath("fused", why)
     assert [[g.direction for g in graphs] for graphs in trials] == [["forward", "backward"]]
 
 
@@ -108,8 +109,8 @@ def test_no_frontend_is_one_reason(monkeypatch):
     monkeypatch.setattr(cudnn_attention, "_frontend", None)
     monkeypatch.setattr(cudnn_attention, "_import_error", "ModuleNotFoundError: No module named "
                                                           "'cudnn'")
-    path = cupy_backend.attention_path(COPPELIUS, "bf16", 8)
-    assert path.kind == ("fused" if 8 >= cuda_kernels.ATTENTION_FUSED_MIN_BATCH
+    path = policy.attention_path(COPPELIUS, "bf16", 8)
+    assert path.kind == ("fused" if 8 >= attention_fused.ATTENTION_FUSED_MIN_BATCH
                          else "materialized")
     assert path.reason == ("nvidia-cudnn-frontend not importable (ModuleNotFoundError: No module "
                            "named 'cudnn')")
@@ -118,7 +119,7 @@ def test_no_frontend_is_one_reason(monkeypatch):
 def test_the_switch_turns_cudnn_off(monkeypatch):
     monkeypatch.setenv("COPPELIUS_NO_CUDNN", "1")
     monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 1)
-    path = cupy_backend.attention_path(COPPELIUS, "bf16", 8)
+    path = policy.attention_path(COPPELIUS, "bf16", 8)
     assert path.kind != "cudnn" and path.reason == "disabled by COPPELIUS_NO_CUDNN"
 
 

@@ -464,13 +464,13 @@ def test_checkpoint_debugging_refuses_a_bad_file(tmp_path, capsys):
                           str(tmp_path / "bad.bin"), "--stream", str(stream)], capsys)
     assert status == 2 and "bad.bin" in err and err.count("\n") == 1
     ident = identities(TEST, Hyper(), "fp32", 1, None, "0" * 64)
-    ident["model"] = ident["model"].replace("rope_base=10000", "rope_base=500000")
+    ident["model"] += "|rotary=1/2"  # the same tensors; a family field the reference refuses
     with pytest.MonkeyPatch.context() as m:  # a file of a model this version does not write
         m.setattr(checkpoint, "check_envelope", lambda *a: None)
         write_checkpoint(tmp_path / "other.bin", TEST, ident, cases.fresh_state(TEST), contexts=0)
     status, _, err = cli(["conformance", "--backend", "reference", "--checkpoint",
                           str(tmp_path / "other.bin"), "--stream", str(stream)], capsys)
-    assert status == 2 and "other.bin" in err and "rope_base=500000" in err and err.count("\n") == 1
+    assert status == 2 and "other.bin" in err and "rotary=1/2" in err and err.count("\n") == 1
 
 
 def test_checkpoint_debugging_checks_preset_against_the_checkpoint(tmp_path, capsys):

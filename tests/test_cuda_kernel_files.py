@@ -1,43 +1,45 @@
-"""The CUDA backend's kernel files (accelerated/kernels/*.cu) and the module
+"""The CUDA backend's kernel files (accelerated/cuda/kernels/*.cu) and the module
 source assembled from them, without a GPU or a compiler: every file is
 assembled once, in order, behind a #line directive that gives each line its
 real file and number; every kernel the launchers call is defined once and
 every defined kernel is launched; the launchers' constants are the
 source's; a swapped file replaces exactly one file; dev/ holds no copy of a
 production kernel file. Compiling the source is checked on the device
-(tests/test_cupy_backend.py) and by dev/cuda/nvrtc_check.py."""
+(tests/cuda/) and by dev/cuda/nvrtc_check.py."""
 
 import fnmatch
+import importlib
 import os
 import re
 
 import pytest
 
-from coppelius.accelerated import cuda_kernels
+from coppelius.accelerated.cuda import attention_fused
+from coppelius.accelerated.cuda import compile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIRECTIVE = re.compile(r'#line 1 "(.+)"$')
 
 
 def read(name):
-    with open(os.path.join(cuda_kernels.KERNEL_DIR, name), encoding="utf-8") as f:
+    with open(os.path.join(compile.KERNEL_DIR, name), encoding="utf-8") as f:
         return f.read()
 
 
 def test_the_package_ships_exactly_the_assembled_files():
-    shipped = sorted(n for n in os.listdir(cuda_kernels.KERNEL_DIR)
+    shipped = sorted(n for n in os.listdir(compile.KERNEL_DIR)
                      if n.endswith((".cu", ".cuh")))
-    assert shipped == sorted(cuda_kernels.FILES)
+    assert shipped == sorted(compile.FILES)
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["coppelius.accelerated"]
-    for name in cuda_kernels.FILES:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["coppelius.accelerated.cuda"]
+    for name in compile.FILES:
         assert any(fnmatch.fnmatch(f"kernels/{name}", g) for g in globs), (name, globs)
 
 
 def test_each_line_of_the_module_is_its_file_line_after_the_directive():
     """What NVRTC reports as file(line) is that line of that file."""
-    lines = cuda_kernels.module_source().split("\n")
+    lines = compile.module_source().split("\n")
     files, where = [], None
     for line in lines:
         m = DIRECTIVE.match(line)
@@ -48,7 +50,7 @@ def test_each_line_of_the_module_is_its_file_line_after_the_directive():
         n += 1
         assert where is not None, "source before the first #line directive"
         assert n <= len(text) and line == text[n - 1], (where, n, line)
-    assert files == [f"accelerated/kernels/{name}" for name in cuda_kernels.FILES]
+    assert files == [f"accelerated/cuda/kernels/{name}" for name in compile.FILES]
 
 
 def kernel_definitions(source):
@@ -69,10 +71,10 @@ def kernel_definitions(source):
 
 
 def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
-    names = kernel_definitions(cuda_kernels.module_source())
-    assert sorted(names) == sorted(cuda_kernels.KERNELS)
+    names = kernel_definitions(compile.module_source())
+    assert sorted(names) == sorted(compile.KERNELS)
     fused = {int(n.rsplit("_e", 1)[1]) for n in names if re.fullmatch(r"attention_.*_e\d+", n)}
-    assert fused == set(cuda_kernels.ATTENTION_HEAD_DIMS)
+    assert fused == set(attention_fused.ATTENTION_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("constant,file,define", [
@@ -84,23 +86,39 @@ def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
     ("ATTENTION_TILE", "attention_fused.cu", "ATT_TILE"),
 ])
 def test_launcher_constants_are_the_sources(constant, file, define):
+    """Each constant of a family's launchers (accelerated/cuda/<family>.py) is
+    its kernel file's (kernels/<family>.cu)."""
     m = re.search(rf"^#define {define} (\d+)\b", read(file), re.M)
     assert m, f"{file}: no #define {define}"
-    assert getattr(cuda_kernels, constant) == int(m.group(1)), (constant, file, m.group(0))
+    launchers = family(file)
+    assert getattr(launchers, constant) == int(m.group(1)), (constant, file, m.group(0))
+
+
+def family(file):
+    """The launcher module of a kernel file's family: the file's name."""
+    return importlib.import_module(f"coppelius.accelerated.cuda.{file.rsplit('.', 1)[0]}")
+
+
+def test_each_family_launches_the_kernels_of_its_own_file():
+    """One name per kernel family: the kernels a family's launcher module
+    lists (its KERNELS) are those its kernel file defines."""
+    for file in compile.FILES:
+        if file.endswith(".cu"):
+            assert sorted(kernel_definitions(read(file))) == sorted(family(file).KERNELS), file
 
 
 def test_replace_swaps_one_whole_file(tmp_path):
     variant = tmp_path / "v9.cu"
     variant.write_text("// a variant of the fused attention\n")
-    source = cuda_kernels.module_source({"attention_fused.cu": str(variant)})
+    source = compile.module_source({"attention_fused.cu": str(variant)})
     label = str(variant).replace("\\", "/")
     assert f'#line 1 "{label}"\n// a variant of the fused attention\n' in source
-    assert '"accelerated/kernels/attention_fused.cu"' not in source
+    assert '"accelerated/cuda/kernels/attention_fused.cu"' not in source
     assert read("attention_fused.cu") not in source
-    others = [n for n in cuda_kernels.FILES if n != "attention_fused.cu"]
-    assert all(f'#line 1 "accelerated/kernels/{n}"\n{read(n)}' in source for n in others)
+    others = [n for n in compile.FILES if n != "attention_fused.cu"]
+    assert all(f'#line 1 "accelerated/cuda/kernels/{n}"\n{read(n)}' in source for n in others)
     with pytest.raises(ValueError, match="attention.cuh"):
-        cuda_kernels.module_source({"attention.cuh": str(variant)})
+        compile.module_source({"attention.cuh": str(variant)})
 
 
 def dev_kernel_files():
@@ -111,12 +129,13 @@ def dev_kernel_files():
 
 
 def test_dev_holds_no_copy_of_a_production_kernel_file():
-    production = {name: read(name) for name in cuda_kernels.FILES}
+    production = {name: read(name) for name in compile.FILES}
     for path in dev_kernel_files():
         with open(path, encoding="utf-8") as f:
             text = f.read()
         same = [n for n, t in production.items() if t.strip() == text.strip()]
-        assert not same, f"{os.path.relpath(path, ROOT)} is a copy of accelerated/kernels/{same[0]}"
+        assert not same, (f"{os.path.relpath(path, ROOT)} is a copy of "
+                          f"accelerated/cuda/kernels/{same[0]}")
 
 
 def test_attention_variants_replace_the_fused_file_whole():

@@ -45,9 +45,10 @@ def test_on_the_emulated_backend():
 # ---------------------------------------------------------------- inside the emulator
 
 if EMULATED:
-    from coppelius import cli, reference, run
+    from coppelius import cli, reference, train
     from coppelius import launch as ranks
-    from coppelius.accelerated import cupy_backend, distributed
+    from coppelius.accelerated.cuda import distributed
+    from coppelius.accelerated.cuda.program import CupyProgram, capture
     from coppelius.conformance.tolerances import relative_error, tolerance
     from coppelius.reference import results
     from coppelius.reference.binding import load_state
@@ -88,7 +89,7 @@ def ranks_run(argvs, timeout=60):
         args = cli.build_parser().parse_args(argvs[r])
         args.argv = argvs[r]
         launch = ranks.Launch(r, world, None, "127.0.0.1", port, "torchrun")
-        statuses[r] = run.run_rank(args, launch, hard_exit=False)
+        statuses[r] = train.run_rank(args, launch, hard_exit=False)
 
     threads = [threading.Thread(target=one, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
@@ -161,14 +162,14 @@ def test_each_rank_trains_on_its_contexts(tmp_path, stream, monkeypatch):
     """Rank r, step s: contexts c0 + s*B + r*b + j, j < b (SPEC 19), with
     c0 the contexts the checkpoint consumed."""
     seen = []
-    submit = cupy_backend.CupyProgram.submit
+    submit = CupyProgram.submit
 
     def recording(self, tokens):  # the run loop's upload and replay
         submitted = submit(self, tokens)
         seen.append((self.rank, self.replays - 1, self.ids.get().copy()))
         return submitted
 
-    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", recording)
+    monkeypatch.setattr(CupyProgram, "submit", recording)
     a = tmp_path / "a"
     assert ranks_run([train_argv(stream, a, "--steps", "2")] * 2) == [0, 0]
     seen.clear()
@@ -188,7 +189,7 @@ def _programs(world, hyper, precision, state, batch=None, accumulate=None):
 
     def one(r):
         comm = distributed.Communicator(uid, r, world)
-        out[r] = cupy_backend.capture(CFG, hyper, precision, batch or B, state.copy(),
+        out[r] = capture(CFG, hyper, precision, batch or B, state.copy(),
                                       accumulate, comm=comm)
 
     on_threads(world, one, timeout=60)
@@ -282,14 +283,14 @@ def test_a_refused_plan_is_refused_on_every_rank_in_one_line(tmp_path, stream, c
 
 @inside
 def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path, stream, monkeypatch, capsys):
-    submit = cupy_backend.CupyProgram.submit
+    submit = CupyProgram.submit
 
     def failing(self, tokens):
         if self.rank == 1 and self.replays == 3:
             raise RunError("the injected failure")
         return submit(self, tokens)
 
-    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", failing)
+    monkeypatch.setattr(CupyProgram, "submit", failing)
     a = tmp_path / "a"
     t0 = time.monotonic()
     statuses = ranks_run([train_argv(stream, a, "--steps", "8", "--interval", "2")] * 2,
@@ -313,7 +314,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
     that step's records, and all stop after the same step, rank 0
     publishing it."""
     signalled = threading.Event()
-    submit = cupy_backend.CupyProgram.submit
+    submit = CupyProgram.submit
 
     def counting(self, tokens):
         submitted = submit(self, tokens)
@@ -321,7 +322,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
             signalled.set()
         return submitted
 
-    class OnRankOne(run.Stopper):
+    class OnRankOne(train.Stopper):
         @property
         def signum(self):
             mine = threading.current_thread().name == "rank-1"
@@ -331,8 +332,8 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
         def signum(self, value):
             pass
 
-    monkeypatch.setattr(cupy_backend.CupyProgram, "submit", counting)
-    monkeypatch.setattr(run, "Stopper", OnRankOne)
+    monkeypatch.setattr(CupyProgram, "submit", counting)
+    monkeypatch.setattr(train, "Stopper", OnRankOne)
     a = tmp_path / "a"
     assert ranks_run([train_argv(stream, a, "--steps", "16", "--interval", "50")] * 2) \
         == [128 + 15] * 2

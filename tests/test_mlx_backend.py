@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from coppelius.conformance.tolerances import relative_error
 from coppelius.reference.config import Config, Hyper, preset
 from coppelius.reference.params import initialize, registry
-from coppelius.reference.program import STAGE_STATES, STAGES, ReplayError
+from coppelius.reference.compilation import STAGE_STATES, STAGES
+from coppelius.reference.contract import ReplayError
 from coppelius.reference.state import State
 
 mx = pytest.importorskip("mlx.core")

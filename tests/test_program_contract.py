@@ -8,8 +8,9 @@ trajectory within the SPEC 14 tolerances, bitwise reproducible replays,
 exact resume, capture without update, the replay/event interface and the
 refusals. What only one backend has (MLX's single trace, CuPy's fused
 attention, each backend's replaced-state detection) stays in that backend's
-test file. The CuPy rows run on a GPU, and in CI on the CPU emulation of
-the CUDA backend (dev/cuda/emulate.py --pytest)."""
+test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
+of the CUDA backend, in this process (dev/cuda/emulated: the
+cuda_emulation fixture of conftest.py)."""
 
 import json
 import math
@@ -22,11 +23,11 @@ from coppelius.conformance.cases import random_state
 from coppelius.conformance.suite import step_rows
 from coppelius.conformance.tolerances import tolerance
 from coppelius.conformance.tolerances import relative_error as error_and_worst
+from coppelius.reference.compilation import STAGE_STATES, STAGES, StageRecord
 from coppelius.reference.config import Config, Hyper, preset
+from coppelius.reference.contract import (MissingCapability, ProgramReset, ReplayError,
+                                          ReplayEvent, TrainingProgram)
 from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.program import (STAGE_STATES, STAGES, MissingCapability,
-                                         ProgramReset, ReplayError, ReplayEvent, StageRecord,
-                                         TrainingProgram)
 from coppelius.reference.semantic import activation_names, semantic_graph
 from coppelius.reference.state import State
 from coppelius.reference.step import step_activations
@@ -34,7 +35,7 @@ from coppelius.reference.step import step_activations
 BACKENDS = [
     pytest.param("reference"),
     pytest.param("mlx", marks=pytest.mark.mlx),
-    pytest.param("cupy", marks=pytest.mark.gpu),
+    pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.emulated]),
 ]
 PRECISIONS = ["fp32", "bf16"]
 CONFIG = preset("test")
@@ -43,7 +44,10 @@ B = 2
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """The backend module under test (skipped by its marker where it is absent)."""
+    """The backend module under test (skipped by its marker where it is
+    absent; cupy: on the CPU stand-ins where no GPU is here)."""
+    if request.param == "cupy":
+        request.getfixturevalue("cuda_emulation")
     return accelerated.backend_module(request.param)
 
 
@@ -435,7 +439,7 @@ def call_every_method(program, tokens):
     args = {"upload_input": (tokens,), "logits": (tokens[:, :-1],), "evaluate": (tokens,),
             "activations": (tokens,), "semantic_debug_report_json": ("x",),
             "debug_report_json": ("x",), "compilation_debug_report_json": ("x",)}
-    from coppelius.reference.program import _protocol_methods
+    from coppelius.reference.contract import _protocol_methods
 
     for name in _protocol_methods():
         yield name, (lambda name=name: getattr(program, name)(*args.get(name, ())))

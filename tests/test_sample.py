@@ -56,10 +56,14 @@ def test_config_from_identity_recovers_every_preset(name):
         config.vocab, config.context, config.d_model, config.n_layer, config.n_head, config.d_ff)
 
 
+# norm=rmsnorm, tied=0 and another eps are members of the family since SPEC
+# 21 (tests/test_model_config.py reads them back); what is not one is refused
 @pytest.mark.parametrize("change", [
-    ("norm=layernorm", "norm=rmsnorm"), ("tied=1", "tied=0"), ("vocab=64", "vocab=064"),
+    ("norm=layernorm", "norm=batchnorm"), ("tied=1", "tied=2"), ("vocab=64", "vocab=064"),
     ("vocab=64|", ""), ("|tied=1", "|tied=1|extra=1"), ("n_head=2", "n_head=3"),
-    ("d_ff=96", "d_ff=x"), ("eps=1/100000", "eps=1/1000"),
+    ("d_ff=96", "d_ff=x"), ("eps=1/100000", "eps=0"), ("eps=1/100000", "eps=1e-5"),
+    ("|tied=1", "|tied=1|kv_heads=2"), ("|tied=1", "|tied=1|rotary=1"),
+    ("|tied=1", "|tied=1|qkv_bias=0"), ("|tied=1", "|tied=1|rotary=5/10|kv_heads=1"),
 ])
 def test_config_from_identity_refuses_anything_else(change):
     model = CONFIG.identity().replace(*change)

@@ -30,7 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cudnn_attention, cupy_backend  # noqa: E402
+from coppelius.accelerated.cuda import cudnn_attention  # noqa: E402
+from coppelius.accelerated.cuda.program import capture  # noqa: E402
+from coppelius.accelerated.cuda.step import run_step_tail  # noqa: E402
 from coppelius.bench import flops_per_step  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
@@ -69,7 +71,7 @@ def breakdown(program):
     parts = {
         "forward (to the final norm)": lambda: m.forward(a, program.ids, T + 1),
         "classifier, loss + backward": lambda: m.backward(a, program.ids, T + 1),
-        "norm + adamw": lambda: cupy_backend.run_step_tail(program.model, program.kernels,
+        "norm + adamw": lambda: run_step_tail(program.model, program.kernels,
                                                            program.buffers),
     }
     for name, work in parts.items():
@@ -147,7 +149,7 @@ def main():
     results = []
     for precision in args.precision or ["bf16", "fp32"]:
         start = time.perf_counter()
-        program = cupy_backend.capture(config, Hyper(), precision, args.batch,
+        program = capture(config, Hyper(), precision, args.batch,
                                        State.fresh(initialize(config)))
         capture_s = time.perf_counter() - start
         host, device, losses = [], [], []

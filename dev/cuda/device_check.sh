@@ -6,12 +6,12 @@ cd "$(dirname "$0")/../.." || exit 2
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-python -c "import cupy, coppelius.accelerated.cublas as c; c.library(); print('cupy', cupy.__version__, 'cublas', c.LOADED_FROM)"
+python -c "import cupy, coppelius.accelerated.cuda.cublas as c; c.library(); print('cupy', cupy.__version__, 'cublas', c.LOADED_FROM)"
 timeout 120 python dev/cuda/nvrtc_check.py > "$OUT/nvrtc.log" 2>&1
 echo "nvrtc exit $?"; tail -2 "$OUT/nvrtc.log"
 
 # the backend's own tests, and the program contract's CuPy rows
-timeout 240 python -m pytest tests/test_cupy_backend.py tests/test_program_contract.py -k cupy \
+timeout 240 python -m pytest tests/cuda tests/test_program_contract.py -k "cuda or cupy" \
     -q -p no:cacheprovider --tb=short "$@" \
     > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"

@@ -19,7 +19,7 @@ export PYTHONPATH=$FE$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 t0=$(date +%s)
 (CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider --tb=short \
-    tests/test_cupy_backend.py tests/test_program_contract.py -k cupy > "$OUT/pytest.log" 2>&1
+    tests/cuda tests/test_program_contract.py -k "cuda or cupy" > "$OUT/pytest.log" 2>&1
  echo "pytest exit $? after $(( $(date +%s) - t0 )) s" >> "$OUT/pytest.log") &
 (for k in 2 4; do
     CUDA_VISIBLE_DEVICES=1 timeout 90 python -m coppelius.conformance --backend cupy \

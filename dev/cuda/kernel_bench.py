@@ -5,8 +5,9 @@ launch, the bytes a launch must move at least, and the bandwidth that gives.
 
     PYTHONPATH=. python dev/cuda/kernel_bench.py [--old path/to/other/tree] [--batch 8]
 
---old: a source tree of the project whose accelerated/cuda_kernels.py and
-kernels/ are loaded beside this tree's (its launchers' signatures as they
+--old: a source tree of the project whose kernels' module
+(accelerated/cuda/, or accelerated/cuda_kernels.py and kernels/ before the
+package) is loaded beside this tree's (its launchers' signatures as they
 were then). Each kernel is launched `--launches` times back to back in one
 CUDA graph, over enough copies of its buffers that a launch does not find
 its inputs in the L2 cache (working set over 200 MB), and the graph is
@@ -33,7 +34,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cuda_kernels  # noqa: E402
+from coppelius.accelerated.cuda import compile as kernel_module  # noqa: E402
+from coppelius.accelerated.cuda.adamw import NORM_BLOCKS  # noqa: E402
+from coppelius.accelerated.cuda.buffers import Gradient, gradient_segments  # noqa: E402
+from coppelius.accelerated.cuda.layernorm import layernorm_chunks  # noqa: E402
+from coppelius.accelerated.cuda.policy import attention_path, logits_chunk_rows  # noqa: E402
 from coppelius.reference.adamw import AdamWConstants  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
@@ -43,7 +48,17 @@ WORKING_SET = 200e6  # bytes over the launches' copies: past the H200's 50 MB L2
 
 
 def load_old(tree: str):
-    """The other tree's cuda_kernels module (its own kernels/ folder)."""
+    """The other tree's kernels' module (its own kernel files): the CUDA
+    package's compile.py, imported as the package old_cuda, or, in a tree
+    from before the package, accelerated/cuda_kernels.py."""
+    package = os.path.join(tree, "accelerated", "cuda")
+    if os.path.exists(os.path.join(package, "compile.py")):
+        spec = importlib.util.spec_from_file_location(
+            "old_cuda", os.path.join(package, "__init__.py"), submodule_search_locations=[package])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["old_cuda"] = module
+        spec.loader.exec_module(module)
+        return importlib.import_module("old_cuda.compile")
     path = os.path.join(tree, "accelerated", "cuda_kernels.py")
     spec = importlib.util.spec_from_file_location("old_cuda_kernels", path)
     module = importlib.util.module_from_spec(spec)
@@ -122,11 +137,9 @@ def cases(config, B):
     eps = np.float32(1e-5)
     dce = np.float32(1.0 / BT)
     # the step's attention path: after cuDNN's, the rope backward reads bfloat16 dq, dk
-    from coppelius.accelerated import cupy_backend
-
-    cudnn = cupy_backend.attention_path(config, "bf16", B).kind == "cudnn"
-    chunk = cupy_backend.logits_chunk_rows(BT, V)
-    new_chunks = cuda_kernels.layernorm_chunks(BT)
+    cudnn = attention_path(config, "bf16", B).kind == "cudnn"
+    chunk = logits_chunk_rows(BT, V)
+    new_chunks = layernorm_chunks(BT)
     old_chunks = -(-BT // 4)  # before: 4 rows per block of layernorm_backward
 
     def ln_back(chunks, h=False):
@@ -144,12 +157,12 @@ def cases(config, B):
     def segments(G):
         # G as the step's Gradient: the registry's segments, views of the
         # flat buffer (older trees take the flat buffer itself)
-        starts = [start for start, _ in cupy_backend.gradient_segments(config)]
+        starts = [start for start, _ in gradient_segments(config)]
         if starts[-1] >= G.size:  # the norms' buffer: a segment per norm
             starts = list(range(0, G.size, 2 * D))
         ends = starts[1:] + [G.size]
-        return cupy_backend.Gradient(starts, [G[a:b] for a, b in zip(starts, ends)],
-                                     lambda shape, dtype: cupy.empty(shape, dtype))
+        return Gradient(starts, [G[a:b] for a, b in zip(starts, ends)],
+                        lambda shape, dtype: cupy.empty(shape, dtype))
 
     def param_grads(chunks, old=False):
         def make():
@@ -230,10 +243,10 @@ def cases(config, B):
              lambda k, b: k.crossentropy_forward_backward(b["l"], ids, T + 1, T, b["ce"], b["dl"],
                                                           dce), chunk * V * 6),
         Case("gradient_norm (2 kernels)", 1,
-             lambda: dict(G=segments(randn((N,), 1e-3)), part=empty((cuda_kernels.NORM_BLOCKS,)),
+             lambda: dict(G=segments(randn((N,), 1e-3)), part=empty((NORM_BLOCKS,)),
                           n=empty((2,))),
              lambda k, b: k.gradient_norm(b["G"], b["part"], b["n"], 1.0), N * 4,
-             old_make=lambda: dict(G=randn((N,), 1e-3), part=empty((cuda_kernels.NORM_BLOCKS,)),
+             old_make=lambda: dict(G=randn((N,), 1e-3), part=empty((NORM_BLOCKS,)),
                                    n=empty((2,)))),
         Case("adamw_update", 1, adamw_make(),
              lambda k, b: k.adamw_update(b["P"], b["M"], b["V"], b["G"], b["d"], b["Pb"], c4,
@@ -257,7 +270,7 @@ def main():
                         help="time only the kernels whose name holds TEXT; repeatable")
     args = parser.parse_args()
     config = preset(args.preset)
-    kernels = {"new": cuda_kernels.Kernels("bf16")}
+    kernels = {"new": kernel_module.Kernels("bf16")}
     if args.old:
         kernels["old"] = load_old(args.old).Kernels("bf16")
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -28,8 +28,8 @@ CHECK_GPU=$([ "$GPUS" -gt 1 ] && echo 1 || echo 0)
 checks() {
     (
         export CUDA_VISIBLE_DEVICES=$CHECK_GPU PYTHONPATH=$FE$NEW
-        timeout 170 python3 -m pytest tests/test_cupy_backend.py tests/test_program_contract.py \
-            tests/test_attention_path.py -k cupy -q -p no:cacheprovider --tb=short -rs \
+        timeout 170 python3 -m pytest tests/cuda tests/test_program_contract.py \
+            tests/test_attention_path.py -k "cuda or cupy" -q -p no:cacheprovider --tb=short -rs \
             > "$OUT/pytest.log" 2>&1
         echo "pytest exit $?" >> "$OUT/pytest.log"
     ) &

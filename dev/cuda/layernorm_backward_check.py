@@ -5,7 +5,7 @@ per launch (dev/cuda/kernel_bench.py's harness).
 
     PYTHONPATH=. python dev/cuda/layernorm_backward_check.py OLD_LAYERNORM_CU
 
-(e.g. `git show HEAD~1:accelerated/kernels/layernorm.cu > /tmp/old.cu`).
+(e.g. `git show HEAD~1:accelerated/cuda/kernels/layernorm.cu > /tmp/old.cu`).
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cupy  # noqa: E402
 import kernel_bench as kb  # noqa: E402
 
-from coppelius.accelerated import cuda_kernels  # noqa: E402
+from coppelius.accelerated.cuda.compile import Kernels  # noqa: E402
+from coppelius.accelerated.cuda.layernorm import layernorm_chunks  # noqa: E402
 
 SHAPES = ((1, 512), (8, 512), (2, 1024), (1, 100))  # (contexts of 1024 rows, D)
 
 
 def main() -> int:
-    old = cuda_kernels.Kernels("bf16", replace={"layernorm.cu": os.path.abspath(sys.argv[1])})
-    new = cuda_kernels.Kernels("bf16")
+    old = Kernels("bf16", replace={"layernorm.cu": os.path.abspath(sys.argv[1])})
+    new = Kernels("bf16")
     stream = cupy.cuda.Stream(non_blocking=True)
     failed = 0
     for B, D in SHAPES:
         rows = B * 1024
-        chunks = cuda_kernels.layernorm_chunks(rows)
+        chunks = layernorm_chunks(rows)
 
         def make():
             return dict(dout=kb.randn((rows, D)), dres=kb.randn((rows, D)),

@@ -21,7 +21,8 @@ and V, and the held-out row losses of one evaluation; `--compare` lists
 them for two trees' JSON (run this file with PYTHONPATH at each tree).
 
 `--chunk-bytes`, `--workspace-mib`: where the tree has them
-(cupy_backend.LOGITS_CHUNK_BYTES, the cuBLAS workspace WORKSPACE_BYTES),
+(policy.LOGITS_CHUNK_BYTES, the cuBLAS workspace WORKSPACE_BYTES of buffers.py and
+program.py),
 each value is captured and timed too (median device ms of `--time` steps,
 and the pool's growth).
 """
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cupy_backend  # noqa: E402
+from coppelius.accelerated.cuda import buffers, policy, program as cuda_program  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
 from coppelius.reference.state import State  # noqa: E402
@@ -102,10 +103,10 @@ def capture(config, batch, state):
     base = pool.total_bytes()
     hook = growth_hook()
     if hook is None:
-        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
+        program = cuda_program.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
         return program, pool.total_bytes() - base, None
     with hook:
-        program = cupy_backend.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
+        program = cuda_program.capture(config, Hyper(), "bf16", batch, state.copy(), **RECOMPUTE)
     return program, pool.total_bytes() - base, hook.sites
 
 
@@ -142,15 +143,21 @@ def check(config, batch, steps, time_steps) -> dict:
     return out
 
 
+# the modules reading each size chunk_variants() varies
+HOLDERS = {"LOGITS_CHUNK_BYTES": (policy,), "WORKSPACE_BYTES": (buffers, cuda_program)}
+
+
 def chunk_variants(config, batch, values, time_steps, name="LOGITS_CHUNK_BYTES") -> list:
-    """Capture and time the step with cupy_backend.<name> set to each value
-    (LOGITS_CHUNK_BYTES, or WORKSPACE_BYTES: cuBLAS's workspace)."""
+    """Capture and time the step with <name> set to each value in the
+    modules that read it (HOLDERS: LOGITS_CHUNK_BYTES, or WORKSPACE_BYTES:
+    cuBLAS's workspace)."""
     rows = []
-    default = getattr(cupy_backend, name)
+    default = getattr(HOLDERS[name][0], name)
     state = State.fresh(initialize(config))
     try:
         for value in values:
-            setattr(cupy_backend, name, value)
+            for module in HOLDERS[name]:
+                setattr(module, name, value)
             program, growth, _ = capture(config, batch, state)
             chunk = program.acts.logits.shape[0]
             rows.append({"batch": batch, "name": name, "value": value, "chunk_rows": chunk,
@@ -160,7 +167,8 @@ def chunk_variants(config, batch, values, time_steps, name="LOGITS_CHUNK_BYTES")
             print(f"  B={batch} {name}={value} (logits chunk {chunk} rows): "
                   f"{rows[-1]['step_ms']:.3f} ms, pool growth {growth / MiB:.0f} MiB", flush=True)
     finally:
-        setattr(cupy_backend, name, default)
+        for module in HOLDERS[name]:
+            setattr(module, name, default)
     return rows
 
 
@@ -223,7 +231,7 @@ def main():
             print(f"    {n:10.1f} MiB  {s}")
     for name, values in (("LOGITS_CHUNK_BYTES", args.chunk_bytes),
                          ("WORKSPACE_BYTES", [v * MiB for v in args.workspace_mib])):
-        if values and hasattr(cupy_backend, name):
+        if values and hasattr(HOLDERS[name][0], name):
             for batch in args.chunk_batch or [8]:
                 variants += chunk_variants(config, batch, values, args.time or 20, name)
     if args.json:

@@ -31,8 +31,8 @@ cp dev/cuda/memory_check.py "$OLD/dev/cuda/"  # run from OLD's root: it imports 
 # -- untimed, side by side
 (
     export PYTHONPATH=$FE$NEW
-    timeout 170 python3 -m pytest tests/test_cupy_backend.py tests/test_program_contract.py \
-        tests/test_attention_path.py -k "cupy or cudnn or attention" -q -p no:cacheprovider \
+    timeout 170 python3 -m pytest tests/cuda tests/test_program_contract.py \
+        tests/test_attention_path.py -k "cuda or cupy or cudnn or attention" -q -p no:cacheprovider \
         --tb=short -rs > "$WORK/pytest.log" 2>&1
     echo "pytest exit $?" >> "$WORK/pytest.log"
 ) &

@@ -1,5 +1,5 @@
-"""Compile the CUDA backend's kernel source (accelerated/kernels/*.cu,
-assembled by cuda_kernels.module_source) with NVRTC, as CuPy does, for both
+"""Compile the CUDA backend's kernel source (accelerated/cuda/kernels/*.cu,
+assembled by compile.module_source) with NVRTC, as CuPy does, for both
 precision policies, without a GPU: catches compile errors before any device
 time is spent. Errors name the kernel file and its line.
 
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from coppelius.accelerated import cuda_kernels  # noqa: E402
+from coppelius.accelerated.cuda.compile import compile_options, module_source  # noqa: E402
 
 
 def load(path=None):
@@ -49,8 +49,8 @@ def main():
     lib = load(sys.argv[1] if len(sys.argv) > 1 else None)
     failed = False
     for precision in ("fp32", "bf16"):
-        options = ["-arch=compute_90", "-std=c++17", *cuda_kernels.compile_options(precision)]
-        status, log = compile_source(lib, cuda_kernels.module_source(), options)
+        options = ["-arch=compute_90", "-std=c++17", *compile_options(precision)]
+        status, log = compile_source(lib, module_source(), options)
         print(f"{precision}: nvrtc status {status}")
         if log.strip():
             print(log)

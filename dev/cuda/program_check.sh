@@ -14,8 +14,8 @@ OUT=${OUT:-/tmp/o}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 
-timeout 130 python -m pytest -q -p no:cacheprovider tests/test_cupy_backend.py \
-    tests/test_program_contract.py -k cupy > "$OUT/pytest.log" 2>&1
+timeout 130 python -m pytest -q -p no:cacheprovider tests/cuda \
+    tests/test_program_contract.py -k "cuda or cupy" > "$OUT/pytest.log" 2>&1
 rc=$?; echo "pytest exit $rc"; [ $rc -eq 0 ] || status=1
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 
@@ -37,7 +37,7 @@ import statistics
 import cupy
 import numpy as np
 
-from coppelius.accelerated import cupy_backend
+from coppelius.accelerated.cuda.program import capture
 from coppelius.reference.config import Hyper, preset
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
@@ -57,7 +57,7 @@ for B in (1, 8, 32):
         gc.collect()
         pool.free_all_blocks()  # the pool's total now grows from this program alone
         base = pool.total_bytes()
-        program = cupy_backend.capture(config, Hyper(), "bf16", B, state.copy())
+        program = capture(config, Hyper(), "bf16", B, state.copy())
         program.upload_input(tokens)
         program.replay_and_wait()
         digest = hashlib.sha256(program.row_losses().tobytes() + program.gradients().tobytes())

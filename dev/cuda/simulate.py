@@ -1,6 +1,6 @@
 """Run the backend's CUDA kernel source on the CPU: emulate.py's stand-ins
 for CuPy and cuBLAS, but every kernel that simulate.h can run is the real
-CUDA source (accelerated/kernels/*.cu as cuda_kernels.module_source
+CUDA source (accelerated/cuda/kernels/*.cu as compile.module_source
 assembles it), compiled as C++ by g++ and launched block by block, its
 threads coroutines that meet at __syncthreads and at the warp calls. So
 indexing, bounds, vector and scalar paths and barriers are checked without a

@@ -28,7 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from coppelius.accelerated import cuda_kernels, cupy_backend  # noqa: E402
+from coppelius.accelerated.cuda.compile import KERNELS  # noqa: E402
+from coppelius.accelerated.cuda.program import capture  # noqa: E402
 from coppelius.bench.torch_peer import CompiledGraphStep  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
@@ -36,7 +37,7 @@ from coppelius.reference.state import State  # noqa: E402
 
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce", "sm90_")
 ATTENTION = ("cudnn", "flash", "fmha", "sdpa", "attention")
-OURS = set(cuda_kernels.KERNELS)
+OURS = set(KERNELS)
 
 
 def group(name: str) -> str:
@@ -117,7 +118,7 @@ def main() -> None:
     rows = []
     for B in args.batch or [1, 8]:
         tokens = np.random.default_rng(B).integers(0, config.vocab, (B, config.context + 1))
-        program = cupy_backend.capture(config, Hyper(), "bf16", B,
+        program = capture(config, Hyper(), "bf16", B,
                                        State.fresh(initialize(config)))
         program.upload_input(tokens)
         for _ in range(3):

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import coppelius.run as run  # noqa: E402
+import coppelius.train as run  # noqa: E402
 from coppelius import accelerated, cli  # noqa: E402
 
 SECONDS = collections.defaultdict(list)

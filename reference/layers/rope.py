@@ -10,7 +10,7 @@ def rope_tables(T, E, dtype=np.float32, base=ROPE_BASE):
     # -> cos, sin (T, E/2): theta = t * base^(-2j/E), computed in float64, then rounded
     t = np.arange(T, dtype=np.float64)[:, None]
     j = np.arange(E // 2, dtype=np.float64)[None, :]
-    theta = t * np.power(float(base), -2.0 * j / E)
+    theta = t * np.power(float(base), -2.0 * j / E)  # base: the config's rope_base (SPEC 21)
     return np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
 
 

@@ -1,4 +1,4 @@
-"""The fused causal attention (accelerated/kernels/attention_fused.cu,
+"""The fused causal attention (accelerated/cuda/kernels/attention_fused.cu,
 attention_forward_e* and attention_backward_*_e*) against the reference
 layer, and timed against the materialized path it replaces.
 
@@ -22,10 +22,10 @@ Variants (each the step's attention, forward then backward, one layer):
      t+1 lands while tile t is used) and no transposed tiles: the b
      fragments of p v, ds k, p^T dy, ds^T q come from row-major tiles through
      ldmatrix.trans. The winner: it lives only in the package
-     (accelerated/kernels/attention_fused.cu), checked as "in package".
+     (accelerated/cuda/kernels/attention_fused.cu), checked as "in package".
 
 Each vN.cu is a whole replacement of the package's attention_fused.cu: the
-module is compiled with that one file swapped (cuda_kernels.Kernels'
+module is compiled with that one file swapped (compile.Kernels'
 replace), every other kernel file as in the package, so a compiler error
 names the variant's file and line.
 
@@ -48,14 +48,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cuda_kernels, cupy_backend  # noqa: E402
+from coppelius.accelerated.cuda.buffers import Activations, Buffers, Gradient  # noqa: E402
+from coppelius.accelerated.cuda.compile import Kernels  # noqa: E402
+from coppelius.accelerated.cuda.cublas import WORKSPACE_BYTES, Cublas  # noqa: E402
+from coppelius.accelerated.cuda.model import Model  # noqa: E402
+from coppelius.accelerated.cuda.step import kernels_for  # noqa: E402
 from coppelius.conformance.tolerances import relative_error  # noqa: E402
 from coppelius.reference.config import Config, preset  # noqa: E402
 from coppelius.reference.layers.attention import attention_backward, attention_forward  # noqa: E402
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 from coppelius.reference.precision import round_bf16  # noqa: E402
-from coppelius.accelerated.cupy_debug import fused_from_batch, step_attention  # noqa: E402
+from coppelius.accelerated.cuda.cupy_debug import fused_from_batch, step_attention  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,8 +69,8 @@ def variant_kernels(name):
     """The bf16 module with the package's attention_fused.cu replaced by
     dev/cuda/attention/<name> (None: the package's own file)."""
     if name is None:
-        return cuda_kernels.Kernels("bf16")
-    return cuda_kernels.Kernels("bf16", replace={"attention_fused.cu": os.path.join(HERE, name)})
+        return Kernels("bf16")
+    return Kernels("bf16", replace={"attention_fused.cu": os.path.join(HERE, name)})
 
 
 def check(kernels, Bn, H, T, E, seed):
@@ -96,15 +100,15 @@ def timed(config, B, kernels):
     with fused_from_batch(1 if fused else 1 << 30):
         T, D = config.context, config.d_model
         stream = cupy.cuda.Stream(non_blocking=True)
-        alloc = cupy_backend.Buffers(stream)
-        ws = alloc((cupy_backend.WORKSPACE_BYTES,), np.uint8)
-        blas = cupy_backend.Cublas(stream.ptr, ws.data.ptr, cupy_backend.WORKSPACE_BYTES)
+        alloc = Buffers(stream)
+        ws = alloc((WORKSPACE_BYTES,), np.uint8)
+        blas = Cublas(stream.ptr, ws.data.ptr, WORKSPACE_BYTES)
         one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
         P = alloc((registry(one).total,), np.float32)
         cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
-        model = cupy_backend.Model(one, "bf16", kernels or cupy_backend.kernels_for("bf16"), blas,
-                                   P, P, cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
-        acts = cupy_backend.Activations(one, B, T, np.uint16, alloc, train=True)
+        model = Model(one, "bf16", kernels or kernels_for("bf16"), blas, P, P,
+                      Gradient.flat(P, alloc), cos, sin, None)
+        acts = Activations(one, B, T, np.uint16, alloc, train=True)
         assert acts.fused == fused
         rng = np.random.default_rng(1)
         bits = lambda shape: (round_bf16(rng.standard_normal(shape).astype(np.float32))  # noqa

@@ -1,4 +1,4 @@
-"""cuDNN's fused attention (accelerated/cudnn_attention.py) on the device:
+"""cuDNN's fused attention (accelerated/cuda/cudnn_attention.py) on the device:
 the frontend and library found, the graphs built for the coppelius shapes,
 cuDNN's results against reference.layers.attention, the captured graph
 against the eager run, two replays bitwise, and each attention path's time
@@ -31,8 +31,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cupy  # noqa: E402
 
-from coppelius.accelerated import cuda_kernels, cudnn_attention, cupy_backend  # noqa: E402
-from coppelius.accelerated.cupy_debug import (NEVER, cudnn_from_batch,  # noqa: E402
+from coppelius.accelerated.cuda import cudnn_attention  # noqa: E402
+from coppelius.accelerated.cuda.attention import attention_scale  # noqa: E402
+from coppelius.accelerated.cuda.buffers import Activations, Buffers, Gradient  # noqa: E402
+from coppelius.accelerated.cuda.cublas import WORKSPACE_BYTES, Cublas  # noqa: E402
+from coppelius.accelerated.cuda.model import Model  # noqa: E402
+from coppelius.accelerated.cuda.policy import attention_path  # noqa: E402
+from coppelius.accelerated.cuda.step import kernels_for  # noqa: E402
+from coppelius.accelerated.cuda.cupy_debug import (NEVER, cudnn_from_batch,  # noqa: E402
                                               fused_from_batch, step_attention)
 from coppelius.conformance.tolerances import relative_error  # noqa: E402
 from coppelius.reference.config import Config, preset  # noqa: E402
@@ -52,7 +58,7 @@ def check(Bn, H, T, E, seed):
     v, dy = rng.standard_normal((2, Bn, H, T, E))
     q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
     with cudnn_from_batch(1):
-        path = cupy_backend.attention_path(Config(8, T, H * E, 1, H, 8), "bf16", Bn)
+        path = attention_path(Config(8, T, H * E, 1, H, 8), "bf16", Bn)
         got = step_attention("bf16", q, k, v, dy)
         again = step_attention("bf16", q, k, v, dy)
     y, cache = attention_forward(q, k, v, "bf16")
@@ -73,15 +79,15 @@ def layer(config, B, path):
     T, D = config.context, config.d_model
     with PATHS[path]():
         stream = cupy.cuda.Stream(non_blocking=True)
-        alloc = cupy_backend.Buffers(stream)
-        ws = alloc((cupy_backend.WORKSPACE_BYTES,), np.uint8)
-        blas = cupy_backend.Cublas(stream.ptr, ws.data.ptr, cupy_backend.WORKSPACE_BYTES)
+        alloc = Buffers(stream)
+        ws = alloc((WORKSPACE_BYTES,), np.uint8)
+        blas = Cublas(stream.ptr, ws.data.ptr, WORKSPACE_BYTES)
         one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
         P = alloc((registry(one).total,), np.float32)
         cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
-        model = cupy_backend.Model(one, "bf16", cupy_backend.kernels_for("bf16"), blas, P, P,
-                                   cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
-        acts = cupy_backend.Activations(one, B, T, np.uint16, alloc, train=True)
+        model = Model(one, "bf16", kernels_for("bf16"), blas, P, P, Gradient.flat(P, alloc), cos,
+                      sin, None)
+        acts = Activations(one, B, T, np.uint16, alloc, train=True)
     assert acts.path.kind == path, (path, acts.path)
     rng = np.random.default_rng(B)
     bits = lambda shape: (round_bf16(rng.standard_normal(shape).astype(np.float32))  # noqa
@@ -145,7 +151,7 @@ def main():
     args = parser.parse_args()
     config = preset(args.preset)
     H, E, T = config.n_head, config.head_dim, config.context
-    scale = cuda_kernels.attention_scale(E)
+    scale = attention_scale(E)
     print(f"frontend: {cudnn_attention.versions() or cudnn_attention.import_error()}")
     print(f"torch imported: {'torch' in sys.modules}")
     batches = args.batch or [1, 2, 4, 8, 32]

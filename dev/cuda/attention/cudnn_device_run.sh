@@ -26,9 +26,9 @@ python3 -m pip show nvidia-cudnn-cu13 2>/dev/null | grep -E "^(Name|Version)"
         echo "alt exit $?" >> "$OUT/alt.log"
     fi
     export PYTHONPATH=/tmp/fe:$PYTHONPATH
-    timeout 120 python3 -m pytest tests/test_cupy_backend.py tests/test_program_contract.py \
+    timeout 120 python3 -m pytest tests/cuda tests/test_program_contract.py \
         -q -p no:cacheprovider --tb=short -rs \
-        -k "cupy and (attention or cudnn or one_step or compilation_report or memory_plan or rope or executable or reset or eager or captured or replay)" \
+        -k "(cuda or cupy) and (attention or cudnn or one_step or compilation_report or memory_plan or rope or executable or reset or eager or captured or replay)" \
         > "$OUT/pytest.log" 2>&1
     echo "pytest exit $?" >> "$OUT/pytest.log"
     timeout 45 python3 -m coppelius.conformance --backend cupy --preset tiny --precision bf16 \

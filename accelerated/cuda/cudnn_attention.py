@@ -44,6 +44,8 @@ import os
 
 import numpy as np
 
+from ...reference.layout import qkv_columns
+
 try:
     import cupy
 except ImportError:  # the backend is simply unavailable
@@ -126,9 +128,11 @@ class Graph:
         t = cudnn.data_type
         D = H * E
         dims = [B, H, T, E]
-        self.qkv_stride = [T * 3 * D, E, 3 * D, 1]  # q, k, v inside the (BT, 3D) projection
+        _, k, v = qkv_columns(H, H, E)  # the step's fused layout (reference/layout.py)
+        W, QK = v.stop, k.stop
+        self.qkv_stride = [T * W, E, W, 1]  # q, k, v inside the (BT, qkv) projection
         self.y_stride = [T * D, E, D, 1]  # y, dy: (BT, D)
-        self.dqk_stride = [T * 2 * D, E, 2 * D, 1]  # dq, dk: (BT, 2D)
+        self.dqk_stride = [T * QK, E, QK, 1]  # dq, dk: (BT, qk)
         stats_dims, stats_stride = [B, H, T, 1], [H * T, T, 1, 1]
         g = cudnn.pygraph(io_data_type=t.BFLOAT16, intermediate_data_type=t.FLOAT,
                           compute_data_type=t.FLOAT, handle=self.handle[0])
@@ -270,17 +274,18 @@ def _trial(graphs: list) -> str:
         x = rng.standard_normal((BT, cols)).astype(np.float32)
         return cupy.asarray((x.view(np.uint32) >> 16).astype(np.uint16))
 
-    qkv, dy = operand(3 * D), operand(D)
+    q, k, v = qkv_columns(H, H, E)
+    qkv, dy = operand(v.stop), operand(D)
     outputs = {"y": cupy.empty((BT, D), dtype=np.uint16),
                "stats": cupy.empty((B, H, T), dtype=np.float32),
-               "dqk": cupy.empty((BT, 2 * D), dtype=np.uint16),
-               "dqkv": cupy.empty((BT, 3 * D), dtype=np.uint16)}
+               "dqk": cupy.empty((BT, k.stop), dtype=np.uint16),
+               "dqkv": cupy.empty((BT, v.stop), dtype=np.uint16)}
     y, stats, dqk, dqkv = outputs.values()
     workspace = cupy.zeros((max(x.workspace for x in graphs) + 1,), dtype=np.uint8)
     p = lambda a, offset=0: a.data.ptr + offset * a.itemsize  # noqa: E731
-    pointers = [(p(qkv), p(qkv, D), p(qkv, 2 * D), p(y), p(stats)),
-                (p(qkv), p(qkv, D), p(qkv, 2 * D), p(y), p(dy), p(stats), p(dqk), p(dqk, D),
-                 p(dqkv, 2 * D))]
+    pointers = [(p(qkv), p(qkv, k.start), p(qkv, v.start), p(y), p(stats)),
+                (p(qkv), p(qkv, k.start), p(qkv, v.start), p(y), p(dy), p(stats), p(dqk),
+                 p(dqk, k.start), p(dqkv, v.start))]
     runs = []
     stream = cupy.cuda.get_current_stream()
     try:
@@ -302,7 +307,7 @@ def _trial(graphs: list) -> str:
         cupy.get_default_memory_pool().free_all_blocks()
     written = {"y": np.s_[:], "stats": np.s_[:]}
     if len(graphs) > 1:
-        written.update(dqk=np.s_[:], dqkv=np.s_[:, 2 * D:])  # of dqkv only dv
+        written.update(dqk=np.s_[:], dqkv=np.s_[:, v.start:])  # of dqkv only dv
     for name, part in written.items():
         for run in runs:
             x = run[name][part]

@@ -1,9 +1,10 @@
 """Debugging entry points of the CuPy backend: one part of the training step
 run alone on host arrays, through the backend's own Model, buffers and
-kernels. The GPU tests (tests/test_cupy_backend.py) and the kernel
+kernels. The GPU tests (tests/cuda/) and the kernel
 experiments (dev/cuda/attention/check.py) both use them; training does not.
 
-    from coppelius.accelerated.cupy_debug import cudnn_from_batch, fused_from_batch, step_attention
+    from .cupy_debug import (cudnn_from_batch, fused_from_batch,
+                                                       step_attention)
 
     with fused_from_batch(1):  # the project's fused attention kernels even at B=1
         y, dq, dk, dv = step_attention("bf16", q, k, v, dy)  # (B,H,T,E) each
@@ -25,11 +26,14 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.config import Config
-from coppelius.reference.layers.rope import rope_tables
-from coppelius.reference.params import registry
+from ...reference.config import Config
+from ...reference.layers.rope import rope_tables
+from ...reference.params import registry
 
-from . import cublas, cuda_kernels, cudnn_attention, cupy_backend
+from . import attention_fused, cublas, cudnn_attention
+from .buffers import Activations, Buffers, Gradient
+from .model import Model
+from .step import kernels_for
 
 
 NEVER = 1 << 30  # a batch no step reaches
@@ -39,14 +43,14 @@ NEVER = 1 << 30  # a batch no step reaches
 def fused_from_batch(n: int):
     """The step's attention the project's fused kernels from batch n on
     (bf16, head dims with kernels), instead of
-    cuda_kernels.ATTENTION_FUSED_MIN_BATCH, and never cuDNN's, inside the
+    attention_fused.ATTENTION_FUSED_MIN_BATCH, and never cuDNN's, inside the
     block. Programs and Activations made inside it keep the path they got."""
-    saved = cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH
-    cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = n, NEVER
+    saved = attention_fused.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH
+    attention_fused.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = n, NEVER
     try:
         yield
     finally:
-        cuda_kernels.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = saved
+        attention_fused.ATTENTION_FUSED_MIN_BATCH, cudnn_attention.MIN_BATCH = saved
 
 
 @contextlib.contextmanager
@@ -75,24 +79,23 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
     operands, dq and dk float32, or bfloat16 operands where cuDNN writes
     them so).
 
-    kernels: a cuda_kernels.Kernels to run instead of the backend's own for
+    kernels: a compile.Kernels to run instead of the backend's own for
     the precision (a kernel variant under test)."""
     Bn, H, T, E = q.shape
     D = H * E
     config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8)
     bf16 = precision == "bf16"
     stream = cupy.cuda.Stream(non_blocking=True)
-    alloc = cupy_backend.Buffers(stream)
+    alloc = Buffers(stream)
     ws = alloc((cublas.WORKSPACE_BYTES,), np.uint8)
     blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
     P = alloc((registry(config).total,), np.float32)  # the layer's weights are not read
     cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
     if kernels is None:
-        kernels = cupy_backend.kernels_for(precision)
-    model = cupy_backend.Model(config, precision, kernels, blas, P, P,
-                               cupy_backend.Gradient.flat(P, alloc), cos, sin, None)
-    acts = cupy_backend.Activations(config, Bn, T, np.uint16 if bf16 else np.float32, alloc,
-                                    train=True)
+        kernels = kernels_for(precision)
+    model = Model(config, precision, kernels, blas, P, P, Gradient.flat(P, alloc), cos, sin,
+                  None)
+    acts = Activations(config, Bn, T, np.uint16 if bf16 else np.float32, alloc, train=True)
 
     def rows(x):  # (B,H,T,E) -> (BT,D) in the operand type
         x = x.transpose(0, 2, 1, 3).reshape(Bn * T, D)
@@ -109,6 +112,7 @@ def step_attention(precision: str, q, k, v, dy, kernels=None):
     stream.synchronize()  # the results are read on the host next
     blas.close()
     dqk = _as_float(acts.dqk, "bf16" if acts.dqk.dtype == np.uint16 else "fp32")  # dq, dk
-    dv = _as_float(acts.dqkv, precision)[:, 2 * D:]
-    return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, :D]), heads(dqk[:, D:]),
-            heads(dv))
+    lay = model.layout  # dqk's rows: dq | dk; dqkv's: dq | dk | dv
+    dv = _as_float(acts.dqkv, precision)[:, lay.v.start:lay.v.stop]
+    return (heads(_as_float(acts.y[0], precision)), heads(dqk[:, lay.q.start:lay.q.stop]),
+            heads(dqk[:, lay.k.start:lay.k.stop]), heads(dv))

@@ -28,7 +28,7 @@ that read, so it keeps its values by the rule itself.
 
 The plan changes addresses only: the kernels, products and their order are
 the unplanned step's, so the results are bitwise the same
-(tests/test_cupy_backend.py checks that against COPPELIUS_NO_MEMORY_PLAN=1).
+(tests/cuda/test_memory_plan.py checks that against COPPELIUS_NO_MEMORY_PLAN=1).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def _aligned(n: int) -> int:
 
 
 # ---------------------------------------------------------------- the dry run
+
 
 class VirtualArray:
     """A buffer with a shape, a dtype and an address but no storage, for the
@@ -105,7 +106,7 @@ class VirtualArray:
 
 
 class VirtualBuffers:
-    """The allocator interface of cupy_backend.Buffers, handing out
+    """The allocator interface of buffers.Buffers, handing out
     VirtualArrays at distinct aligned addresses; remembers every request in
     order (shape, dtype, zeros) and its address."""
 
@@ -283,7 +284,7 @@ def _first_fit(buffers: list, order: list, spans: dict) -> dict:
 
 
 class PlannedBuffers:
-    """The allocator interface of cupy_backend.Buffers for the Activations:
+    """The allocator interface of buffers.Buffers for the Activations:
     each request, in the order the plan saw them, is a view of one arena at
     its planned offset. The arena starts as all ones bits (a NaN in float32
     and in bfloat16, as unplanned buffers start); a request for zeros gets

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import signal
-import stat
 import sys
 import tempfile
 import threading
@@ -38,27 +36,16 @@ from coppelius import report, sample
 from coppelius.evaluate import held_out_losses
 from coppelius.reference import checkpoint, fsutil, limits, results
 from coppelius.reference.binding import load_state
-from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_precision,
-                                        config_from_toml, parse_rational, preset, rational_text)
+from coppelius.reference.config import (PRESETS, SCHEDULES, SEED, Hyper, check_implemented,
+                                        check_precision, config_from_toml, parse_rational,
+                                        preset, rational_text)
 from coppelius.reference.errors import (CoppeliusError, IdentityMismatch, NonFiniteError,
                                         ResultFileError, RunError, StreamError)
 from coppelius.reference.params import initialize, registry
 from coppelius.reference.state import State
 from coppelius.reference.stream import open_stream
+from coppelius.run_file import REMEMBERED, read_run_file, write_run_file
 
-
-# What run.json remembers (SPEC 9): every option that shapes the run. A
-# later `coppelius train --run-dir D` takes these from D/run.json unless the
-# command line gives them. Not remembered: how far to go this time (--steps,
-# --until: the remembered final step is), where to write this invocation's
-# results, the lifting switches, and the sample.
-REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "accumulate",
-              "gpus", "recompute", "interval",
-              "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
-              "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
-              "final_step")
-RUN_FILE = "run.json"
-RUN_FORMAT = "coppelius-run-v1"
 LEARNER_OPTIONS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
 MAX_STEP = 2**62  # step numbers are uint64 in the result file; keep far from the edge
 EVAL_CONTEXTS = 64  # SPEC 18's default held-out count (fewer on a short stream)
@@ -186,33 +173,6 @@ def _nonnegative(value, name):
     return value
 
 
-def read_run_file(run_dir) -> dict:
-    """The options run.json in `run_dir` remembers ({} when there is none)."""
-    path = os.path.join(run_dir, RUN_FILE)
-    if not os.path.lexists(path):
-        return {}
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise RunError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(1 << 20).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RunError(f"{path}: not a run file this version reads ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT or not isinstance(
-            doc.get("options"), dict):
-        raise RunError(f"{path}: not a run file this version reads (format {RUN_FORMAT})")
-    unknown = sorted(set(doc["options"]) - set(REMEMBERED))
-    if unknown:
-        raise RunError(f"{path}: unknown option {unknown[0]!r}")
-    return doc["options"]
-
-
-def write_run_file(run_dir, options: dict) -> None:
-    """Publish run.json atomically and durably, as a checkpoint is."""
-    body = json.dumps({"format": RUN_FORMAT, "options": options}, sort_keys=True, indent=1)
-    fsutil.publish(os.path.join(run_dir, RUN_FILE), lambda f: f.write(body.encode() + b"\n"))
-
-
 def resolve_options(args) -> tuple:
     """(run_dir, options): the command line over run.json over nothing.
     Paths are remembered absolute, so a run continues from any directory."""
@@ -278,9 +238,10 @@ def heldout_count(options: dict, K_stream: int, path) -> int:
 def check_gpus(backend: str, world: int) -> None:
     """SPEC 19: data parallelism is the CUDA backend's; MLX and the
     reference have one device."""
-    if world > 1 and backend != "cupy":
+    if world > 1 and not accelerated.capabilities(backend).data_parallel:
         raise RunError(f"--gpus {world}: backend {backend} has one device; data parallelism "
-                       f"runs on the cupy backend")
+                       f"runs on the {' and '.join(accelerated.data_parallel_backends())} "
+                       f"backend")
 
 
 def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int = 0,
@@ -296,7 +257,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     run_dir, options = resolve_options(args)
     backend = options.get("backend") or accelerated.best_backend()
     check_gpus(backend, world)
-    accelerated.backend_module(backend)  # a clear error when it is not available here
+    module = accelerated.backend_module(backend)  # a clear error when it is not available here
     name = options.get("preset") or data.default_preset()
     if name not in PRESETS:
         raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
@@ -304,8 +265,10 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
         config, defaults = config_from_toml(options["model"], config if options.get("preset")
                                             else None)
-    precision = check_precision(options.get("precision")
-                                or ("bf16" if backend == "cupy" else "fp32"))
+    # a family field (SPEC 21) the backend does not compute: refused before anything is written
+    check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
+    can = accelerated.capabilities(backend)
+    precision = check_precision(options.get("precision") or can.default_precision)
     batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")
     accumulate = _positive(options.get("accumulate", 1), "accumulate")
     if batch % accumulate:
@@ -323,7 +286,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
     limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
-                                        on_host=backend != "cupy"),
+                                        on_host=can.host_data),
                       f"--batch={batch} on the {options.get('model') or name} model")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
     fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
@@ -893,7 +856,7 @@ def main(args) -> int:
         backend = options.get("backend") or accelerated.best_backend()
         check_gpus(backend, gpus)
         accelerated.backend_module(backend)  # a clear error when it is not available here
-        from coppelius.accelerated import distributed
+        from coppelius.accelerated.cuda import distributed
 
         distributed.check_devices(gpus)
         argv = getattr(args, "argv", None) or sys.argv[1:]
@@ -984,7 +947,7 @@ def run_rank(args, launch, hard_exit: bool = True, mpi=None) -> int:
     failure by the rank it happened on, and by the others (as "stopped:
     rank r failed ...") unless they run under `--gpus`, whose own line
     (for a rank killed by a signal) or the failed rank's says it all."""
-    from coppelius.accelerated import distributed
+    from coppelius.accelerated.cuda import distributed
 
     r = launch.rank
     parent = os.environ.get(ranks.PARENT_ENV) == "1"
@@ -1083,7 +1046,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
-        if plan.recompute and plan.backend != "reference":  # (the reference ignores it)
+        if plan.recompute and accelerated.capabilities(plan.backend).recompute:  # else ignored
             gpus += ", gate and up recomputed in the backward"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "

@@ -156,7 +156,7 @@ class Cublas:
     """One handle bound to one stream, with its own workspace (a device
     buffer the caller keeps alive as long as the handle). dry=True loads
     nothing and computes nothing: with a `log` set, gemm only records the
-    products (the memory plan's dry run, accelerated/memory_plan.py)."""
+    products (the memory plan's dry run, accelerated/cuda/memory_plan.py)."""
 
     def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int,
                  dry: bool = False):

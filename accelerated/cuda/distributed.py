@@ -13,7 +13,7 @@ rank's CUDA graph, so that a step is still one replay per rank:
 from a unique id that reached every rank through the launcher's rendezvous,
 coppelius/launch.py). `Collectives` issues the step's collectives on the
 program's stream and logs them like the kernels and products (the memory
-plan's dry run, accelerated/memory_plan.py, and the capture's counts); with
+plan's dry run, accelerated/cuda/memory_plan.py, and the capture's counts); with
 no communicator it only logs (the dry run).
 
 NCCL's sum of W = 2 float32 values is one rounded addition, the same on
@@ -26,7 +26,7 @@ A rank that fails is told to the others by the launcher's control channel;
 the watcher there sets `failure` and calls `abort()` (ncclCommAbort), which
 makes the collectives a graph is blocked in return, so the replay completes
 with values that mean nothing: the program checks `failure` after every wait
-and raises it instead of handing them on (accelerated/cupy_backend.py).
+and raises it instead of handing them on (accelerated/cuda/program.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from coppelius.reference.errors import RunError
+from ...reference.errors import RunError
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 

@@ -45,7 +45,7 @@ def main(args) -> int:
     config = preset(args.preset)
     backend = args.backend or accelerated.best_backend()
     module = accelerated.backend_module(backend)  # unknown or unavailable: one line, exit 2
-    precision = args.precision or ("bf16" if backend == "cupy" else "fp32")
+    precision = args.precision or accelerated.capabilities(backend).default_precision
     name = f"{args.preset} B={args.batch} {precision} on {backend}"
     if args.semantic:  # the same graph on every backend: nothing to capture
         from coppelius.reference.semantic import semantic_graph

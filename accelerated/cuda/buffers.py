@@ -1,0 +1,369 @@
+"""The CUDA step's device buffers: the allocator (Buffers, its fills on
+the program's stream), the gradient G as segments (Gradient), every
+activation of one step (Activations) and the step's other buffers
+(StepBuffers, allocate_state). The memory plan (accelerated/cuda/memory_plan.py)
+places the activations and G's segments in one arena by lifetime."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import cupy
+except ImportError:  # the backend is simply unavailable
+    cupy = None
+
+from ...reference.adamw import AdamWConstants, float32_of, schedule_table
+from ...reference.config import Config, Hyper
+from ...reference.layers.rope import rope_tables
+from ...reference.layout import layout
+from ...reference.params import registry
+
+from . import adamw, attention, cudnn_attention, layernorm
+from .cublas import WORKSPACE_BYTES
+from .memory_plan import VirtualArray
+from .policy import attention_path, logits_chunk_rows
+
+
+def _ptr(a, offset: int = 0) -> int:
+    """Device address of element `offset` of the contiguous array a."""
+    return a.data.ptr + offset * a.itemsize
+
+
+class Buffers:
+    """Allocates device buffers, filled with NaN, and counts their bytes. The
+    fills run on the program's stream, so they are ordered before its work
+    (a non-blocking stream does not wait for the legacy default stream)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.bytes = 0
+
+    def __call__(self, shape, dtype, zeros=False):
+        dtype = np.dtype(dtype)
+        with self.stream:
+            if zeros:
+                a = cupy.zeros(shape, dtype=dtype)
+            elif dtype == np.float32:
+                a = cupy.full(shape, np.nan, dtype=dtype)
+            elif dtype == np.uint16:  # bfloat16 bits: 0xffff is a NaN
+                a = cupy.full(shape, 0xFFFF, dtype=dtype)
+            else:
+                a = cupy.zeros(shape, dtype=dtype)
+        self.bytes += a.nbytes
+        return a
+
+    def upload(self, host):
+        with self.stream:
+            a = cupy.asarray(host)
+        self.bytes += a.nbytes
+        return a
+
+    def arena(self, nbytes: int):
+        """One uint8 buffer for the memory plan's shared storage, all ones
+        bits: a NaN in float32 and bfloat16 alike."""
+        with self.stream:
+            a = cupy.full((nbytes,), 0xFF, dtype=np.uint8)
+        self.bytes += a.nbytes
+        return a
+
+
+def norm_offsets(config: Config) -> np.ndarray:
+    """(2L+1,) int64: offsets of every norm's weight, in the order of the
+    layernorm partials: 2l attn_norm, 2l+1 mlp_norm, 2L final_norm."""
+    lay = layout(config)  # (which checks that each bias follows its weight)
+    offsets = [at for w in lay.layers for at in (w.attn_norm, w.mlp_norm)]
+    return np.array(offsets + [lay.final_norm], dtype=np.int64)
+
+
+def address_table(alloc, values: list, dtype):
+    """A small buffer from `alloc` holding `values` (addresses of buffers,
+    with their offsets), written once, at allocation, for kernels that reach
+    several buffers through it; in the memory plan's dry run only allocated."""
+    table = alloc(np.shape(values), dtype)
+    if not isinstance(table, VirtualArray):
+        table.set(np.array(values, dtype), stream=getattr(alloc, "stream", None))
+    return table
+
+
+def gradient_segments(config: Config) -> list:
+    """[(first element, elements)] of the step's gradient segments, in the
+    registry's order: the embedding's, one per layer (its norms, attention
+    and MLP), the final norm's."""
+    reg = registry(config)
+    starts = ([reg["tok_embedding.weight"].offset]
+              + [reg[f"layers.{l}.attn_norm.weight"].offset for l in range(config.n_layer)]
+              + [reg["final_norm.weight"].offset])
+    assert starts == sorted(starts) and starts[0] == 0, starts
+    return [(start, end - start) for start, end in zip(starts, starts[1:] + [reg.total])]
+
+
+class Gradient:
+    """G, the gradient: (N,) float32 in the registry's layout, stored as
+    segments. The step's (train without accumulation, on one GPU) has one
+    per layer plus the embedding's and the final norm's (gradient_segments),
+    each a buffer of the memory plan's arena, live from the first product
+    or kernel that writes it to AdamW: at the step's fullest point (the
+    loss, the last layer's backward) only a few exist, where a flat G would
+    hold all N elements from one step to the next. With accumulation or
+    several ranks G carries a sum across passes, or is all-reduced whole: one
+    segment, a flat buffer of the state (`flat`).
+
+    Products and kernels that write one parameter's gradient get an address
+    (ptr, view); the kernels that reach G as a whole (AdamW, the norm, the
+    layer norms' weight gradients) read `table`, (S, 2) int64, each
+    segment's first element and address (kernels/common.cuh grad_at),
+    written at allocation."""
+
+    def __init__(self, starts: list, parts: list, alloc):
+        # segment i holds elements [starts[i], starts[i] + parts[i].size), in order
+        assert starts[0] == 0 and all(a + p.size == b for a, p, b in
+                                      zip(starts, parts, starts[1:])), starts
+        self.starts, self.parts = list(starts), list(parts)
+        self.size = starts[-1] + parts[-1].size
+        self.table = address_table(alloc, [[start, part.data.ptr]
+                                           for start, part in zip(starts, parts)], np.int64)
+
+    @classmethod
+    def segments(cls, config: Config, alloc) -> "Gradient":
+        """The step's segments (gradient_segments), each a buffer from alloc."""
+        segments = gradient_segments(config)
+        return cls([start for start, _ in segments],
+                   [alloc((n,), np.float32) for _, n in segments], alloc)
+
+    @classmethod
+    def flat(cls, G, alloc) -> "Gradient":
+        """One segment: the flat (N,) float32 buffer G."""
+        return cls([0], [G], alloc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def vector(self) -> bool:
+        """Whether the kernels may read G 16 bytes at a time: every
+        segment's start a multiple of 4 elements, its address 16-byte aligned."""
+        return all(s % 4 == 0 for s in self.starts) and all(p.data.ptr % 16 == 0
+                                                            for p in self.parts)
+
+    def _segment(self, offset: int):
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return self.parts[i], offset - self.starts[i]
+
+    def ptr(self, offset: int) -> int:
+        """Device address of element `offset` of G."""
+        part, at = self._segment(offset)
+        return _ptr(part, at)
+
+    def view(self, offset: int, n: int):
+        """Elements [offset, offset + n) of G, inside one segment."""
+        part, at = self._segment(offset)
+        assert at + n <= part.size, (offset, n)
+        return part[at:at + n]
+
+    def get(self, stream) -> np.ndarray:
+        """(N,) float32 on the host."""
+        return np.concatenate([part.get(stream=stream) for part in self.parts])
+
+    def names(self, label: str) -> dict:
+        """{address: name} of the buffers (the memory plan's report): a flat
+        G is `label`; segments are G.tok_embedding, G.layers.<l>, G.final_norm."""
+        if len(self.parts) == 1:
+            out = {self.parts[0].ptr: label}
+        else:
+            L = len(self.parts) - 2
+            out = {part.ptr: name for part, name in zip(
+                self.parts, ["G.tok_embedding"] + [f"G.layers.{l}" for l in range(L)]
+                + ["G.final_norm"])}
+        out[self.table.ptr] = f"{label}.table"
+        return out
+
+
+class Activations:
+    """Every buffer one step of (B, T) needs. With train=False (an eager
+    forward) one layer's buffers serve every layer, the logits are whole
+    and the backward's buffers are not allocated; with train=True the
+    logits buffer holds one chunk of logits_chunk_rows(BT, V) rows. With
+    recompute the gate and up products are not kept per layer: the
+    forward's serve every layer, and the backward computes them again
+    (Model.backward) into a buffer of its own."""
+
+    def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool,
+                 recompute: bool = False):
+        D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
+        lay = layout(config)  # the fused rows' widths: qkv (q | k | v), gate_up (gate | up)
+        BT = B * T
+        self.B, self.T, self.train = B, T, train
+        self.recompute = recompute = recompute and train
+        f32 = np.float32
+        bf16 = op_dtype == np.uint16
+        self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
+        cudnn = self.path.kind == "cudnn"
+        self.fused = fused = self.path.kind != "materialized"  # no (T, T) scores in memory
+        n = L if train else 1
+
+        def per_layer(shape, dtype):
+            own = [alloc(shape, dtype) for _ in range(n)]
+            return [own[l % n] for l in range(L)]
+
+        # forward (saved for the backward when training)
+        self.x = per_layer((BT, D), f32) + [alloc((BT, D), f32)]  # residual input of layer l; x[L] final
+        self.x_mid = per_layer((BT, D), f32)  # residual after attention
+        self.mean1, self.rstd1 = per_layer((BT,), f32), per_layer((BT,), f32)
+        self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
+        # a norm's output, operand: one for both norms of every layer, read at
+        # once by the product after it (q,k,v or gate,up); the backward's
+        # layernorm writes it again, into h_back, for that product's weight
+        # gradient
+        self.h = alloc((BT, D), op_dtype)
+        self.qkv = per_layer((BT, lay.qkv_width), op_dtype)  # rotated q, k and v, operands
+        if cudnn:  # per row: the softmax's log-sum-exp, for the backward
+            self.att_stats = per_layer((B, H, T), f32)
+        elif fused:  # per row: the softmax's maximum and sum, for the backward
+            self.att_m, self.att_l = per_layer((B, H, T), f32), per_layer((B, H, T), f32)
+        else:
+            self.att = per_layer((B, H, T, T), f32)  # probabilities p
+        self.y = per_layer((BT, D), op_dtype)  # p v, heads side by side, operand
+        # cuDNN's workspaces, scratch of each attention execution: one per
+        # direction, so that the backward's (16 MiB per context of the
+        # coppelius preset) is not live in the forward and at the loss, the
+        # step's peak, where the plan puts it over buffers dead by then
+        self.att_workspace = {"forward": None, "backward": None}
+        directions = (("forward", "backward") if train else ("forward",)) if cudnn else ()
+        for direction in directions:
+            nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
+                                                     attention.attention_scale(config.head_dim))
+            self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
+        # gate and up projections: kept per layer, or (recompute) one buffer
+        # for every layer's forward and, below, one for the backward's
+        GU = lay.gate_up_width
+        self.gu = [alloc((BT, GU), f32)] * L if recompute else per_layer((BT, GU), f32)
+        # silu(g) * u, operand: one for every layer, read at once by the down
+        # product; the backward writes it again (swiglu_backward), into
+        # a_back, for the down weight's gradient
+        self.a = alloc((BT, F), op_dtype)
+        self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
+        self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
+        # the logits: whole for the eager forward; the step's classifier and
+        # cross-entropy take them one chunk of rows at a time (Model.classifier_loss)
+        self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
+        # scratch
+        self.qkv32 = alloc((BT, lay.qkv_width), f32)  # projections before rope
+        self.proj = alloc((BT, D), f32)  # output of the o and down products
+        # p as an operand: the kernels write its causal part only, the zeros
+        # above the diagonal stay from here on
+        self.att_op = alloc((B, H, T, T), op_dtype, zeros=True) if bf16 and not fused else None
+        if not train:
+            return
+        # loss and backward
+        self.ce = alloc((BT,), f32)  # row losses
+        self.loss = alloc((1,), f32)
+        self.dlogits = alloc((self.logits.shape[0], V), op_dtype)  # one chunk's, as the logits
+        self.dh = alloc((BT, D), f32)  # gradient at a norm's output
+        self.dres = alloc((BT, D), f32)  # gradient of the residual stream
+        self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
+        self.da = alloc((BT, F), f32)
+        self.dgu = alloc((BT, GU), op_dtype)
+        self.gu_back = alloc((BT, GU), f32) if recompute else None
+        # the forward's h and a, written again by the backward: buffers of
+        # their own, so that the forward's are not live from the last layer's
+        # forward to the loss, the step's peak, nor these before the backward
+        self.h_back, self.a_back = alloc((BT, D), op_dtype), alloc((BT, F), op_dtype)
+        self.dy = alloc((BT, D), op_dtype)
+        if self.path.kind == "fused":  # (cuDNN's row terms live in its workspace)
+            self.att_dot = alloc((B, H, T), f32)  # sum_j dp p per row
+        elif not fused:
+            self.dp = alloc((B, H, T, T), f32)
+            self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
+        # gradients of the rotated q, k: float32, or bfloat16 operands as
+        # cuDNN's attention writes them (the rope backward reads either)
+        self.dqk = alloc((BT, lay.qk_width), op_dtype if cudnn else f32)
+        self.dqkv = alloc((BT, lay.qkv_width), op_dtype)  # gradients of the q, k, v projections
+        # each norm's weight and bias partial sums (2l attn_norm, 2l+1 mlp_norm,
+        # 2L final_norm), reduced at the end of the backward through a table
+        # of their addresses: buffers of their own, so that those of the
+        # layers not yet reached are not live
+        self.ln_partials = [alloc((layernorm.layernorm_chunks(BT), lay.norm_params), f32)
+                            for _ in range(2 * L + 1)]
+        self.ln_table = address_table(alloc, [p.data.ptr for p in self.ln_partials], np.uint64)
+        self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
+
+
+@dataclass
+class StepBuffers:
+    """The buffers of the step that are not activations: the optimizer
+    state, the step's constants and input slot, and the gradient where it
+    carries a sum (accumulation, several ranks); else the gradient is the
+    arena's (Gradient, allocated after the activations)."""
+
+    P: object  # (N,) float32 each: parameters, moments
+    M: object
+    V: object
+    G: object  # (N,) float32, k > 1 or W > 1: the gradient, flat; else None
+    Pb: object  # (N,) bfloat16 bits of P under bf16, else None
+    t: object  # (1,) int32, the update count
+    c: object  # (4,) float32: c1, c2, a_t, b_t of the current update
+    rates: object  # (R, 2) float32: the schedule's a_t, b_t (SPEC 7), read by the device's t
+    partial: object  # float32: the norm's first pass (gradient_norm's, or AdamW's: run_step)
+    norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
+    decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
+    cos: object  # (T, E/2) float32 each, from float64 angles
+    sin: object
+    ids: object  # (B, T+1) int32: the input slot
+    workspace: object  # cuBLAS's
+    norms: object  # (2L+1,) int64: norm_offsets()
+    clip: float  # float32(clip), 0: off
+    adamw: AdamWConstants
+    betas: tuple  # the float64 betas of the bias corrections
+    accumulate: int = 1  # k micro-batches of B/(W*k) (SPEC 19)
+    Gmicro: object = None  # (N,) float32, k > 1: micro-batch 1.. gradient, added into G
+    grad: object = None  # Gradient over G (k > 1 or W > 1)
+    grad_micro: object = None  # Gradient over Gmicro (k > 1)
+    rows: object = None  # (b*T,) float32, k > 1 or W > 1: this rank's row losses (b = B/W)
+    world: int = 1  # W ranks (SPEC 19): the input slot holds this rank's b = B/W contexts
+    gathered: object = None  # (B*T,) float32, W > 1: every rank's row losses, batch order
+    stop: object = None  # (1,) float32, W > 1: how many ranks ask to stop (summed in the step)
+
+
+def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int,
+                   accumulate: int = 1, world: int = 1) -> StepBuffers:
+    """Every buffer but the activations, from `alloc` (Buffers, or the
+    memory plan's VirtualBuffers: the same allocations in the same order).
+    With accumulate k > 1 also the micro-batches' gradient and the row
+    losses; with W = world > 1 ranks (SPEC 19) the input slot holds this
+    rank's b = B/W contexts, and the step also has this rank's row losses,
+    everyone's gathered, and the stop count. G is a flat buffer here only
+    with k > 1 or W > 1 (it carries a sum); else the step's Gradient is
+    allocated with the activations, in the memory plan's arena."""
+    reg = registry(config)
+    N, T, E = reg.total, config.context, config.head_dim
+    b = batch // world
+    P, M, V = (alloc((N,), np.float32) for _ in range(3))
+    G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
+    Pb = alloc((N,), np.uint16) if precision == "bf16" else None
+    t = alloc((1,), np.int32)
+    c = alloc((4,), np.float32)
+    rates = alloc.upload(schedule_table(hyper))
+    partial = alloc((max(adamw.NORM_BLOCKS, adamw.adamw_blocks(N)),), np.float32)
+    norm = alloc((2,), np.float32)
+    decay = alloc.upload(reg.decay_ranges())
+    cos, sin = (alloc.upload(x) for x in rope_tables(T, E, np.float32, config.rope_base))
+    ids = alloc((b, T + 1), np.int32)
+    workspace = alloc((WORKSPACE_BYTES,), np.uint8)
+    norms = alloc.upload(norm_offsets(config))
+    clip = 0.0 if hyper.clip is None else float(float32_of(hyper.clip))
+    Gmicro = alloc((N,), np.float32) if accumulate > 1 else None
+    rows = alloc((b * T,), np.float32) if accumulate > 1 or world > 1 else None
+    gathered = alloc((batch * T,), np.float32) if world > 1 else None
+    # zero, and zero after every step's sum until a rank writes 1 (vote_stop)
+    stop = alloc((1,), np.float32, zeros=True) if world > 1 else None
+    grad = Gradient.flat(G, alloc) if G is not None else None
+    grad_micro = Gradient.flat(Gmicro, alloc) if Gmicro is not None else None
+    return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
+                       norms, clip, AdamWConstants.of(hyper),
+                       (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, grad,
+                       grad_micro, rows, world, gathered, stop)

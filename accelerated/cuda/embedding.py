@@ -1,0 +1,40 @@
+"""The embedding family (kernels/embedding.cu): the token embedding's gather
+and its gradient, each id's rows summed in position order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .launch import Launcher, _vector, i32
+
+EMBEDDING_THREADS = 256  # EMB_THREADS: positions per pass of embedding_backward (embedding.cu)
+
+KERNELS = ("embedding_forward", "embedding_index_reset", "embedding_index",
+           "embedding_backward")
+
+
+class EmbeddingLaunchers(Launcher):
+    """The launchers of kernels/embedding.cu."""
+
+    def embedding_forward(self, ids, ids_stride, T, W, x):
+        # ids (B, ids_stride), W (V,D) -> x (BT,D)
+        BT, D = x.shape
+        vec = _vector(W, x, lengths=(D,))
+        self._elementwise("embedding_forward", BT * D // 4 if vec else BT * D,
+                          (ids, i32(ids_stride), i32(T), W, x, i32(BT), i32(D), i32(vec)))
+
+    def embedding_backward(self, dx, ids, ids_stride, T, dW, index):
+        # dx (BT,D), dW (V,D) holding the unembedding gradient: dW += gather
+        # gradient; index (V,2) int32 scratch: each id's first position and count
+        BT, D = dx.shape
+        V = dW.shape[0]
+        assert index.shape == (V, 2) and index.dtype == np.int32, (index.shape, index.dtype)
+        vec = _vector(dx, dW, lengths=(D,))
+        assert D <= 4 * EMBEDDING_THREADS, D  # a thread holds 4 features
+        # 128 threads where they hold a row's chunks: most blocks leave at
+        # once, and small blocks retire fast
+        threads = 128 if vec and D <= 4 * 128 else EMBEDDING_THREADS
+        self._elementwise("embedding_index_reset", V, (index, i32(V)))
+        self._elementwise("embedding_index", BT, (ids, i32(ids_stride), i32(T), i32(BT), index))
+        self._launch("embedding_backward", BT, threads,
+                     (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D), index, i32(vec)))

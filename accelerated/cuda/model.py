@@ -1,0 +1,384 @@
+"""The model's launch sequence on CUDA: the forward and backward of the
+step as kernel launches (accelerated/cuda/<family>.py) and cuBLAS products
+over the buffers (accelerated/cuda/buffers.py), in the reference's
+order (reference/model.py), each command tagged with the semantic
+operations it lowers (reference/semantic.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...reference.config import LAYERNORM_EPS, Config
+from ...reference.layout import layout
+from ...reference.params import registry
+
+from . import attention, cudnn_attention
+from .buffers import Activations, Gradient, StepBuffers, _ptr
+from .memory_plan import VirtualArray
+
+EPS = np.float32(float(LAYERNORM_EPS))  # the default norm_eps; a model's own is Model.eps
+
+
+class Model:
+    """The step's kernels and products over the program's buffers."""
+
+    def __init__(self, config: Config, precision: str, kernels, blas, P, Pop, G, cos, sin,
+                 norms):
+        self.config, self.precision = config, precision
+        self.norm_offsets = norms  # (2L+1,) int64 on the device: see norm_offsets()
+        self.k, self.blas = kernels, blas
+        self.P, self.Pop = P, Pop  # Pop: the parameters as operands (Pb or P)
+        self.G = G  # Gradient
+        self.cos, self.sin = cos, sin  # (T, E/2)
+        self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
+        # the fused q/k/v and gate/up columns and the parameters' offsets
+        # (reference/layout.py): every width and column below is the layout's
+        self.layout = layout(config)
+        self.layers = self.layout.layers
+        self.eps = np.float32(float(config.norm_eps))
+        self.scale = attention.attention_scale(config.head_dim)
+        D = config.d_model
+        V = config.vocab
+        self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
+        self.final_norm = self.layout.final_norm
+        self.G_emb = G.view(self.emb, V * D).reshape(V, D)
+        self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
+
+    def at(self, *operations):
+        """The semantic operations (reference/semantic.py) the next commands
+        lower, recorded with them while a command log is kept (the memory
+        plan's dry run, the capture's count); nothing otherwise."""
+        if self.k.log is not None:
+            self.k.log.operations = operations
+
+    def _tap(self, name, buffer, part=None):
+        # activations(): the backward reuses its buffers layer after layer,
+        # so an eager debugging step reads each intermediate as it is made
+        # (part: the layout's Columns of the buffer's rows). Never set on the
+        # captured program: a tap reads the device, which a capture forbids.
+        if self.tap is not None:
+            self.tap(name, buffer, part)
+
+    def norm(self, offset):
+        # (weight, bias) views of P for a norm whose weight starts at offset;
+        # the layout checked that the bias follows the weight
+        D = self.config.d_model
+        return self.P[offset:offset + D], self.P[offset + D:offset + 2 * D]
+
+    def operand(self, a, a_op):
+        """The operand form of a float32 buffer: its bfloat16 copy under bf16."""
+        return a_op if a_op is not None else a
+
+    # -- products -------------------------------------------------------------
+
+    def gemm(self, trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, c_type="float32", **kw):
+        self.blas.gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, ab_type=self.op,
+                       c_type=c_type, **kw)
+
+    def linear_forward(self, x, W, out, n_out, n_in):
+        # x (rows, in) operand, W at offset into Pop (out, in) -> out (rows, out) = x @ W.T
+        self.gemm(False, True, x.shape[0], n_out, n_in, _ptr(x), n_in, _ptr(self.Pop, W),
+                  n_in, _ptr(out), n_out)
+
+    def linear_backward(self, dy, x, W, dx, n_out, n_in):
+        # dy (rows, out) operand -> dx (rows, in) = dy @ W ; G[W] (out, in) = dy.T @ x
+        self.linear_backward_input(dy, W, dx, n_out, n_in)
+        self.linear_backward_weight(dy, x, W, n_out, n_in)
+
+    def linear_backward_input(self, dy, W, dx, n_out, n_in):
+        # dy (rows, out) operand -> dx (rows, in) = dy @ W
+        self.gemm(False, False, dy.shape[0], n_in, n_out, _ptr(dy), n_out, _ptr(self.Pop, W),
+                  n_in, _ptr(dx), n_in)
+
+    def linear_backward_weight(self, dy, x, W, n_out, n_in, beta=0.0):
+        # dy (rows, out), x (rows, in) operands -> G[W] (out, in) = dy.T @ x (+ beta G[W])
+        self.gemm(True, False, n_out, n_in, dy.shape[0], _ptr(dy), n_out, _ptr(x), n_in,
+                  self.G.ptr(W), n_in, beta=beta)
+
+    # -- forward ----------------------------------------------------------------
+
+    def forward(self, a: Activations, ids, ids_stride: int) -> None:
+        """ids (B, ids_stride) int32, the first T of each row the inputs ->
+        a.hf (BT, D), the final norm's output, every activation of the
+        backward kept in a; an eager forward's a (train=False) also gets the
+        whole logits (BT, V). The step's logits are classifier_loss()'s, by chunks."""
+        c, k = self.config, self.k
+        L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
+        lay = self.layout
+        T = a.T
+        self.at("embedding")
+        k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
+                            a.x[0])
+        for l, w in enumerate(self.layers):
+            p = f"layers.{l}."
+            # h = attn_norm(x), after the previous layer's residual add
+            prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
+            self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
+            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
+                                *self.norm(w.attn_norm), self.eps)
+            self._tap(p + "attn_norm.out", a.h)
+            self.at(p + "attn.q", p + "attn.k", p + "attn.v")
+            self.linear_forward(a.h, w.qkv, a.qkv32, lay.qkv_width, D)  # (BT,qkv)
+            self.at(p + "attn.rope_q", p + "attn.rope_k")
+            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
+            self.at(p + "attn.core")
+            self.attention_forward(a, l)  # -> a.y[l] (BT,D)
+            self.at(p + "attn.o")
+            self.linear_forward(a.y[l], w.o, a.proj, D, D)
+            # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
+            self.at(p + "attn.residual", p + "mlp_norm")
+            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
+                                *self.norm(w.mlp_norm), self.eps)
+            self._tap(p + "mlp_norm.out", a.h)
+            self.at(p + "mlp.gate", p + "mlp.up")
+            self.linear_forward(a.h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
+            self.at(p + "mlp.swiglu")
+            k.swiglu_forward(a.gu[l], a.a)
+            self._tap(p + "mlp.h", a.a)
+            self.at(p + "mlp.down")
+            self.linear_forward(a.a, w.down, a.proj, D, F)
+        # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
+        self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
+        k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
+                            *self.norm(self.final_norm), self.eps)
+        if not a.train:
+            self.at("lm_head")
+            self.linear_forward(a.hf, self.emb, a.logits, V, D)
+
+    def classifier_loss(self, a: Activations, ids, ids_stride: int, ce, dce,
+                        backward: bool = True) -> None:
+        """a.hf (BT, D) -> the row losses ce (BT), a.dh (BT, D) the gradient
+        at hf, and the unembedding part of G_emb, for the mean's gradient
+        dce, by chunks of a.logits' rows: each chunk's logits = hf W_emb^T
+        into a.logits, the cross-entropy on them writes the chunk's rows of
+        ce and its logits gradient into a.dlogits, then dh's rows =
+        dlogits W_emb and G_emb += dlogits^T hf's rows (the first chunk
+        writes G_emb, the others add: float32 sums, in chunk order); with
+        backward=False (the evaluation) the row losses only. Neither
+        the float32 logits nor dlogits are ever whole. A row's logits and dh
+        are products over that row alone, but cuBLAS may choose another
+        algorithm for another number of rows; the results agree with the
+        whole products within SPEC 14 (and are the same run after run)."""
+        V, D = self.config.vocab, self.config.d_model
+        BT, rows = a.B * a.T, a.logits.shape[0]
+        for r0 in range(0, BT, rows):
+            n = min(rows, BT - r0)
+            logits, dlogits, hf = a.logits[:n], a.dlogits[:n], a.hf[r0:r0 + n]
+            self.at("lm_head")
+            self.linear_forward(hf, self.emb, logits, V, D)
+            self._tap("logits", logits)
+            self.at("loss", "loss.backward")
+            self.k.crossentropy_forward_backward(logits, ids, ids_stride, a.T, ce[r0:r0 + n],
+                                                 dlogits, dce, row0=r0)
+            if not backward:
+                continue
+            self._tap("dlogits", dlogits)
+            # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
+            self.at("lm_head.backward")
+            self.linear_backward_input(dlogits, self.emb, a.dh[r0:r0 + n], V, D)
+            self.linear_backward_weight(dlogits, hf, self.emb, V, D, beta=0.0 if r0 == 0 else 1.0)
+
+    def attention_forward(self, a: Activations, l: int) -> None:
+        """a.qkv[l] (BT,qkv) -> a.y[l] (BT,D); kept for the backward: a.att[l]
+        (B,H,T,T) probabilities, or the fused kernels' a.att_m[l], a.att_l[l]
+        (B,H,T) row maxima and sums."""
+        c, lay = self.config, self.layout
+        B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
+        if a.path.kind == "cudnn":
+            qkv = a.qkv[l]
+            self._cudnn("forward", a, (_ptr(qkv), _ptr(qkv, K), _ptr(qkv, Vc), _ptr(a.y[l]),
+                                       _ptr(a.att_stats[l])))
+            return
+        if a.fused:
+            self.k.attention_forward(a.qkv[l], a.y[l], a.att_m[l], a.att_l[l], B, T, H,
+                                     self.scale)
+            return
+        qkv, att, y = a.qkv[l], a.att[l], a.y[l]
+        for b in range(B):  # one strided batched product over the H heads
+            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
+            # s_h (T,T) = q_h (T,E) @ k_h^T
+            self.gemm(False, True, T, T, E, q, W, kk, W, _ptr(att, b * H * T * T), T,
+                      batch=H, stride_a=E, stride_b=E, stride_c=T * T)
+        self.k.attention_softmax_forward(att, a.att_op, self.scale)
+        p = self.operand(att, a.att_op)
+        for b in range(B):
+            v = _ptr(qkv, b * T * W + Vc)
+            # y_h (T,E) = p_h (T,T) @ v_h, at column h*E of y
+            self.gemm(False, False, T, E, T, _ptr(p, b * H * T * T), T, v, W,
+                      _ptr(y, b * T * D), D, c_type=self.op, batch=H, stride_a=T * T, stride_b=E,
+                      stride_c=E)
+
+    # -- loss and backward --------------------------------------------------------
+
+    def backward(self, a: Activations, ids, ids_stride: int, rows: int | None = None,
+                 ce=None) -> None:
+        """Logits (by chunks: classifier_loss()), row losses, mean loss and every
+        parameter's gradient into G, after forward(). A
+        micro-batch of an accumulated step (SPEC 19) passes `rows`, the
+        whole batch's B*T (its gradient is scaled by 1/rows), and `ce`, its
+        slice of the whole batch's row losses; it computes no mean loss."""
+        c, k, lay = self.config, self.k, self.layout
+        L, D, F = c.n_layer, c.d_model, c.d_ff
+        T, BT = a.T, a.B * a.T
+        dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
+        # the logits, row losses, dh and the unembedding gradient, by chunks of rows
+        self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)
+        if rows is None:
+            self.at("loss.mean")
+            k.mean_loss(a.ce, a.loss)
+        self._tap("final_norm.dout", a.dh)
+        dres_op = self.operand(a.dres, a.dres_op)
+        self.at("final_norm.backward")
+        k.layernorm_backward(a.dh, None, a.x[L], a.meanf, a.rstdf, self.norm(self.final_norm)[0],
+                             a.dres, a.dres_op, a.ln_partials[2 * L])
+        for l in reversed(range(L)):
+            w = self.layers[l]
+            p = f"layers.{l}."
+            self._tap(p + "dout", a.dres)
+            # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
+            # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
+            # the swiglu backward writes a again (the forward's bits) for the
+            # down weight's gradient dres^T a
+            self.at(p + "mlp.down.backward")
+            self.linear_backward_input(dres_op, w.down, a.da, D, F)
+            self._tap(p + "mlp.dh", a.da)
+            gu = a.gu[l]
+            weight, bias = self.norm(w.mlp_norm)
+            if a.recompute:
+                # h = mlp_norm(x_mid) and g, u = h Wgate^T, h Wup^T again, by
+                # the forward's kernel and product: the forward's bits
+                self.at(p + "mlp_norm", p + "mlp.gate", p + "mlp.up")
+                k.layernorm_forward(a.x_mid[l], None, None, a.h_back, a.mean2[l], a.rstd2[l],
+                                    weight, bias, self.eps)
+                self.linear_forward(a.h_back, w.gate_up, a.gu_back, lay.gate_up_width, D)
+                gu = a.gu_back
+            self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
+            k.swiglu_backward(a.da, gu, a.dgu, a.a_back)
+            self.at(p + "mlp.down.backward")
+            self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
+            self._tap(p + "mlp.dgate", a.dgu, lay.gate)
+            self._tap(p + "mlp.dup", a.dgu, lay.up)
+            # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
+            # h = mlp_norm(x_mid) is not kept per layer either: the layernorm
+            # backward writes it again (the forward's bits) for the gate and up
+            # weights' gradient dgu^T h
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
+            self.linear_backward_input(a.dgu, w.gate_up, a.dh, lay.gate_up_width, D)
+            self._tap(p + "mlp_norm.dout", a.dh)
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
+                    *(() if a.recompute else (p + "mlp_norm",)))
+            # (with recompute h_back holds h already)
+            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l + 1],
+                                 **({} if a.recompute else {"b": bias, "h": a.h_back}))
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
+            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, lay.gate_up_width, D)
+            self._tap(p + "dmid", a.dres)
+            # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
+            self.at(p + "attn.o.backward")
+            self.gemm(False, False, BT, D, D, _ptr(dres_op), D, _ptr(self.Pop, w.o), D,
+                      _ptr(a.dy), D, c_type=self.op)  # dy = dres Wo, an operand only
+            self.gemm(True, False, D, D, BT, _ptr(dres_op), D, _ptr(a.y[l]), D, self.G.ptr(w.o),
+                      D)
+            self._tap(p + "attn.dy", a.dy)
+            self.at(p + "attn.core.backward")
+            self.attention_backward(a, l)  # -> a.dqkv (BT,qkv)
+            # dh = dh_q + dh_k + dh_v: the sum inside one (BT,qkv) x (qkv,D) product
+            # (h = attn_norm(x) written again by the layernorm backward, as above)
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
+                    p + "attn_norm.dout_sum")
+            self.linear_backward_input(a.dqkv, w.qkv, a.dh, lay.qkv_width, D)
+            self._tap(p + "attn_norm.dout", a.dh)
+            self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
+            weight, bias = self.norm(w.attn_norm)
+            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
+                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h_back)
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
+            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, lay.qkv_width, D)
+        self._tap("embedding.dout", a.dres)
+        # the gather gradient, added to the unembedding gradient already in G_emb
+        self.at("embedding.backward", "tok_embedding.dweight_sum")
+        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb, a.emb_index)
+        # every norm's weight and bias gradients, reduced from their partials at once
+        self.at("final_norm.backward", *(f"layers.{l}.{norm}.backward" for l in range(L)
+                                         for norm in ("attn_norm", "mlp_norm")))
+        k.layernorm_param_grads(a.ln_partials, a.ln_table, self.norm_offsets, self.G)
+
+    def attention_backward(self, a: Activations, l: int) -> None:
+        """a.dy (BT,D) -> a.dqkv (BT,qkv): dq, dk through rope, and dv."""
+        c, lay = self.config, self.layout
+        B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
+        QK = lay.qk_width  # the dqk row: dq, then dk at column K
+        if a.path.kind == "cudnn":
+            # q, k, v, y, dy, stats -> dq, dk (into dqk), dv (into dqkv's v columns)
+            qkv = a.qkv[l]
+            self._cudnn("backward", a, (_ptr(qkv), _ptr(qkv, K), _ptr(qkv, Vc), _ptr(a.y[l]),
+                                        _ptr(a.dy), _ptr(a.att_stats[l]), _ptr(a.dqk),
+                                        _ptr(a.dqk, K), _ptr(a.dqkv, Vc)))
+            self._rope_backward(a, l)
+            return
+        if a.fused:
+            self.k.attention_backward(a.qkv[l], a.y[l], a.dy, a.att_m[l], a.att_l[l], a.att_dot,
+                                      a.dqk, a.dqkv, B, T, H, self.scale)
+            self._rope_backward(a, l)
+            return
+        qkv, att = a.qkv[l], a.att[l]
+        for b in range(B):
+            v = _ptr(qkv, b * T * W + Vc)
+            # dp_h (T,T) = dy_h (T,E) @ v_h^T
+            self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D), D, v, W,
+                      _ptr(a.dp, b * H * T * T), T, batch=H, stride_a=E, stride_b=E,
+                      stride_c=T * T)
+        self.k.attention_softmax_backward(att, a.dp, a.ds, a.att_op, self.scale)
+        p = self.operand(att, a.att_op)
+        for b in range(B):
+            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
+            hh = dict(batch=H, stride_a=T * T, stride_b=E, stride_c=E)
+            # dv_h (T,E) = p_h^T dy_h, an operand only: straight into dqkv's v columns
+            self.gemm(True, False, T, E, T, _ptr(p, b * H * T * T), T, _ptr(a.dy, b * T * D), D,
+                      _ptr(a.dqkv, b * T * W + Vc), W, c_type=self.op, **hh)
+            # dq_h = ds_h k_h ; dk_h = ds_h^T q_h  (T,E), into dqk (BT,qk)
+            ds = _ptr(a.ds, b * H * T * T)
+            self.gemm(False, False, T, E, T, ds, T, kk, W, _ptr(a.dqk, b * T * QK), QK,
+                      **hh)
+            self.gemm(True, False, T, E, T, ds, T, q, W, _ptr(a.dqk, b * T * QK + K),
+                      QK, **hh)
+        self._rope_backward(a, l)
+
+    def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
+        """One execution of cuDNN's attention graph for a's shape on the
+        addresses `pointers` (cudnn_attention.Graph.tensors' order) with the
+        workspace a.att_workspace[direction]; in the memory plan's dry run
+        (buffers without storage) only recorded."""
+        c = self.config
+        g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale)
+        buffer = a.att_workspace[direction]
+        workspace = 0 if buffer is None else _ptr(buffer)
+        if self.k.log is not None:
+            self.k.log.add("library", f"cudnn_sdpa_{direction}", g.launch(),
+                           (*pointers, workspace))
+        if not isinstance(a.y[0], VirtualArray):
+            g.execute(pointers, workspace)
+
+    def _rope_backward(self, a: Activations, l: int) -> None:
+        """a.dqk (BT,qk), the gradients of the rotated q and k (float32, or
+        bfloat16 operands as cuDNN writes them) -> a.dqkv's q and k columns."""
+        p, lay = f"layers.{l}.", self.layout
+        self._tap(p + "attn.dq", a.dqk, lay.q)  # dqk's rows: dq, then dk at k's columns
+        self._tap(p + "attn.dk", a.dqk, lay.k)
+        self._tap(p + "attn.dv", a.dqkv, lay.v)
+        self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
+        if a.dqk.dtype == np.float32:
+            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
+        else:
+            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T,
+                                         self.config.n_head)
+
+
+def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers,
+              G: Gradient) -> Model:
+    """The step's Model over the buffers s, its gradient into G."""
+    return Model(config, precision, kernels, blas, s.P, s.Pb if s.Pb is not None else s.P, G,
+                 s.cos, s.sin, s.norms)

@@ -1,0 +1,188 @@
+"""The CUDA training step: forward, backward, the norm, clipping and AdamW
+on the step's buffers (run_step, the work a capture records), the
+process's compiled kernels per precision, and the step's memory plan by a
+dry run of this very step (memory_plan)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+
+from ...reference.config import Config, Hyper
+
+from . import adamw, compile
+from .buffers import Activations, Gradient, StepBuffers, allocate_state
+from .cublas import Cublas
+from .distributed import Collectives
+from .memory_plan import (Buffer, CommandLog, MemoryPlan, VirtualArray, VirtualBuffers, liveness,
+                          place)
+from .model import Model, model_for
+
+
+_KERNELS = {}  # precision -> Kernels: each policy's module is compiled once per process
+
+
+def kernels_for(precision: str):
+    if precision not in _KERNELS:
+        _KERNELS[precision] = compile.Kernels(precision)
+    return _KERNELS[precision]
+
+
+def step_gradients(config: Config, s: StepBuffers, alloc) -> tuple:
+    """(the step's Gradient, micro-batch 1..'s or None): s's flat ones, or
+    (k = 1, one rank) the segments, from `alloc` (the activations')."""
+    if s.grad is not None:
+        return s.grad, s.grad_micro
+    return Gradient.segments(config, alloc), None
+
+
+def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model = None,
+             collectives=None) -> None:
+    """Forward, backward and AdamW on the input slot: the captured work.
+    With s.accumulate k > 1 (SPEC 19) the activations hold one micro-batch
+    of m = b/k contexts: k forward and backward passes over the slot's rows
+    [i*m, (i+1)*m), micro-batch 0's gradient into G, each later one's into
+    s.Gmicro (by `micro`, the model over it) and added into G; each pass's
+    row losses into its slice of s.rows. With W = s.world > 1 ranks the
+    slot holds this rank's b = B/W contexts and every loss gradient is
+    scaled by 1/(B*T) all the same; then `collectives` sum G over the
+    ranks and gather every rank's row losses in rank order, which is the
+    batch order (accelerated/cuda/distributed.py). The loss is the mean over
+    all B*T rows; then the norm, clipping and AdamW on G, as without."""
+    T = model.config.context
+    k, W = s.accumulate, s.world
+    if k == 1 and W == 1:
+        model.forward(a, s.ids, T + 1)
+        model.backward(a, s.ids, T + 1)
+    else:
+        m, rows = a.B, a.B * k * W * T  # rows: the whole batch's B*T
+        for i in range(k):
+            ids = s.ids[i * m:(i + 1) * m]
+            mm = model if i == 0 else micro
+            mm.forward(a, ids, T + 1)
+            mm.backward(a, ids, T + 1, rows=rows, ce=s.rows[i * m * T:(i + 1) * m * T])
+            if i:
+                model.at()  # the sum of the gradients: no operation of its own
+                kernels.accumulate_gradient(s.G, s.Gmicro)
+        if W > 1:
+            model.at()  # the sum over the ranks: part of the gradient, as the sum above
+            collectives.all_reduce_sum(s.G)
+            collectives.all_gather(s.rows, s.gathered)
+            collectives.all_reduce_sum(s.stop)
+        model.at("loss.mean")
+        kernels.mean_loss(s.gathered if W > 1 else s.rows, a.loss)
+    run_step_tail(model, kernels, s)
+
+
+def run_step_tail(model: Model, kernels, s: StepBuffers) -> None:
+    """The step after its gradient model.G: the norm, clipping and AdamW (SPEC 7)."""
+    G = model.G
+    if s.clip == 0:
+        # clipping off: the norm is only recorded, so AdamW's own pass over G
+        # sums its squares (SPEC 7: float32, any order) and no pass of its own
+        # reads G's 4 N bytes again
+        model.at("adamw", "gradient_norm")
+        kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
+        blocks = kernels.adamw_update(s.P, s.M, s.V, G, s.decay, s.Pb, s.c, s.norm, s.adamw,
+                                      partial=s.partial)
+        model.at("gradient_norm", "clip")
+        kernels.gradient_norm_finish(s.partial, blocks, s.norm)
+        return
+    model.at("gradient_norm", "clip")
+    kernels.gradient_norm(G, s.partial[:adamw.NORM_BLOCKS], s.norm, s.clip)  # and scale
+    model.at("adamw")
+    kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
+    kernels.adamw_update(s.P, s.M, s.V, G, s.decay, s.Pb, s.c, s.norm, s.adamw)
+
+
+# Activations buffers that keep storage of their own whatever their lifetimes
+PINNED = {"ce": "row losses: read by the host after a replay",
+          "ln_table": "the norms' partials' addresses: written at allocation, read every step",
+          "loss": "the loss: read by the host after a replay",
+          "G.table": "the gradient's segments' addresses: written at allocation, read every step"}
+KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
+         "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
+         "gathered": "state", "stop": "state"}
+
+
+def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
+                accumulate: int = 1, world: int = 1, recompute: bool = False) -> MemoryPlan:
+    """The step's dry run (accelerated/cuda/memory_plan.py): every buffer, the
+    commands in order with what they touch, each activation's lifetime, and
+    the activations laid out in one arena. Allocates nothing; needs no GPU.
+    With accumulate k and W = world ranks the activations are those of a
+    micro-batch of B/(W*k); the collectives are logged, not run. recompute:
+    the gate and up products computed again in the backward (Activations)."""
+    v = VirtualBuffers()
+    s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
+    names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
+             if isinstance(getattr(s, f.name), VirtualArray)}
+    for label, grad in (("G", s.grad), ("Gmicro", s.grad_micro)):
+        if grad is not None:
+            names.update(grad.names(label))
+    n_state = len(v.requests)
+    acts = Activations(config, batch // (accumulate * world), config.context,
+                       np.uint16 if precision == "bf16" else np.float32, v, train=True,
+                       recompute=recompute)
+    G, G_micro = step_gradients(config, s, v)
+    names.update(G.names("G"))
+    segments = {part.ptr for part in G.parts} if s.grad is None else set()  # in the arena
+    for attr, value in vars(acts).items():
+        if isinstance(value, VirtualArray):
+            names[value.ptr] = f"acts.{attr}"
+        elif isinstance(value, list):
+            for l, x in enumerate(value):
+                names.setdefault(x.ptr, f"acts.{attr}[{l}]")
+        elif isinstance(value, dict):
+            for key, x in value.items():
+                if x is not None:
+                    names[x.ptr] = f"acts.{attr}.{key}"
+    log = CommandLog()
+    kernels = compile.Kernels(precision, dry=True)
+    blas = Cublas(0, 0, 0, dry=True)
+    collectives = Collectives(None, 0, rank=0, world=world)
+    kernels.log = blas.log = collectives.log = log
+    micro = model_for(config, precision, kernels, blas, s, G_micro) if accumulate > 1 else None
+    run_step(model_for(config, precision, kernels, blas, s, G), kernels, acts, s, micro,
+             collectives)
+
+    buffers = []
+    for i, (shape, dtype, zeros, ptr, nbytes) in enumerate(v.requests):
+        name = names[ptr]
+        if i < n_state:
+            kind = KINDS.get(name, "constant")
+            buffers.append(Buffer(name, nbytes, kind, False, "kept for the program's life"))
+            continue
+        attr = name[len("acts."):].split("[")[0] if name.startswith("acts.") else name
+        note = PINNED.get(attr, "")
+        if zeros:
+            note = "zeros above the diagonal written once, at allocation, and kept"
+        buffers.append(Buffer(name, nbytes, "gradient" if ptr in segments else "activation",
+                              not note, note))
+    touches = liveness(buffers, [r[3] for r in v.requests], log.commands)
+    if accumulate > 1:
+        # SPEC 19: each micro-batch's pass repeats micro-batch 0's commands on
+        # the same activations, and no activation a placement may share
+        # (every candidate) carries a value from one pass into the next or
+        # past the last: lifetimes are those of the first pass, the commands
+        # before the first that reads micro-batch 1's rows of the input slot
+        second = s.ids[acts.B:2 * acts.B].ptr
+        n_pass = next(c.index for c in log.commands if second in c.pointers)
+        for i in range(n_state, len(buffers)):
+            used = [c for c in range(n_pass) if i in touches[c]]
+            if buffers[i].candidate:
+                buffers[i].first, buffers[i].last = (used[0], used[-1]) if used else (None, None)
+    for b in buffers:
+        if b.kind == "gradient":
+            # the host reads G after the replay: live to the step's end, so
+            # that nothing after AdamW may take its storage
+            b.last = len(log.commands) - 1
+    products = [c.index for c in log.commands if c.kind == "product"]
+    ws = buffers[[b.name for b in buffers].index("workspace")]
+    ws.first, ws.last = (products[0], products[-1]) if products else (None, None)
+    ws.note = "cuBLAS's, used by every product"
+    activations = list(range(n_state, len(buffers)))
+    arena = place(buffers, activations, len(log.commands))
+    return MemoryPlan(buffers, activations, arena, sum(buffers[i].nbytes for i in activations),
+                      [(r[0], r[1]) for r in v.requests[n_state:]], log.commands, touches)

@@ -1,0 +1,194 @@
+"""The captured program (accelerated/cuda/program.py, report.py): replays,
+events, refusals, the compilation report, the backend module, the capture
+fallback and layer-by-layer debugging."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from coppelius.conformance.cases import random_state
+from coppelius.reference.config import Hyper
+from coppelius.reference.params import registry
+from coppelius.reference.compilation import STAGES
+from coppelius.reference.contract import ReplayError
+from coppelius.accelerated.cuda import program as cuda_program
+from coppelius.accelerated.cuda.compile import KERNELS, Kernels
+from coppelius.accelerated.cuda.layernorm import layernorm_variant
+from coppelius.accelerated.cuda.policy import attention_path, logits_chunk_rows
+from coppelius.accelerated.cuda.program import available, capture, CupyProgram, DeviceState
+
+from .helpers import CONFIG, B, PRECISIONS, check_bitwise, fresh, windows, run_steps, cupy
+
+# on a GPU; elsewhere on the CPU stand-ins (conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
+
+
+# ------------------------------------------------------------------ the graph
+
+def test_no_capture_switch_records_no_graph(monkeypatch):
+    """(That the eager step gives the captured one's bits is in
+    test_program_contract.py.)"""
+    monkeypatch.setenv("COPPELIUS_NO_CAPTURE", "1")
+    program = capture(CONFIG, Hyper(), "bf16", B, fresh())
+    assert program.graph is None and not program.compilation_report()["captured"]
+
+
+def test_replay_returns_at_once_with_an_event_and_times_the_device():
+    program = capture(CONFIG, Hyper(), "bf16", B, fresh())
+    program.upload_input(windows(1)[0])
+    event = program.replay()
+    assert isinstance(event.event, cupy.cuda.Event)
+    event.wait()
+    loss, seconds = program.replay_timed_and_wait()
+    assert math.isfinite(loss) and 0 < seconds < 10
+    assert program.state().t == 2
+
+
+def test_a_replaced_state_is_refused():
+    """(The refusals every backend shares are in test_program_contract.py.)"""
+    program = capture(CONFIG, Hyper(), "fp32", B, fresh())
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+    program.device_state = DeviceState(program.P, program.M, program.V, program.t)
+    with pytest.raises(ReplayError, match="replaced"):
+        program.replay()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compilation_report(precision):
+    program = capture(CONFIG, Hyper(), precision, B, fresh())
+    program.upload_input(windows(1)[0])
+    program.replay_and_wait()
+    report = program.diagnostics()
+    assert report["schema"] == "coppelius.training_compilation.v1"
+    assert [s["stage"] for s in report["stages"]] == list(STAGES)
+    assert report["captured"] and report["replays"] == 1
+    # per chunk of the logits' rows the logits product and its two gradients,
+    # 4 linear products per layer and their 8 gradients, and unless attention
+    # is fused, per layer and batch element 2 attention products and their 4
+    # gradients
+    L = CONFIG.n_layer
+    path = attention_path(CONFIG, precision, B)
+    assert program.acts.path == path
+    fused = path.kind != "materialized"
+    rows = B * CONFIG.context
+    chunks = -(-rows // logits_chunk_rows(rows, CONFIG.vocab))
+    assert report["products"] == 3 * chunks + 12 * L + (0 if fused else 6 * L * B)
+    assert report["library_calls"] == (2 * L if path.kind == "cudnn" else 0)
+    E = CONFIG.head_dim
+    attention = {"fused": {f"attention_{part}_e{E}" for part in ("forward", "backward_dq",
+                                                                  "backward_dkdv")},
+                 "materialized": {"attention_softmax_forward", "attention_softmax_backward"},
+                 "cudnn": set()}[path.kind]
+    rope = "rope_backward_operand" if program.acts.dqk.dtype == np.uint16 else "rope_backward"
+    nc = layernorm_variant(CONFIG.d_model)
+    layernorm = {f"layernorm_{part}_c{nc}" for part in ("forward", "backward")}
+    others = {name for name in KERNELS if not name.startswith(
+        ("attention_", "rope_backward", "layernorm_forward_", "layernorm_backward_"))}
+    # k = 1, and clipping off: AdamW's pass sums the norm, no pass of its own
+    assert set(report["kernel_names"]) == (others | attention | layernorm | {rope}) - {
+        "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient",
+        "gradient_sum_squares"}
+    assert report["kernels"] == len(report["kernel_names"])
+    assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]
+    assert report["device_bytes"] >= 4 * 4 * registry(CONFIG).total
+    assert report["runtime"]["update_count"] == 1
+
+
+def test_available_and_backend_module():
+    from coppelius import accelerated
+
+    assert available()
+    assert accelerated.backend_module("cupy") is cuda_program
+    assert accelerated.best_backend() == "cupy"
+
+
+# ------------------------------------------------------------------ capture fallback
+
+def test_a_capture_refused_inside_the_stream_capture_falls_back(monkeypatch, capfd):
+    """The failure inside the stream capture (a launch refused while the
+    stream records, as CUDA refuses what a graph cannot hold): the capture
+    ends cleanly, the step runs uncaptured with the same bits."""
+    state = random_state(CONFIG, seed=36, t=2)
+    inputs = windows(2, seed=37)
+    rows, G, want = run_steps(capture(CONFIG, Hyper(), "fp32", B, state.copy()),
+                              inputs)
+    original, record = Kernels.mean_loss, CupyProgram._record
+    capturing = []
+
+    def refused_in_capture(self, ce, loss):
+        if capturing:  # the stream is recording: half the step is in the graph already
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                               "when stream is capturing")
+        return original(self, ce, loss)
+
+    def flagged_record(self):
+        capturing.append(True)
+        try:
+            record(self)
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(Kernels, "mean_loss", refused_in_capture)
+    monkeypatch.setattr(CupyProgram, "_record", flagged_record)
+    capfd.readouterr()
+    program = capture(CONFIG, Hyper(), "fp32", B, state.copy())
+    err = capfd.readouterr().err
+    assert "capture refused (RuntimeError: cudaErrorStreamCaptureUnsupported" in err
+    assert err.count("\n") == 1
+    assert program.graph is None and program.capture_refused
+    rows2, G2, got = run_steps(program, inputs)
+    check_bitwise("row losses", rows2, rows)
+    check_bitwise("G", G2, G)
+    check_bitwise("P", got.P, want.P)
+    assert "capture refused" in program.compilation_report()["notes"]["command_recording"]
+
+
+# ------------------------------------------------------------------ layer-by-layer debugging
+
+def test_activations_locate_a_broken_kernel_to_its_layer(monkeypatch):
+    """A SwiGLU launcher broken in the second layer only: the backend's
+    activations against the reference's name layers.1.mlp.h first."""
+    from coppelius.conformance.activations import activation_rows, first_divergence
+    from coppelius.reference.step import step_activations
+
+    program = capture(CONFIG, Hyper(), "fp32", B, fresh())
+    original = Kernels.swiglu_forward
+    calls = []
+
+    def broken(self, gu, a):
+        original(self, gu, a)
+        calls.append(1)
+        if len(calls) == 2:  # activations() runs the one forward since the patch: layer 1
+            with program.stream:
+                a *= np.float32(1.01)
+
+    monkeypatch.setattr(Kernels, "swiglu_forward", broken)
+    tokens = windows(1, seed=38)[0]
+    rows = activation_rows(CONFIG, program.activations(tokens),
+                           step_activations(CONFIG, fresh().P, tokens, "fp32"), "fp32")
+    first = first_divergence(rows)
+    assert first is not None and first.tensor == "layers.1.mlp.h", first
+
+
+def test_executable_plan_lists_the_captured_commands():
+    program = capture(CONFIG, Hyper(), "bf16", B, fresh())
+    report = program.compilation_report()
+    plan = json.loads(program.debug_report_json("step"))
+    nodes = plan["nodes"]
+    assert len(nodes) == report["kernel_launches"] + report["products"] + report["library_calls"]
+    assert sorted({n["name"] for n in nodes if n["kind"] == "kernel"}) == report["kernel_names"]
+    gemm = next(n for n in nodes if n["kind"] == "product")
+    assert gemm["operations"] == ["layers.0.attn.q", "layers.0.attn.k", "layers.0.attn.v"]
+    D = CONFIG.d_model
+    assert (gemm["launch"]["m"], gemm["launch"]["n"], gemm["launch"]["k"]) == \
+        (B * CONFIG.context, 3 * D, D)
+    assert "acts.h" in gemm["buffers"] and "acts.qkv32" in gemm["buffers"]
+
+
+def test_norm_eps_and_rope_base_reach_the_captured_step():
+    from support import check_family_fields_reach_the_step
+
+    check_family_fields_reach_the_step("cupy")
