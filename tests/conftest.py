@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, settings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-TESTS = os.path.join(ROOT, "tests")
-if TESTS not in sys.path:  # the tests' own modules (support.py) import by their names
-    sys.path.insert(0, TESTS)
+# tests/ itself is never on the path: its package `tests.cuda` would shadow
+# NVIDIA's `cuda` package, which CuPy imports (the tests' own modules are
+# `tests.support`, `tests.cuda.helpers`)
 
 settings.register_profile(
     "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

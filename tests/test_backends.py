@@ -45,3 +45,16 @@ def test_mlx_is_never_the_default_on_linux(monkeypatch):
     assert accelerated.best_backend() == "mlx"
     monkeypatch.setattr(accelerated, "available_backends", lambda: ["reference", "mlx", "cupy"])
     assert accelerated.best_backend() == "cupy"
+
+
+def test_the_tests_own_packages_shadow_no_package_cupy_imports():
+    """tests/cuda is `tests.cuda`: were tests/ on the path, `import cuda`
+    (NVIDIA's bindings, which CuPy imports) would find it, CuPy would fail
+    to import on a GPU machine and the GPU tests would run on the stand-ins."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("cuda")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    assert spec is None or not any(os.path.abspath(p).startswith(tests)
+                                   for p in (spec.submodule_search_locations or [spec.origin]))

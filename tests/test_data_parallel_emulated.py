@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from support import on_threads, pattern_stream
+from tests.support import on_threads, pattern_stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATE = os.path.join(ROOT, "dev", "cuda", "emulate.py")

@@ -19,7 +19,7 @@ from coppelius.cli import main
 from coppelius.launch import Launch, first_host, from_environment
 from coppelius.reference.errors import RunError
 
-from support import on_threads
+from tests.support import on_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

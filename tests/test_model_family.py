@@ -220,7 +220,7 @@ def test_norm_eps_and_rope_base_reach_the_forward():
 @pytest.mark.mlx
 def test_norm_eps_and_rope_base_flow_through_mlx():
     # the CUDA backend's: tests/cuda/test_program.py
-    from support import check_family_fields_reach_the_step
+    from tests.support import check_family_fields_reach_the_step
 
     check_family_fields_reach_the_step("mlx")
 

@@ -16,7 +16,7 @@ from coppelius.reference import checkpoint, results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import PRESETS
 
-from support import pattern_stream
+from tests.support import pattern_stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = PRESETS["test"]

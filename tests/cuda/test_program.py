@@ -189,6 +189,6 @@ def test_executable_plan_lists_the_captured_commands():
 
 
 def test_norm_eps_and_rope_base_reach_the_captured_step():
-    from support import check_family_fields_reach_the_step
+    from tests.support import check_family_fields_reach_the_step
 
     check_family_fields_reach_the_step("cupy")
