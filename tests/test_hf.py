@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only: never th
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_directory import make_run, stdlib_text  # noqa: E402
+from tests.test_hf_directory import make_run, stdlib_text  # noqa: E402
 
 from coppelius.cli import main  # noqa: E402
 from coppelius.data import encode, load_tokenizer  # noqa: E402

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from coppelius import reference
 from coppelius.reference import round_bf16
-from test_reference_model import naive_forward  # the SPEC forward written out again
+from tests.test_reference_model import naive_forward  # the SPEC forward written out again
 
 CONFIG = reference.preset("test")
 
