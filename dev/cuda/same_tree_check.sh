@@ -5,15 +5,24 @@
 # batch): the digests of dev/cuda/step_digest.py under both trees, then
 # `coppelius bench` of both, alternated (old, new, old, new), without the
 # peers. Logs under $OUT; a short table last.
-#     OLD=.old bash dev/cuda/same_tree_check.sh
+# WHEELS: a folder holding the nvidia-cudnn-frontend wheel (cuDNN's
+# attention, the bf16 step's path; the device has cuDNN, not the frontend).
+#     OLD=.old WHEELS=.whl bash dev/cuda/same_tree_check.sh
 cd "$(dirname "$0")/../.." || exit 2
 export PYTHONUNBUFFERED=1
 OLD=${OLD:-.old}; OUT=${OUT:-/tmp/same_tree_check}; mkdir -p "$OUT"
 NEW=$PWD; OLD=$(cd "$OLD" && pwd) || exit 2
+FE=""
+if [ -n "$WHEELS" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
+        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=:/tmp/fe
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+PYTHONPATH=$NEW$FE python -c "from coppelius.accelerated.cuda import cudnn_attention as c; \
+print('cuDNN frontend', c.versions() if hasattr(c, 'versions') else c.frontend().__version__)"
 digest() {  # tree, args...
     local tree=$1; shift
-    (cd "$tree" && PYTHONPATH=$tree timeout 120 python "$NEW/dev/cuda/step_digest.py" "$@")
+    (cd "$tree" && PYTHONPATH=$tree$FE timeout 120 python "$NEW/dev/cuda/step_digest.py" "$@")
 }
 same=0; differ=0
 for args in "--preset tiny" "--preset coppelius --batch 8 --precision bf16" \
@@ -30,7 +39,7 @@ done
 for round in 1 2; do
     for which in old new; do
         tree=$OLD; [ $which = new ] && tree=$NEW
-        (cd "$tree" && PYTHONPATH=$tree timeout 150 python -m coppelius bench --preset coppelius \
+        (cd "$tree" && PYTHONPATH=$tree$FE timeout 150 python -m coppelius bench --preset coppelius \
             --backend cupy --precision bf16 --no-peer --no-reference --batch 1 --batch 8 \
             --steps 30 --warmup 5) > "$OUT/bench-$which-$round.log" 2>&1
         echo "bench $which round $round exit $?"
