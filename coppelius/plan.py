@@ -1,0 +1,394 @@
+"""The plan of `coppelius train` (SPEC section 9): the options resolved
+against the run directory's run.json, the model, learner and data chosen
+and checked, and everything a run decides before its first step
+(make_plan), with the checkpoint's loading and the hints of a refusal.
+coppelius/train.py runs the plan."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from coppelius import accelerated
+from coppelius.reference import checkpoint, fsutil, limits
+from coppelius.reference.binding import load_state
+from coppelius.reference.config import (PRESETS, SEED, Hyper, check_implemented,
+                                        check_precision, config_from_toml, parse_rational,
+                                        preset)
+from coppelius.reference.errors import IdentityMismatch, RunError
+from coppelius.reference.params import initialize
+from coppelius.reference.state import State
+from coppelius.reference.stream import open_stream
+from coppelius.run_file import REMEMBERED, read_run_file
+
+LEARNER_OPTIONS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
+MAX_STEP = 2**62  # step numbers are uint64 in the result file; keep far from the edge
+EVAL_CONTEXTS = 64  # SPEC 18's default held-out count (fewer on a short stream)
+
+
+@dataclass
+class Plan:
+    """Everything decided before the first step."""
+
+    config: object
+    backend: str
+    precision: str
+    hyper: Hyper
+    batch: int
+    steps: int
+    interval: int
+    run_dir: str
+    checkpoint: str
+    results: str | None
+    repeat: bool
+    stream: object
+    tokenizer: str | None
+    identities: dict
+    state: State
+    contexts: int  # consumed before this invocation (c0)
+    default_data: bool
+    heldout: int = 0  # K: the stream's last K contexts, held out (SPEC 18)
+    eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
+    remembered: dict | None = None  # what run.json will hold
+    recompute: bool = False  # the gate and up products computed again in the backward
+
+
+def _positive(value, name):
+    if value is not None and (value <= 0 or value >= MAX_STEP):
+        raise RunError(f"--{name}={value}: must be a positive integer below 2^62")
+    return value
+
+
+def _nonnegative(value, name):
+    if value is not None and not 0 <= value < MAX_STEP:
+        raise RunError(f"--{name}={value}: must be an integer >= 0")
+    return value
+
+
+def resolve_options(args) -> tuple:
+    """(run_dir, options): the command line over run.json over nothing.
+    Paths are remembered absolute, so a run continues from any directory."""
+    from coppelius import data  # tokenizers is imported only when a run needs it
+
+    default_name = (os.path.splitext(os.path.basename(args.model))[0] if args.model
+                    else args.preset or data.default_preset())
+    run_dir = args.run_dir or os.path.join("runs", default_name)
+    remembered = read_run_file(run_dir)
+    options = {}
+    for key in REMEMBERED:
+        given = getattr(args, key, None)
+        if key == "repeat_data":
+            given = True if args.repeat_data else None
+        if key in ("source", "stream", "checkpoint", "model") and given is not None:
+            given = os.path.abspath(given)
+        if given is not None:
+            options[key] = given
+        elif key in remembered:
+            options[key] = remembered[key]
+    # the constant schedule has no warm-up, total or floor to remember
+    if args.schedule == "constant":
+        for key in ("warmup", "total", "floor"):
+            if getattr(args, key) is None:
+                options.pop(key, None)
+    # a new source replaces a remembered stream, and the other way round
+    if args.source is not None:
+        options.pop("stream", None)
+    if args.stream is not None:
+        options.pop("source", None)
+    return run_dir, options
+
+
+def make_learner(options: dict, final_step: int) -> Hyper:
+    kwargs = {k: parse_rational(options[k], k.replace("_", "-"))
+              for k in LEARNER_OPTIONS if k in options}
+    schedule = options.get("schedule", "constant")
+    if schedule == "cosine":
+        kwargs.update(schedule="cosine", warmup=_nonnegative(options.get("warmup", 0), "warmup"),
+                      total=_positive(options.get("total", final_step), "total"),
+                      floor=parse_rational(options.get("floor", "0"), "floor"))
+    elif any(k in options for k in ("warmup", "total", "floor")):
+        raise RunError("--warmup, --total and --floor belong to the cosine schedule "
+                       "(add --schedule cosine)")
+    if options.get("clip") is not None:
+        kwargs["clip"] = parse_rational(options["clip"], "clip")
+    if options.get("accumulate") is not None:
+        kwargs["accumulate"] = options["accumulate"]
+    return Hyper(**kwargs)
+
+
+def heldout_count(options: dict, K_stream: int, path) -> int:
+    """SPEC 18: --eval-contexts, else 64 or a tenth of the stream, none below 10."""
+    K = options.get("eval_contexts")
+    if K is None:
+        return 0 if K_stream < 10 else min(EVAL_CONTEXTS, K_stream // 10)
+    if not 0 <= K < K_stream:
+        raise RunError(f"--eval-contexts={K}: the stream {path} holds {K_stream} contexts; "
+                       f"hold out from 0 to {K_stream - 1}")
+    return K
+
+
+def check_gpus(backend: str, world: int) -> None:
+    """SPEC 19: data parallelism is the CUDA backend's; MLX and the
+    reference have one device."""
+    if world > 1 and not accelerated.capabilities(backend).data_parallel:
+        raise RunError(f"--gpus {world}: backend {backend} has one device; data parallelism "
+                       f"runs on the {' and '.join(accelerated.data_parallel_backends())} "
+                       f"backend")
+
+
+def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int = 0,
+              leader: dict | None = None) -> Plan:
+    """Everything decided and checked before the first step. What the run
+    holds (the checkpoint's lock, the open stream) is left to `resources`.
+    With W = world ranks (SPEC 19), a rank > 0 makes its own plan from its
+    own options and files but writes nothing and locks nothing: it reads
+    the stream rank 0 prepared (`leader`, rank 0's plan_summary)."""
+    from coppelius import data  # tokenizers is imported only when a run needs it
+
+    writes = rank == 0
+    run_dir, options = resolve_options(args)
+    backend = options.get("backend") or accelerated.best_backend()
+    check_gpus(backend, world)
+    module = accelerated.backend_module(backend)  # a clear error when it is not available here
+    name = options.get("preset") or data.default_preset()
+    if name not in PRESETS:
+        raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
+    config, defaults = preset(name), {}
+    if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
+        config, defaults = config_from_toml(options["model"], config if options.get("preset")
+                                            else None)
+    # a family field (SPEC 21) the backend does not compute: refused before anything is written
+    check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
+    can = accelerated.capabilities(backend)
+    precision = check_precision(options.get("precision") or can.default_precision)
+    batch = _positive(options.get("batch", defaults.get("batch", 1)), "batch")
+    accumulate = _positive(options.get("accumulate", 1), "accumulate")
+    if batch % accumulate:
+        raise RunError(f"--accumulate={accumulate}: must divide --batch={batch} (micro-batches of "
+                       f"B/K contexts)")
+    if batch % (world * accumulate):
+        raise RunError(f"--batch={batch}: must divide by {world} GPUs x --accumulate "
+                       f"{accumulate} (each GPU takes B/{world} contexts per step; SPEC §19)")
+    interval = _positive(options.get("interval"), "interval") or config.interval
+    eval_every = _nonnegative(options.get("eval_every"), "eval-every")
+    eval_every = interval if eval_every is None else eval_every
+    seed = options.get("seed", SEED)
+    if not 0 <= seed < 2**64:
+        raise RunError(f"--seed={seed}: must be in [0, 2^64)")
+    _positive(args.steps, "steps")
+    _nonnegative(args.until, "until")
+    limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
+                                        on_host=can.host_data),
+                      f"--batch={batch} on the {options.get('model') or name} model")
+    ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
+    fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
+    if args.results and fsutil.same_file(args.results, ckpt):
+        raise RunError(f"--results {args.results}: is the checkpoint path too")
+    if writes and args.results and os.path.lexists(args.results):
+        raise RunError(f"result file {args.results}: already exists (a run never overwrites one)")
+    if args.results:
+        fsutil.output_target(args.results, "result file")
+
+    if writes:
+        stream_path, tokenizer = data.prepare_stream(
+            source=options.get("source"), stream=options.get("stream"),
+            vocab=config.vocab)  # cached under runs/data
+    else:  # the stream rank 0 prepared: its digest is compared through the data identity
+        stream_path, tokenizer = leader["stream"], leader["tokenizer"]
+    stream = open_stream(stream_path, config.vocab)
+    resources.callback(stream.close)
+    if tokenizer:
+        data.check_tokenizer(tokenizer, config.vocab)  # not found bad after training
+    K_stream = stream.n_contexts(config.context)
+    if K_stream == 0:
+        raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
+    heldout = heldout_count(options, K_stream, stream_path)
+    # The checkpoint is locked before it is read (or, when its folder does
+    # not exist yet, as soon as the folder is made: a refused plan leaves no
+    # folder), and stays locked until the run ends: no other run publishes
+    # it between this run's reading and its publishing.
+    lock = fsutil.Lock(ckpt, "checkpoint")
+    resources.callback(lock.release)
+    if writes and os.path.isdir(os.path.dirname(lock.path)):
+        lock.acquire()
+    t0 = 0
+    if not checkpoint.is_fresh(ckpt):
+        t0 = checkpoint.validate(ckpt).header["step"]  # the update count decides the steps
+
+    # How far (SPEC 9): --steps S more, --until N, else the remembered final step,
+    # else the preset's step count; the run's final step is remembered.
+    if args.steps is not None:
+        final_step = t0 + args.steps
+    elif args.until is not None:
+        final_step = args.until
+    else:
+        final_step = options.get("final_step", config.steps)
+    options["final_step"] = final_step
+    if options.get("schedule") == "cosine":
+        # the schedule's end is part of the learner: fixed when the run starts,
+        # remembered, and not moved by a later --until (that needs --new-learner)
+        options.setdefault("total", final_step)
+    hyper = make_learner(options, final_step)
+    ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
+                                stream.sha256, seed, heldout)
+    if checkpoint.is_fresh(ckpt):
+        state, c0 = State.fresh(initialize(config, seed)), 0
+    else:
+        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner)
+    steps = max(final_step - state.t, 0)
+
+    default_data = options.get("source") is None and options.get("stream") is None
+    repeat = bool(options.get("repeat_data"))
+    K = K_stream - heldout  # contexts training may read
+    need = c0 + steps * batch
+    if need > K and not repeat:
+        if not default_data:
+            raise RunError(f"stream {stream_path}: the run needs {need} contexts but the stream "
+                           f"holds {K} for training ({heldout} held out; use --repeat-data to "
+                           f"cycle it)")
+        repeat = True
+        if writes:
+            print_safely(f"note: the embedded corpus holds {K} contexts for training and this "
+                         f"run needs {need}: repeating data (context c is read as c mod {K})")
+    if steps and writes:
+        # outputs: found unwritable now, not after the first interval of training
+        for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                          os.path.dirname(os.path.abspath(args.results or ckpt))}:
+            writable_directory(directory)
+        if not lock.held:
+            lock.acquire()
+            if not checkpoint.is_fresh(ckpt):
+                raise RunError(f"checkpoint {ckpt}: another run published it while this one "
+                               f"started; start this one again")
+        fsutil.remove_stale(ckpt)  # temporaries of a run killed while it published
+    return Plan(config=config, backend=backend, precision=precision, hyper=hyper, batch=batch,
+                steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
+                results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
+                identities=ids, state=state, contexts=c0, default_data=default_data,
+                heldout=heldout, eval_every=eval_every, remembered=options,
+                recompute=bool(options.get("recompute", False)))
+
+
+def writable_directory(directory) -> None:
+    """Create `directory` if needed and prove a file can be published in it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".coppelius-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise RunError(f"{directory}: cannot write there ({e.strerror or e})") from None
+
+
+def publish_tokenizer(tokenizer, checkpoint_path) -> None:
+    """Keep the stream's tokenizer.json beside the checkpoint (where `coppelius
+    sample` looks first) when nothing is there yet. A file already there is
+    never replaced: an identical one is this run's already, any other one
+    (another run's tokenizer, a checkpoint named tokenizer.json) is not this
+    run's to replace; `sample` then finds the tokenizer by its digest in the
+    stream cache, or is given it with --tokenizer."""
+    if not tokenizer:
+        return
+    target = os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), "tokenizer.json")
+    if fsutil.same_file(tokenizer, target) or fsutil.same_file(checkpoint_path, target):
+        return
+    try:
+        with fsutil.open_regular(tokenizer) as f:
+            body = f.read()
+        fsutil.publish(target, lambda f: f.write(body), replace=False)
+    except FileExistsError:
+        try:
+            with fsutil.open_regular(target) as f:
+                same = f.read(len(body) + 1) == body
+        except OSError:
+            same = False
+        if not same:
+            print(f"note: {target} is another file; left as it is (`coppelius sample` finds "
+                  f"this run's tokenizer by its digest)", file=sys.stderr)
+    except OSError as e:
+        raise RunError(f"{target}: cannot publish the tokenizer ({e.strerror or e})") from None
+
+
+def load_checkpoint(path, config, identities, new_data=False, new_learner=False):
+    """-> (State, contexts consumed): validated, identities compared, every
+    parameter bound by name through the binding layer (SPEC 12). A refused
+    identity says which option to repeat."""
+    try:
+        ck = load_state(path, config, expect=identities, new_data=new_data,
+                        new_learner=new_learner)
+    except IdentityMismatch as e:
+        hint = identity_hint(checkpoint.validate(path).header, identities)
+        raise IdentityMismatch(f"{e}{'; ' + hint if hint else ''}") from None
+    return ck.state, ck.contexts
+
+
+# identity part -> the option that sets it (SPEC 10's identities, SPEC 7, 18)
+_OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "beta1": "--beta1",
+              "beta2": "--beta2", "weight_decay": "--weight-decay", "epsilon": "--epsilon",
+              "clip": "--clip", "heldout": "--eval-contexts", "seed": "--seed",
+              "accumulate": "--accumulate"}
+
+
+def identity_hint(header: dict, run: dict) -> str:
+    """'the checkpoint was trained with --batch 4', naming every option whose
+    value differs between the checkpoint's identities and the run's."""
+    said = []
+    for key in ("learner", "data", "initialization", "model"):
+        have = dict(part.partition("=")[::2] for part in str(header.get(key, "")).split("|"))
+        want = dict(part.partition("=")[::2] for part in str(run[key]).split("|"))
+        if key == "model" and have != want:
+            name = next((n for n, c in PRESETS.items() if c.identity() == header[key]), None)
+            said.append(f"--preset {name}" if name else "another model shape")
+            continue
+        for part in sorted(set(have) | set(want)):
+            if have.get(part) == want.get(part):
+                continue
+            if part == "schedule":
+                said.append(_schedule_options(have.get(part)))
+            elif part == "stream":
+                said.append("another stream (repeat its --source or --stream, or pass "
+                            "--new-data)")
+            elif part in _OPTION_OF:
+                value = have.get(part)
+                if value is None:  # the run adds a part the checkpoint lacks
+                    value = {"clip": "(off)", "heldout": "0", "accumulate": "1"}.get(part, "(none)")
+                said.append(f"{_OPTION_OF[part]} {value}")
+    if not said:
+        return ""
+    text = "the checkpoint was trained with " + ", ".join(said)
+    learner_only = all(o.split()[0] in ("--lr", "--beta1", "--beta2", "--weight-decay",
+                                        "--epsilon", "--clip", "--schedule", "--accumulate")
+                       for o in said)
+    return text + (" (or pass --new-learner to change the learner)" if learner_only else "")
+
+
+def _schedule_options(value) -> str:
+    if value is None:
+        return "--schedule constant"
+    inside = dict(p.partition("=")[::2] for p in value[len("cosine("):-1].split(","))
+    return (f"--schedule cosine --warmup {inside.get('warmup')} --total {inside.get('total')} "
+            f"--floor {inside.get('floor')}")
+
+
+def print_safely(text: str, file=None) -> None:
+    """Progress and messages: a closed pipe or terminal (EPIPE, EIO after a
+    hang-up) must never stop training or lose a step (SPEC 9), so a failed
+    write is dropped, and that stream is pointed at /dev/null so that Python's
+    exit flush does not fail either."""
+    stream = file or sys.stderr
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):
+        _silence(stream)
+
+
+def _silence(stream) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
