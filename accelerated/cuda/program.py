@@ -379,17 +379,12 @@ class CupyProgram(CapturedProgram):
             return self.buffers.gathered
         return self.acts.ce if self.accumulate == 1 else self.buffers.rows
 
-    def replay_and_wait(self) -> float:
-        self.replay().wait()
+    def _host_loss(self) -> float:
+        """The last replay's mean loss, after its wait (the base's
+        replay_and_wait and replay_timed_and_wait): not the loss of a step
+        another rank's failure aborted."""
         self._check_peers()
         return float(self.acts.loss.get(stream=self.stream)[0])  # the step's one read back
-
-    def replay_timed_and_wait(self):
-        """-> (mean loss, device seconds between events around the launch)."""
-        event = self.replay_timed()
-        seconds = event.device_seconds()
-        self._check_peers()
-        return float(self.acts.loss.get(stream=self.stream)[0]), seconds
 
     def loss(self):
         """The captured loss buffer, (1,) float32 on the device; no wait."""
@@ -585,11 +580,11 @@ class CupyProgram(CapturedProgram):
     def _memory_analysis(self) -> MemoryAnalysis:
         return _memory_analysis(self)
 
-    def diagnostics(self) -> dict:
-        report = _report(self)
+    def _runtime(self) -> dict:
+        """The runtime part of diagnostics() (the base's): versions, device, memory."""
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         free, total = cupy.cuda.runtime.memGetInfo()
-        report["runtime"] = {
+        return {
             "cupy_version": cupy.__version__,
             "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
             "cublas_version": self.blas.version,
@@ -601,7 +596,6 @@ class CupyProgram(CapturedProgram):
             "device_free_bytes": int(free),
             "device_total_bytes": int(total),
         }
-        return report
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
