@@ -182,6 +182,19 @@ PRESETS = {
                    steps=1000, interval=250),
     "test": Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
                    steps=8, interval=4),
+    # the model families of SPEC 21, a preset each at the test size
+    "test-llama": Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
+                         steps=8, interval=4, norm="rmsnorm", n_kv_head=1, tied=False),
+    "test-qwen": Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
+                        steps=8, interval=4, norm="rmsnorm", n_kv_head=1, tied=False,
+                        qkv_bias=True),
+    "test-stablelm": Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
+                            steps=8, interval=4, rotary=Fraction(1, 2), tied=False,
+                            n_kv_head=1),
+    # production, Llama-style: grouped-query attention, RMSNorm, untied, rope base 500000
+    "llama-124m": Config(vocab=32768, context=1024, d_model=768, n_layer=12, n_head=12,
+                         d_ff=2048, steps=10000, interval=1000, norm="rmsnorm", n_kv_head=4,
+                         tied=False, rope_base=Fraction(500000)),
 }
 
 

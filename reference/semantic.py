@@ -146,7 +146,9 @@ class Symbol:
 SHAPES = {
     "embedding": lambda ids, W: ([ids.shape + W.shape[1:]], None),
     "layernorm": lambda x, w, b, eps: ([x.shape], (x, w)),
+    "rmsnorm": lambda x, w, eps: ([x.shape], (x, w)),
     "linear": lambda x, W, policy: ([x.shape[:-1] + W.shape[:1]], (x, W)),
+    "linear_bias": lambda x, W, b, policy: ([x.shape[:-1] + W.shape[:1]], (x, W)),
     "rope": lambda x, cos, sin, H: ([x.shape], None),
     "attention": lambda q, k, v, H, policy: ([q.shape], (q, k, v)),
     "add": lambda *terms: ([terms[0].shape], None),
@@ -157,6 +159,9 @@ SHAPES = {
     "linear_backward": lambda dy, cache, policy: ([x.shape for x in cache], None),
     "layernorm_backward": lambda dout, cache: ([cache[0].shape, cache[1].shape, cache[1].shape],
                                                None),  # dx, dw, db
+    "rmsnorm_backward": lambda dout, cache: ([cache[0].shape, cache[1].shape], None),  # dx, dw
+    "linear_bias_backward": lambda dy, cache, policy: ([x.shape for x in cache]
+                                                       + [dy.shape[-1:]], None),  # dx, dW, db
     "rope_backward": lambda dout, cos, sin, H: ([dout.shape], None),
     "attention_backward": lambda dy, cache, H, policy: ([x.shape for x in cache], None),
     "swiglu_backward": lambda da, cache: ([x.shape for x in cache], None),
