@@ -142,6 +142,14 @@ def test_flops_per_step_counts_the_usual_estimate():
     # SPEC preset: 57,705,472 parameters; 6 N T + 6 L D T^2 per context
     assert bench.flops_per_step(c, 1) == 6 * 57705472 * 1024 + 6 * 16 * 512 * 1024 ** 2
     assert bench.flops_per_step(c, 8) == 8 * bench.flops_per_step(c, 1)
+    # untied: the embedding is a gather, lm_head the product; N = every weight but the
+    # embedding's V D, counted from the preset's fields: per layer q, o (D^2), k, v
+    # (Hkv E D), gate, up, down (D F), two RMSNorm weights (D); the final norm, lm_head
+    c = reference.preset("llama-124m")
+    V, D, F, L, KV = 32768, 768, 2048, 12, 4 * 64
+    N = L * (2 * D * D + 2 * KV * D + 3 * D * F + 2 * D) + D + V * D
+    assert bench.flops_per_step(c, 2) == 2 * (6 * N * 1024 + 6 * L * D * 1024 ** 2)
+
 
 def timing(name, device, precision, ms, batch=1, memory=math.nan, preset="test"):
     # fake timings: the table's arithmetic is checked against these numbers
@@ -256,6 +264,66 @@ def test_bench_command_prints_the_table_last_and_writes_its_rows(capsys, tmp_pat
         losses = [r["loss"] for r in written["rows"] if r["batch"] == batch
                   and r["implementation"] in ("reference", bench.EAGER)]
         assert max(losses) - min(losses) < 1e-4 * max(losses)
+
+
+def test_bench_times_a_family_member_beside_the_peer(capsys, tmp_path):
+    """A family member (SPEC 21) from --preset and --model: the reference and
+    the CPU peer train it from the same bits on the same inputs (the same
+    loss), and the peer's row is the ratios' baseline."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the peers are CUDA ones")
+    model = tmp_path / "model.toml"  # MIXED over test-qwen
+    model.write_text('n_head = 4\nn_kv_head = 2\nrotary = "1/2"\nrope_base = 100\n'
+                     'norm_eps = "1/1000000"\n')
+    for argv in (["--preset", "test-stablelm"], ["--preset", "test-qwen", "--model", str(model)]):
+        path = tmp_path / "bench.json"
+        status, out, err = run_bench(capsys, *argv, "--steps", "1", "--warmup", "0",
+                                     "--batch", "2", "--json", str(path))
+        assert status == 0 and "Traceback" not in err
+        rows = {(r["implementation"], r["device"]): r for r in json.loads(path.read_text())["rows"]}
+        ref, peer = rows["reference", "cpu"], rows[bench.EAGER, "cpu"]
+        assert ref["loss"] == pytest.approx(peer["loss"], rel=1e-4)
+        assert ref["peer"] == f"{bench.EAGER} cpu fp32" and peer["x_peer_time"] == 1.0
+        assert ref["x_peer_time"] == pytest.approx(ref["median_ms"] / peer["median_ms"])
+    assert bench.preset_name(MIXED) == "custom" and ref["preset"] == "custom"
+
+
+def stub_backend(monkeypatch, implemented):
+    """A backend named 'stub', available here, that computes only the family
+    fields `implemented` (and is the reference otherwise)."""
+    import types
+
+    from coppelius import accelerated
+    from coppelius.reference import program
+
+    module = types.ModuleType("coppelius_stub_backend")
+    module.available, module.capture, module.IMPLEMENTED = (lambda: True), program.capture, \
+        implemented
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(accelerated.BACKENDS, "stub", module.__name__)
+
+
+def test_a_backend_that_does_not_compute_the_model_is_one_line(capsys, monkeypatch):
+    """Chosen by default, a backend that refuses a family field is a line and
+    the rest is timed; named by --backend, it is refused in one line, exit 2,
+    before any work."""
+    stub_backend(monkeypatch, ("norm_eps", "rope_base"))
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--steps", "1", "--warmup",
+                                 "0", "--no-peer")
+    assert status == 0 and "Traceback" not in err
+    assert "stub: not timed: stub: config field norm='rmsnorm' (SPEC 21) is not implemented " \
+           "here yet" in out
+    names = [r[0] for r in table_rows(out)]
+    assert "reference" in names and "stub" not in names
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--backend", "stub")
+    assert status == 2 and out == [] and "ready" not in err
+    assert err.strip() == "coppelius bench: error: stub: config field norm='rmsnorm' (SPEC 21) " \
+                          "is not implemented here yet"
+    stub_backend(monkeypatch, ("norm", "n_kv_head", "tied"))  # computes test-llama: timed
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--steps", "1", "--warmup",
+                                 "0", "--no-peer", "--backend", "stub")
+    assert status == 0 and [r[0] for r in table_rows(out)] == ["reference", "stub"]
 
 
 def test_bench_recompute_times_each_backend_both_ways(capsys):
