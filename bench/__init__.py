@@ -21,6 +21,11 @@ after `reset_peak_memory_stats` for a CUDA peer, else the program's own
 device-bytes report. The timed steps are then interleaved: step i of every
 implementation before step i+1 of any, so a change in the machine's load
 touches all alike. Nothing here asserts a time.
+
+The model is --preset's (default tiny) and --model's fields over it: any
+member of the family (SPEC 21), which the peers build from the same Config.
+A backend chosen by default that does not compute that member yet is a line
+saying so, not the end of the run.
 """
 
 from __future__ import annotations
@@ -78,10 +83,12 @@ def windows(config: Config, batch: int, n: int, seed: int = 20260925) -> np.ndar
 def flops_per_step(config: Config, batch: int) -> float:
     """Model FLOP of one training step: 6 N T + 6 L D T^2 per context (the
     usual estimate: 2 forward and 4 backward per multiply-add of a weight,
-    plus the two attention products, causal mask not discounted)."""
+    plus the two attention products, causal mask not discounted). N counts
+    the weights that multiply: an untied model's embedding is a gather
+    (its lm_head is the product), a tied one's is also the unembedding."""
     from ..reference.params import registry
 
-    N = registry(config).total
+    N = registry(config).total - (0 if config.tied else config.vocab * config.d_model)
     T, L, D = config.context, config.n_layer, config.d_model
     return batch * (6.0 * N * T + 6.0 * L * D * T * T)
 
@@ -102,6 +109,28 @@ def backend_device(backend: str) -> str:
     import platform
 
     return accelerated.capabilities(backend).device_on(platform.system())
+
+
+def computes_model(backends: list, config: Config, named: bool) -> tuple:
+    """(the backends that compute this model, a line for each that does not).
+    A backend refuses a family field (SPEC 21) it does not compute yet
+    (its module's IMPLEMENTED) at capture: read here, before any work. One
+    that --backend named is refused as `train` refuses it; one chosen by
+    default is a line, so the others and the peers are still timed."""
+    from ..reference.config import check_implemented
+
+    kept, notes = [], []
+    for name in backends:
+        try:
+            check_implemented(config, getattr(accelerated.backend_module(name), "IMPLEMENTED",
+                                              ()), name)
+        except ConfigError as e:
+            if named:
+                raise
+            notes.append(f"{name}: not timed: {e}")
+            continue
+        kept.append(name)
+    return kept, notes
 
 
 def batch_list(given, default: int) -> list:
@@ -487,9 +516,11 @@ def run(args) -> int:
                                 if not accelerated.capabilities(n).defines]
     for name in backends:
         accelerated.backend_module(name)  # unknown or unavailable: one clear line, before any work
+    backends, refused = computes_model(backends, config, named=bool(args.backend))
     cuda_precisions = sorted({p for name in backends if backend_device(name) == "cuda"
                               for p in args.precision or [default_precision(name)]})
     peers, notes = peer_plan(args.no_peer, args.no_compile, args.precision or cuda_precisions)
+    notes = refused + notes
     threads = None
     if any(device == "cpu" for _, device, _ in peers):
         from .torch_peer import set_threads

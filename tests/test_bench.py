@@ -2,9 +2,11 @@
 the reference (same loss, same gradients, same update), or its timings
 compare nothing. No test here asserts a time."""
 
+import dataclasses
 import json
 import math
 import sys
+from fractions import Fraction
 
 import pytest
 
@@ -24,19 +26,89 @@ def peer_module():
     return torch_peer
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_torch_peer_is_the_reference_model(batch):
-    torch_peer = peer_module()
-    state = cases.random_state(TEST, seed=3, scale=1.0)  # norms away from ones and zeros
-    tokens = cases.random_windows(TEST, batch, 1)[0]
-    want = reference.step(TEST, state.copy(), tokens, "fp32", grads=True)
-    peer = torch_peer.TorchPeer(TEST, state.P)
+# Every member of the family (SPEC 21): the presets, and one that sets every
+# field at once with two groups of two query heads (so that query head h's kv
+# head h // g differs from h % Hkv), half of each head rotated, a rope base
+# and an eps of their own (base 100: at T = 16 and R = 4 a base near 10^4
+# turns the second pair by under 0.15 rad, too little to tell bases apart).
+MIXED = dataclasses.replace(reference.preset("test-qwen"), n_head=4, n_kv_head=2,
+                            rotary=Fraction(1, 2), rope_base=Fraction(100),
+                            norm_eps=Fraction(1, 1000000))
+FAMILY = {name: reference.preset(name) for name in ("test-llama", "test-qwen", "test-stablelm")}
+FAMILY["mixed"] = MIXED
+MEMBERS = [pytest.param(c, gqa, id=f"{name}-{gqa}") for name, c in FAMILY.items()
+           for gqa in ("sdpa", "repeat")]  # both idioms of query head h with kv head h // g
+
+
+def check_loss_and_grads(torch_peer, config, batch, gqa):
+    state = cases.random_state(config, seed=3, scale=1.0)  # norms away from ones, biases from 0
+    tokens = cases.random_windows(config, batch, 1)[0]
+    want = reference.step(config, state.copy(), tokens, "fp32", grads=True)
+    peer = torch_peer.TorchPeer(config, state.P, gqa=gqa)
     loss, row_losses, G = peer.loss_and_grads(tokens)
     assert loss == pytest.approx(float(want.loss), rel=1e-4)
     assert relative_error(row_losses, want.row_losses)[0] <= tolerance("row_losses", "fp32")
-    for spec in registry(TEST):  # autograd against the hand-written backward, per tensor
+    for spec in registry(config):  # autograd against the hand-written backward, per tensor
         error, *_ = relative_error(G[spec.slice], want.grads[spec.slice])
         assert error <= tolerance("gradient", "fp32"), spec.name
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_torch_peer_is_the_reference_model(batch):
+    check_loss_and_grads(peer_module(), TEST, batch, "auto")
+
+
+@pytest.mark.parametrize("config,gqa", MEMBERS)
+def test_torch_peer_is_the_reference_model_of_every_family(config, gqa):
+    """Loss, row losses and each tensor's gradient (lm_head, the biases, the
+    (Hkv E, D) k and v) of the peer built from the Config, with either
+    grouped-query idiom, against the reference's hand-written backward."""
+    check_loss_and_grads(peer_module(), config, 2, gqa)
+
+
+def test_torch_peer_is_not_the_reference_model_with_a_field_dropped():
+    """The family checks can fail: the peer built from a config that differs
+    in one field is off the reference's loss or gradient by far more than
+    the tolerances (each field changes what the model computes)."""
+    torch_peer = peer_module()
+    state = cases.random_state(MIXED, seed=3, scale=1.0)
+    tokens = cases.random_windows(MIXED, 2, 1)[0]
+    want = reference.step(MIXED, state.copy(), tokens, "fp32", grads=True)
+    for field, value in (("rotary", Fraction(1)), ("rope_base", Fraction(10000)),
+                         ("norm_eps", Fraction(1, 100000))):
+        peer = torch_peer.TorchPeer(dataclasses.replace(MIXED, **{field: value}), state.P)
+        loss, _, G = peer.loss_and_grads(tokens)
+        error = relative_error(G, want.grads)[0]
+        assert error > 10 * tolerance("gradient", "fp32"), field
+    # query head h with kv head h % Hkv instead of h // g: the same shapes, another model
+    peer = torch_peer.TorchPeer(MIXED, state.P, gqa="repeat")
+    peer.attention = lambda q, k, v: torch_peer.F.scaled_dot_product_attention(
+        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), is_causal=True)
+    loss, _, G = peer.loss_and_grads(tokens)
+    assert relative_error(G, want.grads)[0] > 10 * tolerance("gradient", "fp32")
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_torch_peer_update_of_every_family_is_the_references(name):
+    """One update of the peer (torch's AdamW: the biases and norms without
+    decay, lm_head with it) from a fresh state is the reference's."""
+    torch_peer = peer_module()
+    config = FAMILY[name]
+    state = cases.fresh_state(config)
+    tokens = cases.random_windows(config, 2, 1)[0]
+    peer = torch_peer.TorchPeer(config, state.P)
+    loss = float(peer.step(peer.to_tokens(tokens)))
+    result = reference.step(config, state, tokens, "fp32")
+    assert loss == pytest.approx(float(result.loss), rel=1e-4)
+    P = peer.parameters_flat()
+    assert relative_error(P - state.P, result.state.P - state.P)[0] < 5e-4
+    assert relative_error(P, result.state.P)[0] <= tolerance("P", "fp32")
+
+
+def test_torch_peer_refuses_an_unknown_gqa_idiom():
+    torch_peer = peer_module()
+    with pytest.raises(ValueError, match="gqa 'nonesuch'"):
+        torch_peer.TorchPeer(MIXED, cases.fresh_state(MIXED).P, gqa="nonesuch")
 
 
 @pytest.mark.parametrize("optimizer", ["torch", "hand"])
@@ -70,6 +142,13 @@ def test_flops_per_step_counts_the_usual_estimate():
     # SPEC preset: 57,705,472 parameters; 6 N T + 6 L D T^2 per context
     assert bench.flops_per_step(c, 1) == 6 * 57705472 * 1024 + 6 * 16 * 512 * 1024 ** 2
     assert bench.flops_per_step(c, 8) == 8 * bench.flops_per_step(c, 1)
+    # untied: the embedding is a gather, lm_head the product; N = every weight but the
+    # embedding's V D, counted from the preset's fields: per layer q, o (D^2), k, v
+    # (Hkv E D), gate, up, down (D F), two RMSNorm weights (D); the final norm, lm_head
+    c = reference.preset("llama-124m")
+    V, D, F, L, KV = 32768, 768, 2048, 12, 4 * 64
+    N = L * (2 * D * D + 2 * KV * D + 3 * D * F + 2 * D) + D + V * D
+    assert bench.flops_per_step(c, 2) == 2 * (6 * N * 1024 + 6 * L * D * 1024 ** 2)
 
 
 def timing(name, device, precision, ms, batch=1, memory=math.nan, preset="test"):
@@ -187,6 +266,66 @@ def test_bench_command_prints_the_table_last_and_writes_its_rows(capsys, tmp_pat
         assert max(losses) - min(losses) < 1e-4 * max(losses)
 
 
+def test_bench_times_a_family_member_beside_the_peer(capsys, tmp_path):
+    """A family member (SPEC 21) from --preset and --model: the reference and
+    the CPU peer train it from the same bits on the same inputs (the same
+    loss), and the peer's row is the ratios' baseline."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the peers are CUDA ones")
+    model = tmp_path / "model.toml"  # MIXED over test-qwen
+    model.write_text('n_head = 4\nn_kv_head = 2\nrotary = "1/2"\nrope_base = 100\n'
+                     'norm_eps = "1/1000000"\n')
+    for argv in (["--preset", "test-stablelm"], ["--preset", "test-qwen", "--model", str(model)]):
+        path = tmp_path / "bench.json"
+        status, out, err = run_bench(capsys, *argv, "--steps", "1", "--warmup", "0",
+                                     "--batch", "2", "--json", str(path))
+        assert status == 0 and "Traceback" not in err
+        rows = {(r["implementation"], r["device"]): r for r in json.loads(path.read_text())["rows"]}
+        ref, peer = rows["reference", "cpu"], rows[bench.EAGER, "cpu"]
+        assert ref["loss"] == pytest.approx(peer["loss"], rel=1e-4)
+        assert ref["peer"] == f"{bench.EAGER} cpu fp32" and peer["x_peer_time"] == 1.0
+        assert ref["x_peer_time"] == pytest.approx(ref["median_ms"] / peer["median_ms"])
+    assert bench.preset_name(MIXED) == "custom" and ref["preset"] == "custom"
+
+
+def stub_backend(monkeypatch, implemented):
+    """A backend named 'stub', available here, that computes only the family
+    fields `implemented` (and is the reference otherwise)."""
+    import types
+
+    from coppelius import accelerated
+    from coppelius.reference import program
+
+    module = types.ModuleType("coppelius_stub_backend")
+    module.available, module.capture, module.IMPLEMENTED = (lambda: True), program.capture, \
+        implemented
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(accelerated.BACKENDS, "stub", module.__name__)
+
+
+def test_a_backend_that_does_not_compute_the_model_is_one_line(capsys, monkeypatch):
+    """Chosen by default, a backend that refuses a family field is a line and
+    the rest is timed; named by --backend, it is refused in one line, exit 2,
+    before any work."""
+    stub_backend(monkeypatch, ("norm_eps", "rope_base"))
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--steps", "1", "--warmup",
+                                 "0", "--no-peer")
+    assert status == 0 and "Traceback" not in err
+    assert "stub: not timed: stub: config field norm='rmsnorm' (SPEC 21) is not implemented " \
+           "here yet" in out
+    names = [r[0] for r in table_rows(out)]
+    assert "reference" in names and "stub" not in names
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--backend", "stub")
+    assert status == 2 and out == [] and "ready" not in err
+    assert err.strip() == "coppelius bench: error: stub: config field norm='rmsnorm' (SPEC 21) " \
+                          "is not implemented here yet"
+    stub_backend(monkeypatch, ("norm", "n_kv_head", "tied"))  # computes test-llama: timed
+    status, out, err = run_bench(capsys, "--preset", "test-llama", "--steps", "1", "--warmup",
+                                 "0", "--no-peer", "--backend", "stub")
+    assert status == 0 and [r[0] for r in table_rows(out)] == ["reference", "stub"]
+
+
 def test_bench_recompute_times_each_backend_both_ways(capsys):
     """--recompute: a row '<backend> recompute' beside each accelerated
     backend's (none for the reference, which ignores it), ending at the same
@@ -263,16 +402,19 @@ def test_bench_refuses_bad_options_in_one_line(capsys, tmp_path):
 
 
 @pytest.mark.gpu
-def test_compiled_graph_peer_replays_the_eager_peers_steps():
+@pytest.mark.parametrize("config,gqa", [(TEST, "auto"), (MIXED, "sdpa"), (MIXED, "repeat")],
+                         ids=["test", "mixed-sdpa", "mixed-repeat"])
+def test_compiled_graph_peer_replays_the_eager_peers_steps(config, gqa):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     from coppelius.bench import torch_peer
 
-    state = cases.fresh_state(TEST)
-    windows = cases.random_windows(TEST, 2, 3)
-    eager = torch_peer.TorchPeer(TEST, state.P, device="cuda")
-    graph = torch_peer.CompiledGraphStep(TEST, state.P, windows[0], precision="fp32")
+    state = cases.fresh_state(config)
+    windows = cases.random_windows(config, 2, 3)
+    eager = torch_peer.TorchPeer(config, state.P, device="cuda", gqa=gqa)
+    graph = torch_peer.CompiledGraphStep(config, state.P, windows[0], precision="fp32",
+                                         gqa=gqa)
     for tokens in windows:  # the warm-up's updates were undone: update 1 comes first
         want = float(eager.step(eager.to_tokens(tokens)))
         graph.upload(tokens)
