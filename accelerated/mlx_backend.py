@@ -3,9 +3,13 @@ MLX, differentiated by MLX's autodiff (`mx.value_and_grad`, independent of
 the reference's hand-written backward) and compiled once with `mx.compile`.
 
 The parameters live as a dict of MLX arrays keyed by the registry's names;
-`tok_embedding.weight` serves both the gather and the logits (tied), so
-autodiff sums its two gradients. The flat P, M, V vectors of the shared
-State exist only at capture and in `.state()`.
+where the model is tied, `tok_embedding.weight` serves both the gather and
+the logits, so autodiff sums its two gradients (untied, SPEC 21, the logits
+read `lm_head.weight` and the embedding gets its gather gradient alone).
+The flat P, M, V vectors of the shared State exist only at capture and in
+`.state()`. Every member of the model family (SPEC 21) is the same step
+with different values: the norm, the key/value heads, the rotated width,
+the q/k/v biases are read from the config and the registry.
 
 One compiled function does the whole step:
 
@@ -22,7 +26,8 @@ bfloat16 values is exact in float32, so the float32 product accumulates the
 exact terms in float32 and its result stays float32 (an MLX matmul of
 bfloat16 arrays would round its result to bfloat16). The backward products
 get the same treatment through a custom vjp that rounds the incoming
-cotangent and both saved operands.
+cotangent and both saved operands. A q/k/v bias is added in float32 after
+its product, outside the rounded function.
 
 AdamW (SPEC section 7) is written out here (mlx.optimizers.AdamW differs in
 bias correction and decay mask). The bias corrections c1, c2 are computed
@@ -107,7 +112,7 @@ def matmul_for(policy: str):
 # ---------------------------------------------------------------- forward
 
 # The family's fields (SPEC 21) this backend computes; the others are refused
-IMPLEMENTED = ("norm_eps", "rope_base")
+IMPLEMENTED = ("norm", "norm_eps", "n_kv_head", "tied", "rope_base", "rotary", "qkv_bias")
 
 
 class Model:
@@ -122,7 +127,8 @@ class Model:
         self.matmul = matmul_for(policy)
         self.recompute = recompute
         T, E = config.context, config.head_dim
-        cos, sin = rope_tables(T, E, np.float32, config.rope_base)  # (T,E/2), float64 then rounded
+        # (T,R/2), float64 then rounded; R = rotary * E elements of each head are rotated
+        cos, sin = rope_tables(T, config.rotary_dim, np.float32, config.rope_base)
         self.cos, self.sin = mx.array(cos), mx.array(sin)
         self.scale = mx.array(np.float32(1.0 / math.sqrt(E)))  # float32(1/sqrt(E))
         self.eps = mx.array(np.float32(float(config.norm_eps)))
@@ -140,6 +146,12 @@ class Model:
         B, T, n_in = x.shape
         return self.matmul(x.reshape(B * T, n_in), W.T).reshape(B, T, W.shape[0])
 
+    def projection_forward(self, x, w, name):
+        # q, k or v: x (B,T,D) -> (B,T,out), plus its bias (out,) in float32 where
+        # qkv_bias is set (SPEC 21; only the product's operands are rounded, SPEC 6)
+        y = self.linear_forward(x, w[name + ".weight"])
+        return y + w[name + ".bias"] if self.config.qkv_bias else y
+
     def layernorm_forward(self, x, w, b):
         # x (B,T,D) -> (B,T,D); biased variance
         mu = mx.mean(x, axis=-1, keepdims=True)
@@ -147,16 +159,34 @@ class Model:
         var = mx.mean(xc * xc, axis=-1, keepdims=True)
         return xc * (1.0 / mx.sqrt(var + self.eps)) * w + b
 
+    def rmsnorm_forward(self, x, w):
+        # x (B,T,D) -> (B,T,D): x / sqrt(mean(x^2) + eps) * w, no bias (SPEC 21)
+        ms = mx.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / mx.sqrt(ms + self.eps)) * w
+
+    def norm_forward(self, x, w, name):
+        # the config's norm of x (B,T,D) with the parameters `name`.weight (and .bias)
+        if self.config.norm_bias:
+            return self.layernorm_forward(x, w[name + ".weight"], w[name + ".bias"])
+        return self.rmsnorm_forward(x, w[name + ".weight"])
+
     def rope_forward(self, x):
-        # x (B,T,H,E): element j pairs with element j + E/2 (half-split)
-        T, half = x.shape[1], x.shape[-1] // 2
-        c, s = self.cos[:T, None, :], self.sin[:T, None, :]  # (T,1,E/2)
-        x1, x2 = x[..., :half], x[..., half:]
-        return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        # x (B,T,H,E): the first R elements of each head rotated, element j paired
+        # with element j + R/2 (half-split within R); the other E - R pass through
+        T, half = x.shape[1], self.cos.shape[-1]  # R/2
+        R = 2 * half
+        c, s = self.cos[:T, None, :], self.sin[:T, None, :]  # (T,1,R/2)
+        x1, x2 = x[..., :half], x[..., half:R]
+        rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
+        return mx.concatenate(rotated + ([x[..., R:]] if R < x.shape[-1] else []), axis=-1)
 
     def attention_forward(self, q, k, v):
-        # q, k, v (B,H,T,E) -> (B,H,T,E)
-        T = q.shape[2]
+        # q (B,H,T,E), k, v (B,Hkv,T,E) -> (B,H,T,E). Grouped heads (SPEC 21): query
+        # head h attends with key/value head h // g, g = H / Hkv; repeating each kv
+        # head g times in place makes autodiff sum its g query heads' gradients
+        T, g = q.shape[2], q.shape[1] // k.shape[1]
+        if g > 1:
+            k, v = mx.repeat(k, g, axis=1), mx.repeat(v, g, axis=1)  # (B,H,T,E)
         s = self.matmul(q, k.swapaxes(-1, -2)) * self.scale  # (B,H,T,T)
         s = s + self.mask[:T, :T]
         # softmax is invariant to the shift, so the row maximum carries no gradient
@@ -173,27 +203,25 @@ class Model:
         keep = tap or (lambda name, x: x)
         c = self.config
         B, T = tokens.shape
-        H, E, D = c.n_head, c.head_dim, c.d_model
+        H, Hkv, E = c.n_head, c.kv_heads, c.head_dim
+        D, KV = c.d_model, c.kv_dim  # H E and Hkv E: the widths of q and of k, v
         w = params
-        W = w["tok_embedding.weight"]  # (V,D), tied: the gather and the logits
-        x = keep("embedding.out", mx.take(W, tokens, axis=0))  # (B,T,D): a gather
+        x = keep("embedding.out", mx.take(w["tok_embedding.weight"], tokens, axis=0))  # (B,T,D)
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            h = self.layernorm_forward(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"])
-            h = keep(p + "attn_norm.out", h)
-            q = self.linear_forward(h, w[p + "attn.q.weight"]).reshape(B, T, H, E)
-            k = self.linear_forward(h, w[p + "attn.k.weight"]).reshape(B, T, H, E)
-            v = keep(p + "attn.v", self.linear_forward(h, w[p + "attn.v.weight"]))
-            v = v.reshape(B, T, H, E)
+            h = keep(p + "attn_norm.out", self.norm_forward(x, w, p + "attn_norm"))
+            q = self.projection_forward(h, w, p + "attn.q").reshape(B, T, H, E)
+            k = self.projection_forward(h, w, p + "attn.k").reshape(B, T, Hkv, E)
+            v = keep(p + "attn.v", self.projection_forward(h, w, p + "attn.v"))
+            v = v.reshape(B, T, Hkv, E)
             q = keep(p + "attn.q", self.rope_forward(q).reshape(B, T, D)).reshape(B, T, H, E)
-            k = keep(p + "attn.k", self.rope_forward(k).reshape(B, T, D)).reshape(B, T, H, E)
+            k = keep(p + "attn.k", self.rope_forward(k).reshape(B, T, KV)).reshape(B, T, Hkv, E)
             y = self.attention_forward(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
                                        v.transpose(0, 2, 1, 3))  # (B,H,T,E)
             y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)  # heads concatenated in order
             y = keep(p + "attn.y", y)
             x = keep(p + "mid", x + self.linear_forward(y, w[p + "attn.o.weight"]))
-            h = self.layernorm_forward(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
-            h = keep(p + "mlp_norm.out", h)
+            h = keep(p + "mlp_norm.out", self.norm_forward(x, w, p + "mlp_norm"))
             if self.recompute and tap is None:
                 a = mx.checkpoint(self.mlp_inner)(h, w[p + "mlp.gate.weight"],
                                                   w[p + "mlp.up.weight"])
@@ -202,9 +230,11 @@ class Model:
                 u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))  # (B,T,F)
                 a = keep(p + "mlp.h", self.swiglu_forward(g, u))
             x = keep(p + "out", x + self.linear_forward(a, w[p + "mlp.down.weight"]))
-        h = keep("final_norm.out",
-                 self.layernorm_forward(x, w["final_norm.weight"], w["final_norm.bias"]))
-        return keep("logits", self.linear_forward(h, W))  # (B,T,V)
+        h = keep("final_norm.out", self.norm_forward(x, w, "final_norm"))
+        # lm_head.weight (V,D): its own tensor where untied; where tied the registry
+        # resolves the alias to the embedding, whose gradient then sums both uses
+        head = w[registry(c)["lm_head.weight"].name]
+        return keep("logits", self.linear_forward(h, head))  # (B,T,V)
 
     def mlp_inner(self, h, w_gate, w_up):
         # h (B,T,D) -> silu(h Wgate^T) * (h Wup^T) (B,T,F)

@@ -1,7 +1,8 @@
 """The MLX backend: its pieces against independent float64 NumPy, its whole
-step against the reference (SPEC section 14 tolerances), AdamW on
-hand-computable inputs, exact resume, and capture (traced once, refusals,
-the compilation report)."""
+step against an independent float64 model and finite differences on every
+member of the model family (SPEC 21), AdamW on hand-computable inputs, and
+capture (traced once, refusals, the compilation report). The step against
+the reference on each member: tests/test_mlx_families.py."""
 
 import math
 
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coppelius.conformance.cases import random_state
 from coppelius.conformance.tolerances import relative_error
 from coppelius.reference.config import Config, Hyper, preset
 from coppelius.reference.params import initialize, registry
@@ -25,6 +27,14 @@ pytestmark = pytest.mark.mlx
 
 CONFIG = preset("test")
 B = 2
+SHAPE = {"vocab": 64, "context": 16, "d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 96}
+# the family's members (SPEC 21): the presets, and one no preset is: layernorm
+# with 2 key/value heads for 4 query heads, q/k/v biases, half of each head
+# rotated, tied, and another epsilon and rope base
+MIXED = Config(**{**SHAPE, "n_head": 4}, n_kv_head=2, qkv_bias=True, rotary="1/2",
+               norm_eps="1/1000", rope_base=500)
+MEMBERS = {"test-llama": preset("test-llama"), "test-qwen": preset("test-qwen"),
+           "test-stablelm": preset("test-stablelm"), "mixed": MIXED}
 
 
 def windows(n, seed=0, config=CONFIG, batch=B):
@@ -47,6 +57,8 @@ def f64(x):
 
 
 # ------------------------------------------------- independent float64 model
+# Written from SPEC 3 and 21 directly (loops over heads and pairs, no shared
+# code with the reference or the backend), for every member of the family.
 
 def np_layernorm(x, w, b, eps=1e-5):
     mu = x.mean(-1, keepdims=True)
@@ -54,16 +66,20 @@ def np_layernorm(x, w, b, eps=1e-5):
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-def np_rope_tables(T, E):
-    # float64 angles, then float32 (SPEC section 3)
-    theta = np.array([[t * 10000.0 ** (-2.0 * j / E) for j in range(E // 2)] for t in range(T)])
+def np_rmsnorm(x, w, eps=1e-5):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+def np_rope_tables(T, R, base=10000.0):
+    # float64 angles theta = t * base^(-2j/R) for j < R/2 (SPEC 3, 21)
+    theta = np.array([[t * base ** (-2.0 * j / R) for j in range(R // 2)] for t in range(T)])
     return np.cos(theta), np.sin(theta)
 
 
 def np_rope(x, cos, sin):
-    # x (B,T,H,E): pair j with j + E/2
-    out = np.empty_like(x)
-    half = x.shape[-1] // 2
+    # x (B,T,H,E): pair j with j + R/2 for j < R/2, R = 2 * cos.shape[1]; the rest unchanged
+    out = x.copy()
+    half = cos.shape[1]
     for j in range(half):
         c, s = cos[:, j][None, :, None], sin[:, j][None, :, None]
         out[..., j] = x[..., j] * c - x[..., j + half] * s
@@ -72,12 +88,17 @@ def np_rope(x, cos, sin):
 
 
 def np_attention(q, k, v):
-    # (B,H,T,E) -> (B,H,T,E), causal softmax(q k^T / sqrt(E)) v
-    T, E = q.shape[-2], q.shape[-1]
-    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(E)
-    s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+    # q (B,H,T,E), k, v (B,Hkv,T,E) -> (B,H,T,E): causal softmax(q k^T / sqrt(E)) v,
+    # query head h with key/value head h // (H / Hkv)
+    H, T, E = q.shape[1], q.shape[-2], q.shape[-1]
+    g = H // k.shape[1]
+    out = np.empty_like(q)
+    for h in range(H):
+        s = q[:, h] @ np.swapaxes(k[:, h // g], -1, -2) / math.sqrt(E)
+        s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h // g]
+    return out
 
 
 def np_row_losses(logits, targets):
@@ -89,22 +110,34 @@ def np_row_losses(logits, targets):
 def np_logits(config, w, tokens):
     # w: name -> float64 array; tokens (B,T) -> (B,T,V)
     Bn, T = tokens.shape
-    H, E = config.n_head, config.head_dim
-    cos, sin = (t.astype(np.float32).astype(np.float64) for t in np_rope_tables(T, E))
+    H, E, Hkv = config.n_head, config.d_model // config.n_head, config.n_kv_head or config.n_head
+    R, eps = int(config.rotary * E), float(config.norm_eps)
+    cos, sin = (t.astype(np.float32).astype(np.float64)
+                for t in np_rope_tables(T, R, float(config.rope_base)))
+
+    def norm(x, name):
+        if config.norm == "rmsnorm":
+            return np_rmsnorm(x, w[name + ".weight"], eps)
+        return np_layernorm(x, w[name + ".weight"], w[name + ".bias"], eps)
+
+    def project(x, name):
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if config.qkv_bias else y
+
     x = w["tok_embedding.weight"][tokens]
     for l in range(config.n_layer):
         p = f"layers.{l}."
-        h = np_layernorm(x, w[p + "attn_norm.weight"], w[p + "attn_norm.bias"])
-        q = np_rope((h @ w[p + "attn.q.weight"].T).reshape(Bn, T, H, E), cos, sin)
-        k = np_rope((h @ w[p + "attn.k.weight"].T).reshape(Bn, T, H, E), cos, sin)
-        v = (h @ w[p + "attn.v.weight"].T).reshape(Bn, T, H, E)
+        h = norm(x, p + "attn_norm")
+        q = np_rope(project(h, p + "attn.q").reshape(Bn, T, H, E), cos, sin)
+        k = np_rope(project(h, p + "attn.k").reshape(Bn, T, Hkv, E), cos, sin)
+        v = project(h, p + "attn.v").reshape(Bn, T, Hkv, E)
         y = np_attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)))
         x = x + y.transpose(0, 2, 1, 3).reshape(Bn, T, H * E) @ w[p + "attn.o.weight"].T
-        h = np_layernorm(x, w[p + "mlp_norm.weight"], w[p + "mlp_norm.bias"])
+        h = norm(x, p + "mlp_norm")
         g, u = h @ w[p + "mlp.gate.weight"].T, h @ w[p + "mlp.up.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down.weight"].T
-    h = np_layernorm(x, w["final_norm.weight"], w["final_norm.bias"])
-    return h @ w["tok_embedding.weight"].T
+    h = norm(x, "final_norm")
+    return h @ w["tok_embedding.weight" if config.tied else "lm_head.weight"].T
 
 
 def np_mean_loss(config, w, tokens):
@@ -113,12 +146,14 @@ def np_mean_loss(config, w, tokens):
 
 # ------------------------------------------------- pieces
 
-@pytest.mark.parametrize("name", ["test", "tiny"])
-def test_rope_tables_are_float64_angles_rounded_once(name):
-    config = preset(name)
-    T, E = config.context, config.head_dim
+@pytest.mark.parametrize("config", [preset("test"), preset("tiny"), preset("test-stablelm"),
+                                    Config(**SHAPE, rotary="1/4", rope_base=500000)],
+                         ids=["test", "tiny", "test-stablelm", "rotary-1/4"])
+def test_rope_tables_are_float64_angles_rounded_once(config):
+    T, R = config.context, int(config.rotary * config.d_model // config.n_head)
     model = mlx_backend.Model(config, "fp32")
-    for table, exact in zip((model.cos, model.sin), np_rope_tables(T, E)):
+    assert model.cos.shape == (T, R // 2)
+    for table, exact in zip((model.cos, model.sin), np_rope_tables(T, R, float(config.rope_base))):
         table = np.array(table)
         assert table.dtype == np.float32
         # within half an ulp of the float64 value: rounded to nearest, once
@@ -126,24 +161,31 @@ def test_rope_tables_are_float64_angles_rounded_once(name):
         assert (np.abs(table - exact) <= half_ulp * (1 + 1e-9)).all()
 
 
-@given(st.integers(1, 3), st.integers(1, 8), st.sampled_from([(1, 2), (2, 4), (2, 8)]),
+@given(st.integers(1, 3), st.integers(1, 8),
+       st.sampled_from([(1, 1, 2, 2), (2, 2, 4, 4), (2, 2, 4, 2), (2, 1, 8, 4), (4, 2, 4, 2),
+                        (4, 1, 8, 8)]),  # H, Hkv, E, R
        st.integers(0, 2**31 - 1))
-def test_layer_pieces_match_float64(Bn, T, HE, seed):
-    H, E = HE
+def test_layer_pieces_match_float64(Bn, T, heads, seed):
+    H, Hkv, E, R = heads
     rng = np.random.default_rng(seed)
-    config = Config(vocab=64, context=8, d_model=H * E, n_layer=1, n_head=H, d_ff=8)
+    config = Config(vocab=64, context=8, d_model=H * E, n_layer=1, n_head=H, d_ff=8,
+                    n_kv_head=Hkv, rotary=f"{R}/{E}", norm_eps="1/1000")
     model = mlx_backend.Model(config, "fp32")
     x = rng.standard_normal((Bn, T, H * E)).astype(np.float32) * 3 + 1
     w, b = rng.standard_normal((2, H * E)).astype(np.float32)
     got = model.layernorm_forward(mx.array(x), mx.array(w), mx.array(b))
-    check_close("layernorm", np.array(got), np_layernorm(f64(x), f64(w), f64(b)), 1e-5)
+    check_close("layernorm", np.array(got), np_layernorm(f64(x), f64(w), f64(b), 1e-3), 1e-5)
+    got = model.rmsnorm_forward(mx.array(x), mx.array(w))
+    check_close("rmsnorm", np.array(got), np_rmsnorm(f64(x), f64(w), 1e-3), 1e-5)
 
     x = rng.standard_normal((Bn, T, H, E)).astype(np.float32)
-    cos, sin = np_rope_tables(T, E)
-    check_close("rope", np.array(model.rope_forward(mx.array(x))),
-                np_rope(f64(x), cos.astype(np.float32), sin.astype(np.float32)), 1e-6)
+    cos, sin = np_rope_tables(T, R)
+    got = np.array(model.rope_forward(mx.array(x)))
+    check_close("rope", got, np_rope(f64(x), cos.astype(np.float32), sin.astype(np.float32)), 1e-6)
+    assert np.array_equal(got[..., R:], x[..., R:])  # the unrotated elements pass through
 
-    q, k, v = rng.standard_normal((3, Bn, H, T, E)).astype(np.float32)
+    q = rng.standard_normal((Bn, H, T, E)).astype(np.float32)
+    k, v = rng.standard_normal((2, Bn, Hkv, T, E)).astype(np.float32)
     got = model.attention_forward(mx.array(q), mx.array(k), mx.array(v))
     check_close("attention", np.array(got), np_attention(f64(q), f64(k), f64(v)), 1e-5)
 
@@ -172,6 +214,24 @@ def test_round_bf16_is_round_to_nearest_even(seed):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_bf16_projection_adds_its_bias_in_float32(Bn, T, seed):
+    """q = h @ Wq.T + b under bf16 (SPEC 6, 21): the product's operands are
+    rounded, the bias is not (it is ten times the product here, so a rounded
+    bias would be off by ~1e-3 of the result)."""
+    rng = np.random.default_rng(seed)
+    config = Config(**SHAPE, qkv_bias=True)
+    D = config.d_model
+    h = rng.standard_normal((Bn, T, D)).astype(np.float32)
+    w = {"attn.q.weight": (rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32),
+         "attn.q.bias": (10 * rng.standard_normal(D)).astype(np.float32)}
+    got = mlx_backend.Model(config, "bf16").projection_forward(
+        mx.array(h), {k: mx.array(v) for k, v in w.items()}, "attn.q")
+    r = lambda x: f64(x.astype(ml_dtypes.bfloat16).astype(np.float32))  # noqa: E731
+    want = r(h) @ r(w["attn.q.weight"]).T + f64(w["attn.q.bias"])
+    check_close("q", np.array(got), want, 1e-6)
+
+
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**31 - 1))
 def test_bf16_matmul_rounds_forward_and_backward_operands(n, k, m, seed):
     rng = np.random.default_rng(seed)
@@ -194,31 +254,35 @@ def test_bf16_matmul_rounds_forward_and_backward_operands(n, k, m, seed):
 
 # ------------------------------------------------- the whole step, independent of the reference
 
-def test_step_matches_float64_model_and_finite_differences():
+@pytest.mark.parametrize("name", ["test", *MEMBERS])
+def test_step_matches_float64_model_and_finite_differences(name):
     """Logits and loss against the float64 model above; every parameter's
     gradient against a float64 central difference along a direction with no
-    cancellation (the sign of the gradient times a positive random weight)."""
-    state = fresh()
-    tokens = windows(1, seed=3)[0]
-    program = mlx_backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
-    w = {k: f64(v) for k, v in registry(CONFIG).views(state.P).items()}
+    cancellation (the sign of the gradient times a positive random weight).
+    From a state moved off the initialization, so the biases are not zeros
+    and the norm weights not ones: a missing bias or weight shows."""
+    config = CONFIG if name == "test" else MEMBERS[name]
+    state = random_state(config, 5, t=0) if name != "test" else fresh()
+    tokens = windows(1, seed=3, config=config)[0]
+    program = mlx_backend.capture(config, Hyper(), "fp32", B, state.copy())
+    w = {k: f64(v) for k, v in registry(config).views(state.P).items()}
     inputs = tokens[:, :-1]
-    check_close("logits", program.logits(inputs), np_logits(CONFIG, w, inputs), 1e-5)
+    check_close("logits", program.logits(inputs), np_logits(config, w, inputs), 1e-5)
     program.upload_input(tokens)
     loss = program.replay_and_wait()
-    want_rows = np_row_losses(np_logits(CONFIG, w, tokens[:, :-1]), tokens[:, 1:])
+    want_rows = np_row_losses(np_logits(config, w, tokens[:, :-1]), tokens[:, 1:])
     check_close("row losses", program.row_losses(), want_rows, 1e-5)
     check_close("loss", loss, want_rows.mean(), 1e-5)
 
-    G = registry(CONFIG).views(program.gradients())
+    G = registry(config).views(program.gradients())
     rng = np.random.default_rng(4)
     h = 1e-6
-    for spec in registry(CONFIG):
+    for spec in registry(config):
         d = np.sign(G[spec.name]) * rng.uniform(0.5, 1.0, spec.shape)
         plus, minus = dict(w), dict(w)
         plus[spec.name] = w[spec.name] + h * d
         minus[spec.name] = w[spec.name] - h * d
-        fd = (np_mean_loss(CONFIG, plus, tokens) - np_mean_loss(CONFIG, minus, tokens)) / (2 * h)
+        fd = (np_mean_loss(config, plus, tokens) - np_mean_loss(config, minus, tokens)) / (2 * h)
         check_close(f"gradient {spec.name}", float(np.sum(f64(G[spec.name]) * d)), fd, 1e-4)
 
 
@@ -362,9 +426,11 @@ def test_a_replaced_state_is_refused():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compilation_report(precision):
-    program = mlx_backend.capture(CONFIG, Hyper(), precision, B, fresh())
-    for tokens in windows(2, seed=12):
+@pytest.mark.parametrize("name", ["test", "mixed"])
+def test_compilation_report(precision, name):
+    config = CONFIG if name == "test" else MEMBERS[name]
+    program = mlx_backend.capture(config, Hyper(), precision, B, fresh(config))
+    for tokens in windows(2, seed=12, config=config):
         program.upload_input(tokens)
         program.replay_and_wait()
     report = program.compilation_report()
@@ -375,12 +441,12 @@ def test_compilation_report(precision):
     assert states["command_recording"]["state"] == "applied"
     assert states["precision"]["state"] == ("applied" if precision == "bf16" else "analyzed")
     # each product of the forward (9 per layer and the logits) appears once
-    # forward and twice backward in the step's graph
-    products = 9 * CONFIG.n_layer + 1
+    # forward and twice backward in the step's graph (a q/k/v bias is an add)
+    products = 9 * config.n_layer + 1
     assert states["precision"]["inputs"] == 3 * products
     assert 0 < report["kernels"] < report["graph_nodes"]  # mx.compile fused something
     assert report["replays"] == 2 and report["traces"] == 1
-    assert report["device_bytes"] >= 16 * registry(CONFIG).total
+    assert report["device_bytes"] >= 16 * registry(config).total
     diagnostics = program.diagnostics()
     assert diagnostics["runtime"]["update_count"] == 2
 
