@@ -413,32 +413,49 @@ def rope_parameters(**values):
 
 
 @pytest.mark.parametrize("change, words", [
-    (set_key("model_type", "llama"), ["model_type", '"llama"', "stablelm"]),
+    (set_key("model_type", "gpt2"), ["model_type", '"gpt2"', "stablelm", "llama", "qwen2"]),
+    (set_key("model_type", "llama"), ["architectures", "StableLmForCausalLM", "LlamaForCausalLM"]),
     (set_key("architectures", ["LlamaForCausalLM"]), ["architectures", "LlamaForCausalLM"]),
-    (set_key("partial_rotary_factor", 0.25), ["partial_rotary_factor", "0.25", "1.0"]),
-    (rope_parameters(partial_rotary_factor=0.5), ["rope_parameters.partial_rotary_factor", "0.5"]),
     (rope_parameters(rope_type="linear", factor=2.0), ["rope_type", "linear"]),
-    (rope_parameters(rope_theta=500000.0), ["rope_parameters.rope_theta", "500000"]),
-    (set_key("rope_theta", 500000.0), ["rope_theta", "500000"]),
+    (rope_parameters(factor=2.0), ["rope_parameters.factor", "2.0"]),
+    (set_key("rope_parameters", {"rope_theta": 500000.0}),  # beside rope_theta 10000.0
+     ["rope_theta", "10000.0", "rope_parameters.rope_theta", "500000.0"]),
     (set_key("rope_scaling", {"type": "linear", "factor": 2.0}), ["rope_scaling"]),
     (drop_key("partial_rotary_factor"), ["partial_rotary_factor", "missing"]),
     (drop_key("tie_word_embeddings"), ["tie_word_embeddings", "missing"]),
-    (set_key("qk_layernorm", True), ["qk_layernorm", "true"]),
-    (set_key("use_qkv_bias", True), ["use_qkv_bias", "true"]),
-    (set_key("use_parallel_residual", True), ["use_parallel_residual", "true"]),
-    (set_key("num_key_value_heads", 1), ["num_key_value_heads", "1", "2"]),
     (drop_key("num_key_value_heads"), ["num_key_value_heads", "missing"]),
-    (set_key("tie_word_embeddings", False), ["tie_word_embeddings", "false"]),
+    (drop_key("use_qkv_bias"), ["use_qkv_bias", "missing"]),
+    (drop_key("layer_norm_eps"), ["layer_norm_eps", "missing"]),
+    (drop_key("max_position_embeddings"), ["max_position_embeddings", "missing"]),
+    (set_key("num_key_value_heads", None), ["num_key_value_heads", "null"]),
+    (set_key("qk_layernorm", True), ["qk_layernorm", "true"]),
+    (set_key("use_parallel_residual", True), ["use_parallel_residual", "true"]),
     (set_key("hidden_act", "gelu"), ["hidden_act", "gelu", "silu"]),
-    (set_key("layer_norm_eps", 1e-6), ["layer_norm_eps", "1e-06"]),
     (set_key("head_dim", 8), ["head_dim", "8", "16"]),
+    (set_key("num_key_value_heads", 3), ["num_key_value_heads", "3", "dividing n_head=2"]),
+    (set_key("partial_rotary_factor", 0.3), ["partial_rotary_factor", "0.3", "even integer"]),
+    (set_key("partial_rotary_factor", 1.5), ["partial_rotary_factor", "1.5", "(0, 1]"]),
+    (set_key("layer_norm_eps", -1e-5), ["layer_norm_eps", "-1e-05", "positive number"]),
+    (set_key("rope_theta", "10000"), ["rope_theta", '"10000"', "positive number"]),
+    (set_key("tie_word_embeddings", 1), ["tie_word_embeddings", "1", "true or false"]),
     (set_key("hidden_size", 30), ["not a shape", "n_head"]),
     (set_key("vocab_size", "320"), ["vocab_size", '"320"', "positive integer"]),
     (set_key("num_hidden_layers", True), ["num_hidden_layers", "true"]),
-    (drop_key("max_position_embeddings"), ["max_position_embeddings", "missing"]),
-    # the metadata names the exported model, and config.json must describe it too
+    (set_key("sliding_window", 4096), ["sliding_window", "not a field", "StableLmForCausalLM"]),
+    (set_key("some_new_field", 1), ["some_new_field", "not a field"]),
+    (set_key("num_experts", 8), ["num_experts", "mixture-of-experts"]),
+    (set_key("num_local_experts", 8), ["num_local_experts", "mixture-of-experts"]),
+    # a member of the family, but not the one the metadata names: config.json and
+    # the tensors' metadata must describe one model
+    (set_key("partial_rotary_factor", 0.25), ["metadata model", "config.json", "rotary=25/100"]),
+    (set_key("num_key_value_heads", 1), ["metadata model", "config.json", "kv_heads=1"]),
+    (set_key("tie_word_embeddings", False), ["metadata model", "config.json", "tied=0"]),
+    (set_key("use_qkv_bias", True), ["metadata model", "config.json", "qkv_bias=1"]),
+    (set_key("layer_norm_eps", 1e-6), ["metadata model", "config.json", "eps=1/1000000"]),
+    (set_key("rope_theta", 500000.0), ["metadata model", "config.json", "rope_base=500000"]),
+    (rope_parameters(rope_theta=500000.0), ["metadata model", "rope_base=500000"]),
     (set_key("intermediate_size", 64), ["metadata model", "config.json", "d_ff=64"]),
-    (set_key("vocab_size", 400), ["tokenizer", "320 ids", "V=400"]),
+    (set_key("vocab_size", 400), ["metadata model", "config.json", "vocab=400"]),
 ])
 def test_import_refuses_a_config_of_another_model(run, tmp_path, capsys, change, words):
     checkpoint, _, _ = run
@@ -448,6 +465,14 @@ def test_import_refuses_a_config_of_another_model(run, tmp_path, capsys, change,
     refused(capsys, "import", out, dst, words=words)
     assert not dst.exists()
     assert sorted(os.listdir(tmp_path)) == ["hf", "run"]
+
+
+def test_import_refuses_a_tokenizer_with_more_ids_than_the_model(run, tmp_path, capsys, text):
+    checkpoint, _, _ = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf", "--no-tokenizer")
+    train_tokenizer([text], 400).save(str(out / "tokenizer.json"))
+    refused(capsys, "import", out, tmp_path / "back.ckpt",
+            words=["tokenizer.json", "400 ids", "V=320"])
 
 
 def edit_tensors(directory, change, metadata=True):
@@ -473,8 +498,10 @@ def edit_tensors(directory, change, metadata=True):
      ["model.layers.2.self_attn.q_proj.weight", "unexpected tensor"]),
     (lambda t: t.update({"lm_head.weight": np.ones((320, 32), np.float32)}),
      ["lm_head.weight", "model.embed_tokens.weight", "ties"]),
-    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float16)}),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float64)}),
      ["model.norm.weight", "bytes"]),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int32)}),
+     ["model.norm.weight", "int32"]),
     (lambda t: t["model.layers.1.self_attn.v_proj.weight"].__setitem__((3, 4), np.nan),
      ["model.layers.1.self_attn.v_proj.weight", "non-finite", "[3, 4]"]),
 ])
@@ -514,7 +541,7 @@ def test_import_refuses_directories_it_cannot_read(run, tmp_path, capsys):
     os.unlink(out / "model.safetensors")
     refused(capsys, "import", out, dst, words=["no model.safetensors"])
     (out / "model.safetensors.index.json").write_text("{}")
-    refused(capsys, "import", out, dst, words=["sharded"])
+    refused(capsys, "import", out, dst, words=["model.safetensors.index.json", "weight_map"])
     os.unlink(out / "model.safetensors.index.json")
     (out / "pytorch_model.bin").write_bytes(b"\x80\x04")
     refused(capsys, "import", out, dst, words=["pytorch_model.bin", "pickle"])
