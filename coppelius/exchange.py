@@ -34,7 +34,9 @@ import IN CHECKPOINT [--preset NAME] [--precision fp32|bf16]
     file are not carried over; AdamW's bias correction restarts at step 1
     with them zero). bfloat16 and float16 tensors are widened to float32
     exactly. A stored tied head (`lm_head.weight`) must equal the embedding
-    bit for bit. The model (a preset where one matches, else the model
+    bit for bit. A directory's tokenizer.json is copied beside CHECKPOINT
+    (unless a tokenizer.json is there already), where `sample`, `export`
+    and `train` find a checkpoint's tokenizer. The model (a preset where one matches, else the model
     identity alone) then comes with the checkpoint: `coppelius train
     --checkpoint CHECKPOINT` fine-tunes it with no --preset.
 
@@ -71,6 +73,7 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from coppelius import hf
+from coppelius.plan import publish_tokenizer
 from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor,
                                          UnexpectedValue, bind, bind_vectors, check_bindings,
                                          flatten)
@@ -329,6 +332,8 @@ def import_hf(directory, checkpoint, preset_name: str | None = None,
         ids = _import_identities(meta, config, precision, batch, tokenizer_sha, weights)
         P, _ = _bind_parameters(source, config, hf.hf_names(config), weights, moments=False)
     _write_checkpoint(checkpoint, config, ids, P)
+    if beside is not None:  # where `sample`, `export` and `train` look for it
+        publish_tokenizer(os.path.join(directory, hf.TOKENIZER), checkpoint)
     return config, 0
 
 

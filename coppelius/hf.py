@@ -82,7 +82,13 @@ config.json and generation_config.json set those ids to null, because
 transformers' defaults (id 0 for stablelm's BOS and EOS) would end
 generation at whatever token 0 is. A tokenizer's ids must all be below the
 model's V (SPEC 22): an imported model's vocabulary is often padded beyond
-its tokenizer's.
+its tokenizer's. transformers 5 honours the named class for stablelm and
+llama; for model_type qwen2 its AutoTokenizer is always Qwen2Tokenizer, which
+rebuilds the tokenizer from tokenizer.json's vocabulary and merges with
+Qwen2's own pre-tokenizer and an NFC normalizer: the same ids for a Qwen2
+tokenizer, not always for another one (a run's BPE splits whitespace after a
+newline otherwise). `PreTrainedTokenizerFast.from_pretrained(DIR)` loads
+tokenizer.json as it is, for every architecture.
 
 Publication. The directory is written whole into a temporary directory beside
 DIR (each file published with fsutil.publish), then renamed to DIR: a missing
@@ -179,8 +185,10 @@ class Architecture:
 
     `fixed`: (key, value, why, required) of config.json keys whose value is
     the same for every member (required: must be present, since
-    transformers' default is not that value in every version). `extra`:
-    keys of this architecture that leave the model as it is."""
+    transformers' default is not that value in every version); export
+    writes them all but those in `unwritten` (fields SPEC 21 does not name,
+    read for the checkpoints that have them). `extra`: keys of this
+    architecture that leave the model as it is."""
 
     name: str  # "LlamaForCausalLM": config.json's architectures
     model_type: str
@@ -191,6 +199,7 @@ class Architecture:
     partial_rotary: bool  # partial_rotary_factor may be below 1
     fixed: tuple
     extra: tuple = ()
+    unwritten: tuple = ()
 
 
 SILU = ("hidden_act", "silu", "SwiGLU", True)
@@ -204,13 +213,14 @@ LLAMA = Architecture(
     (SILU, ("attention_bias", False, "no bias on q, k, v and o: with q, k and v biases a "
                                      "model is Qwen2ForCausalLM", False),
      ("mlp_bias", False, "no bias in the MLP", False),
-     ("pretraining_tp", 1, "the products unsliced", False)))
+     ("pretraining_tp", 1, "the products unsliced", False)), unwritten=("pretraining_tp",))
 QWEN2 = Architecture(
     "Qwen2ForCausalLM", "qwen2", "rmsnorm", "rms_norm_eps", None, True, False,
     (SILU, ("use_sliding_window", False, "full attention in every layer, no sliding window",
             False),
      ("use_mrope", False, "one rotary embedding of the positions", False)),
-    extra=("sliding_window", "max_window_layers", "layer_types"))  # checked in _check_windows
+    extra=("sliding_window", "max_window_layers", "layer_types"),  # checked in _check_windows
+    unwritten=("use_mrope",))
 ARCHITECTURES = (STABLELM, LLAMA, QWEN2)
 
 # config.json keys that leave the model as it is, in every architecture:
@@ -286,7 +296,7 @@ def config_json(config: Config, dtype: str) -> dict:
                 "tie_word_embeddings": config.tied})
     if arch.bias_key:
         out[arch.bias_key] = config.qkv_bias
-    out.update({key: value for key, value, _, _ in arch.fixed})
+    out.update({key: value for key, value, _, _ in arch.fixed if key not in arch.unwritten})
     if arch is QWEN2:
         out["sliding_window"] = None
     if arch is STABLELM:
