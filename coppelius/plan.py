@@ -339,7 +339,8 @@ def load_checkpoint(path, config, identities, new_data=False, new_learner=False)
         ck = load_state(path, config, expect=identities, new_data=new_data,
                         new_learner=new_learner)
     except IdentityMismatch as e:
-        hint = identity_hint(checkpoint.validate(path).header, identities)
+        lifted = {"data": new_data, "learner": new_learner}
+        hint = identity_hint(checkpoint.validate(path).header, identities, lifted)
         raise IdentityMismatch(f"{e}{'; ' + hint if hint else ''}") from None
     return ck.state, ck.contexts
 
@@ -351,13 +352,19 @@ _OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "bet
               "accumulate": "--accumulate"}
 
 
-def identity_hint(header: dict, run: dict) -> str:
+def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
     """'the checkpoint was trained with --batch 4', naming every option whose
-    value differs between the checkpoint's identities and the run's."""
+    value differs between the checkpoint's identities and the run's, but
+    the parts that --new-data and --new-learner lift where given (`lifted`:
+    identity key -> whether its parts are lifted)."""
     said = []
     for key in ("learner", "data", "initialization", "model"):
         have = dict(part.partition("=")[::2] for part in str(header.get(key, "")).split("|"))
         want = dict(part.partition("=")[::2] for part in str(run[key]).split("|"))
+        if (lifted or {}).get(key):
+            for part in checkpoint.LIFTED[key]:
+                have.pop(part.rstrip("="), None)
+                want.pop(part.rstrip("="), None)
         if key == "model" and have != want:
             name = next((n for n, c in PRESETS.items() if c.identity() == header[key]), None)
             said.append(f"--preset {name}" if name else "another model shape")

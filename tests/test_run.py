@@ -710,3 +710,32 @@ def test_train_refuses_a_tokenizer_that_does_not_fit(tmp_path, capsys, monkeypat
         assert word in err, (word, err)
     assert imported.read_bytes() == before
     assert not (tmp_path / "runs" / "imported").exists()
+
+
+def test_a_learner_change_on_an_import_names_the_option_not_the_lifted_parts(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    source = tmp_path / "notes.txt"
+    source.write_text(text, encoding="utf-8")
+    argv = ["train", "--checkpoint", str(imported), "--source", str(source), "--tokenizer",
+            str(hf_dir), "--new-data", "--steps", "1", "--backend", "reference", "--no-sample",
+            "--lr", "1e-5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    hint = err.rsplit(";", 1)[-1]
+    assert "--lr 3/10000" in hint and "--new-learner" in hint, err
+    assert "stream" not in hint and "--eval-contexts" not in hint, err
+    assert main(argv + ["--new-learner"]) == 0, capsys.readouterr().err
+    assert "lr=1/100000" in checkpoint.validate(imported).header["learner"]
+
+
+def test_conformance_debugs_a_step_of_an_imported_checkpoint(tmp_path, capsys):
+    """conformance --checkpoint takes the checkpoint's model (no --preset)."""
+    imported, _, _, config = imported_llama(tmp_path, capsys)
+    stream = pattern_stream(tmp_path / "s.tokens", config, 4, noise=0.1)
+    rc = main(["conformance", "--backend", "reference", "--checkpoint", str(imported),
+               "--stream", str(stream)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "failed: " in out and ", 0 failed" in out and "PASS" in out
