@@ -204,21 +204,25 @@ class Architecture:
 
 SILU = ("hidden_act", "silu", "SwiGLU", True)
 STABLELM = Architecture(
-    "StableLmForCausalLM", "stablelm", "layernorm", "layer_norm_eps", "use_qkv_bias", False,
-    True, (SILU, ("qk_layernorm", False, "no LayerNorm on queries and keys", True),
+    name="StableLmForCausalLM", model_type="stablelm", norm="layernorm",
+    eps_key="layer_norm_eps", bias_key="use_qkv_bias", qkv_bias=False, partial_rotary=True,
+    fixed=(SILU, ("qk_layernorm", False, "no LayerNorm on queries and keys", True),
            ("use_parallel_residual", False, "the MLP follows attention", True)),
     extra=("hidden_dropout",))
 LLAMA = Architecture(
-    "LlamaForCausalLM", "llama", "rmsnorm", "rms_norm_eps", None, False, False,
-    (SILU, ("attention_bias", False, "no bias on q, k, v and o: with q, k and v biases a "
-                                     "model is Qwen2ForCausalLM", False),
-     ("mlp_bias", False, "no bias in the MLP", False),
-     ("pretraining_tp", 1, "the products unsliced", False)), unwritten=("pretraining_tp",))
+    name="LlamaForCausalLM", model_type="llama", norm="rmsnorm", eps_key="rms_norm_eps",
+    bias_key=None, qkv_bias=False, partial_rotary=False,
+    fixed=(SILU, ("attention_bias", False, "no bias on q, k, v and o: with q, k and v biases "
+                                           "a model is Qwen2ForCausalLM", False),
+           ("mlp_bias", False, "no bias in the MLP", False),
+           ("pretraining_tp", 1, "the products unsliced", False)),
+    unwritten=("pretraining_tp",))
 QWEN2 = Architecture(
-    "Qwen2ForCausalLM", "qwen2", "rmsnorm", "rms_norm_eps", None, True, False,
-    (SILU, ("use_sliding_window", False, "full attention in every layer, no sliding window",
-            False),
-     ("use_mrope", False, "one rotary embedding of the positions", False)),
+    name="Qwen2ForCausalLM", model_type="qwen2", norm="rmsnorm", eps_key="rms_norm_eps",
+    bias_key=None, qkv_bias=True, partial_rotary=False,
+    fixed=(SILU, ("use_sliding_window", False, "full attention in every layer, no sliding "
+                                               "window", False),
+           ("use_mrope", False, "one rotary embedding of the positions", False)),
     extra=("sliding_window", "max_window_layers", "layer_types"),  # checked in _check_windows
     unwritten=("use_mrope",))
 ARCHITECTURES = (STABLELM, LLAMA, QWEN2)
