@@ -201,13 +201,44 @@ def load_tokenizer(path):
         raise StreamError(f"tokenizer {path}: cannot load ({detail})") from None
 
 
+def tokenizer_ids(tokenizer) -> int:
+    """How many ids a tokenizer produces: one more than its largest
+    (added tokens included). The project's own BPE has exactly V."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def check_tokenizer(path, vocab: int):
-    """The tokenizer at `path`, refused unless it loads and has `vocab` ids."""
+    """The tokenizer at `path`, refused unless it loads and every id it
+    produces is below the model's V (SPEC 22: V may exceed the tokenizer's
+    vocabulary, as an imported model's padded one does)."""
     tokenizer = load_tokenizer(path)
-    if tokenizer.get_vocab_size() != vocab:
-        raise StreamError(f"tokenizer {os.fspath(path)}: has {tokenizer.get_vocab_size()} ids, "
-                          f"the model has V={vocab}")
+    ids = tokenizer_ids(tokenizer)
+    if ids > vocab:
+        raise StreamError(f"tokenizer {os.fspath(path)}: has {ids} ids, more than the model's "
+                          f"V={vocab}")
     return tokenizer
+
+
+def tokenizer_file(path) -> str:
+    """--tokenizer PATH (SPEC 22): a tokenizer.json, or a Hugging Face
+    directory holding one."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        inside = os.path.join(path, TOKENIZER_NAME)
+        if not os.path.lexists(inside):
+            raise StreamError(f"--tokenizer {path}: a directory without {TOKENIZER_NAME}")
+        return inside
+    if not os.path.lexists(path):
+        raise StreamError(f"--tokenizer {path}: no such file")
+    return path
+
+
+def given_tokenizer(path, vocab: int) -> tuple:
+    """(tokenizer, its file's text) of --tokenizer PATH, checked to fit V."""
+    path = tokenizer_file(path)
+    tokenizer = check_tokenizer(path, vocab)
+    with open_regular(path) as f:  # load_tokenizer read it already: it is UTF-8
+        return tokenizer, f.read().decode("utf-8")
 
 
 def tokenizer_sha(path) -> str | None:
@@ -327,9 +358,10 @@ def documents_summary(stream_path) -> str | None:
     return summary(len(record["documents"]), len(record["binary"]), len(record["skipped"]))
 
 
-def is_fresh(stream_path, source, vocab: int) -> bool:
+def is_fresh(stream_path, source, vocab: int, given: str | None = None) -> bool:
     """Whether the cached stream was made from the source as it is now, by
-    the tokenizer of `vocab` ids that lies beside it. `source`: a Listing,
+    the tokenizer of `vocab` ids that lies beside it (or, `given` the text of
+    a --tokenizer file, by that one, byte for byte). `source`: a Listing,
     or what list_source takes (None for the embedded corpus, a path)."""
     listing = source if isinstance(source, Listing) else list_source(source)
     try:
@@ -343,7 +375,11 @@ def is_fresh(stream_path, source, vocab: int) -> bool:
         if not os.path.isfile(tokenizer_path):
             return False
         tokenizer = load_tokenizer(tokenizer_path)
-        if tokenizer.get_vocab_size() != vocab:
+        if given is not None:
+            with open_regular(tokenizer_path) as f:
+                if f.read().decode("utf-8", "replace") != given:
+                    return False
+        elif tokenizer.get_vocab_size() != vocab:
             return False
         stream = open_stream(stream_path, vocab)
         try:
@@ -471,37 +507,51 @@ def describe(listing: Listing) -> str:
     return f"{'folder' if listing.kind == FOLDER else 'source'} {listing.root}"
 
 
-def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = False) -> dict:
-    """Train the tokenizer on the source text, encode it, publish the stream,
+def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = False,
+                    given: tuple | None = None) -> dict:
+    """Train the tokenizer on the source text (or take `given`, a
+    (tokenizer, its file's text) pair), encode the text, publish the stream,
     its tokenizer.json and its document list (publish_pair). Returns what
     was written."""
     started = time.perf_counter()
     text = listing.text()
-    # a vocabulary the source text cannot yield: refused before the library sees it
-    check_vocab(vocab, len(text.encode("utf-8")))
-    if progress:
-        print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
-              f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
-    tokenizer = train_tokenizer([text], vocab, name=listing.root)
+    if given is None:
+        # a vocabulary the source text cannot yield: refused before the library sees it
+        check_vocab(vocab, len(text.encode("utf-8")))
+        if progress:
+            print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
+                  f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
+        tokenizer = train_tokenizer([text], vocab, name=listing.root)
+        tokenizer_text = tokenizer.to_str()
+    else:
+        tokenizer, tokenizer_text = given
     ids = encode(tokenizer, text, progress=progress)  # (N,)
     tokenizer_path = publish_pair(stream_path, ids, listing.mtime_ns, listing.size,
-                                  tokenizer.to_str(), listing)
+                                  tokenizer_text, listing)
     return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": int(ids.size),
             "seconds": time.perf_counter() - started}
 
 
 def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=None,
-                   progress: bool = False) -> tuple:
+                   progress: bool = False, tokenizer=None) -> tuple:
     """The stream a run reads -> (stream path, tokenizer path or None).
 
     With `stream`, use it as is (with the tokenizer.json beside it, if any).
     Otherwise tokenize `source` (a file or a folder; the embedded default when
     None) into `out` (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`,
     cache_dir None meaning default_cache_dir()), reusing a fresh cached stream
-    and rebuilding a stale one."""
+    and rebuilding a stale one. `tokenizer` (--tokenizer, SPEC 22: a
+    tokenizer.json or a directory holding one) encodes the source instead of
+    a BPE trained on it; its stream is cached apart, under
+    `<stem>-v<vocab>-t<the first 12 digits of its SHA-256>`, with a copy of
+    it beside the stream."""
     if stream is not None:
         if source is not None:
             raise ConfigError("give a source or a stream, not both")
+        if tokenizer is not None:
+            raise ConfigError(f"--tokenizer {os.fspath(tokenizer)}: encodes a --source; a "
+                              f"--stream is encoded already (its tokenizer is the "
+                              f"{TOKENIZER_NAME} beside it)")
         stream = os.fspath(stream)
         if os.path.isdir(stream):
             raise StreamError(f"stream {stream}: is a directory, not a token stream")
@@ -510,7 +560,8 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
         tokenizer_path = tokenizer_beside(stream)
         # whatever is there is the stream's tokenizer: checked (not ignored) by its reader
         return stream, tokenizer_path if os.path.lexists(tokenizer_path) else None
-    stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress)
+    stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress,
+                                                     tokenizer)
     return stream, tokenizer_path
 
 
@@ -535,14 +586,18 @@ def check_source_kind(source) -> None:
 
 
 def stream_for_source(source, vocab: int, out=None, cache_dir=None,
-                      progress: bool = False) -> tuple:
+                      progress: bool = False, tokenizer=None) -> tuple:
     """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?, Listing)."""
-    check_vocab(vocab)
+    given = None if tokenizer is None else given_tokenizer(tokenizer, vocab)
+    if given is None:
+        check_vocab(vocab)
     cache_dir = os.fspath(default_cache_dir() if cache_dir is None else cache_dir)
     check_source_kind(source)
     listing = list_source(source)  # a missing or empty source is refused before anything is written
     if out is None:
         stem = cache_stem(listing, vocab)
+        if given is not None:
+            stem += "-t" + hashlib.sha256(given[1].encode("utf-8")).hexdigest()[:12]
         out = os.path.join(cache_dir, stem, stem + STREAM_SUFFIX)
     out = os.fspath(out)
     if os.path.isdir(out):
@@ -551,12 +606,12 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
     with _cache_lock(out):
         for leftover in (out, tokenizer_beside(out), digest_beside(out), documents_beside(out)):
             remove_stale(leftover)  # temporaries of a run killed while it published
-        rebuilt = not is_fresh(out, listing, vocab)
+        rebuilt = not is_fresh(out, listing, vocab, given and given[1])
         if rebuilt:
             check_folder_is_its_own(out)
             check_can_write(out)
             check_replaceable(out)
-            tokenize_source(listing, out, vocab, progress=progress)
+            tokenize_source(listing, out, vocab, progress=progress, given=given)
         elif read_documents(out) != documents_record(listing):
             # the same documents, other files skipped (a binary file added, say):
             # the stream stands, the list's counts are brought up to date

@@ -10,8 +10,11 @@ export CHECKPOINT OUT [--format safetensors|hf] [--dtype float32|bfloat16] [--mo
     identities (schema, model, learner, data, initialization, chunk_bytes)
     and its step and contexts.
     hf: OUT is a directory that transformers loads with no custom code
-    (coppelius.hf, SPEC 20): config.json, model.safetensors (transformers'
-    names, the same metadata), the run's tokenizer.json with
+    (coppelius.hf, SPEC 20 and 21): config.json of the architecture that is
+    exactly the model (StableLmForCausalLM for layernorm, LlamaForCausalLM
+    for rmsnorm, Qwen2ForCausalLM for rmsnorm with q, k, v biases; any other
+    member is refused by name), model.safetensors (transformers' names, the
+    same metadata), the run's tokenizer.json with
     tokenizer_config.json, generation_config.json. The tokenizer is the
     tokenizer.json whose SHA-256 the data identity names, found where
     `coppelius sample` looks (beside the checkpoint, then the stream caches),
@@ -23,12 +26,19 @@ export CHECKPOINT OUT [--format safetensors|hf] [--dtype float32|bfloat16] [--mo
 import IN CHECKPOINT [--preset NAME] [--precision fp32|bf16]
     IN is a safetensors file with SPEC names, or a Hugging Face directory
     with transformers' names whose config.json describes a coppelius model
-    (coppelius.hf.model_of refuses anything else by name). Binds the tensors
+    (coppelius.hf.model_of refuses anything else by name): one an export
+    wrote, or one transformers' save_pretrained wrote (a StableLm, Llama or
+    Qwen2 model; its weights in one file or in shards). Binds the tensors
     by name through the binding layer (SPEC 12) and writes a checkpoint that
     starts a run afresh: step 0, contexts 0, zero moments (moments in the
     file are not carried over; AdamW's bias correction restarts at step 1
-    with them zero). bfloat16 tensors are widened to float32 exactly. A
-    stored tied head (`lm_head.weight`) must equal the embedding bit for bit.
+    with them zero). bfloat16 and float16 tensors are widened to float32
+    exactly. A stored tied head (`lm_head.weight`) must equal the embedding
+    bit for bit. A directory's tokenizer.json is copied beside CHECKPOINT
+    (unless a tokenizer.json is there already), where `sample`, `export`
+    and `train` find a checkpoint's tokenizer. The model (a preset where one matches, else the model
+    identity alone) then comes with the checkpoint: `coppelius train
+    --checkpoint CHECKPOINT` fine-tunes it with no --preset.
 
     Identities come from the file's metadata when it has them (a file that
     `export` wrote); otherwise, documented defaults:
@@ -63,12 +73,13 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from coppelius import hf
+from coppelius.plan import publish_tokenizer
 from coppelius.reference.binding import (Alias, Bind, Cast, NumpyBackend, RecipeBind, Tensor,
                                          UnexpectedValue, bind, bind_vectors, check_bindings,
                                          flatten)
 from coppelius.reference.checkpoint import CHUNK_BYTES, IDENTITY_KEYS, write_checkpoint
 from coppelius.reference.config import (PRECISIONS, PRESETS, SEED, Config, Hyper,
-                                        check_implemented, config_from_identity,
+                                        config_from_identity,
                                         data_identity, initialization_identity,
                                         parameter_count, preset, schema_identity, tensor_count)
 from coppelius.reference.errors import ConfigError, CoppeliusError
@@ -83,6 +94,7 @@ METADATA_KEYS = IDENTITY_KEYS + ("step", "contexts")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 FORMATS = ("safetensors", "hf")
 DTYPES = ("float32", "bfloat16")
+WIDENED = ("bfloat16", "float16")  # imported as float32 exactly (every value of each is one)
 
 
 class ExchangeError(CoppeliusError):
@@ -100,7 +112,8 @@ def register(subparsers) -> None:
     p.add_argument("out", metavar="OUT", type=path_argument)
     p.add_argument("--format", choices=FORMATS, default="safetensors",
                    help="safetensors: one file with SPEC names (default); hf: a Hugging Face "
-                        "model directory (StableLmForCausalLM)")
+                        "model directory (StableLmForCausalLM, LlamaForCausalLM or "
+                        "Qwen2ForCausalLM, the one that is the model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="tensor dtype; bfloat16 rounds to nearest even, half the size "
                         "(default float32)")
@@ -119,9 +132,11 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "import", help="make a checkpoint from a safetensors file or a Hugging Face directory",
-        description="Bind the tensors of IN (a safetensors file with SPEC names, or a directory "
-                    "that `export --format hf` wrote) by name and write CHECKPOINT with fresh "
-                    "moments at step 0. Identities come from IN's metadata when present.")
+        description="Bind the tensors of IN (a safetensors file with SPEC names, or a Hugging "
+                    "Face directory of a StableLm, Llama or Qwen2 model, as `export --format "
+                    "hf` or transformers' save_pretrained wrote it) by name and write "
+                    "CHECKPOINT with fresh moments at step 0. Identities come from IN's "
+                    "metadata when present.")
     p.add_argument("source", metavar="IN", type=path_argument)
     p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
     p.add_argument("--preset", choices=sorted(PRESETS),
@@ -193,8 +208,8 @@ def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str
     with CheckpointFileSource(checkpoint) as source:
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {checkpoint}")
-        if fmt == "hf":  # config.json writes the defaults' StableLM (SPEC 20)
-            check_implemented(config, (), f"--format hf of {checkpoint}")
+        if fmt == "hf":  # the one architecture that is this model (SPEC 21), else refused
+            hf.architecture(config)
         files = {}
         if fmt == "hf" and not no_tokenizer:  # before the work: a missing one is refused first
             files[hf.TOKENIZER] = _run_tokenizer(checkpoint, header, config, tokenizer)
@@ -306,8 +321,8 @@ def import_hf(directory, checkpoint, preset_name: str | None = None,
     if any(same_file(os.path.join(directory, name), checkpoint) for name in hf.EXPORT_FILES):
         raise ExchangeError(f"{checkpoint}: is a file of the directory being imported")
     config = hf.read_config(directory)  # another architecture is refused before any tensor
-    weights = hf.weights_path(directory)
-    with SafetensorsSource(weights) as source:
+    with hf.weights_source(directory) as source:
+        weights = source.path
         _check_size(source, config, weights)  # before anything is built for the claimed model
         beside = hf.directory_tokenizer(directory, config)
         meta = source.metadata
@@ -317,6 +332,8 @@ def import_hf(directory, checkpoint, preset_name: str | None = None,
         ids = _import_identities(meta, config, precision, batch, tokenizer_sha, weights)
         P, _ = _bind_parameters(source, config, hf.hf_names(config), weights, moments=False)
     _write_checkpoint(checkpoint, config, ids, P)
+    if beside is not None:  # where `sample`, `export` and `train` look for it
+        publish_tokenizer(os.path.join(directory, hf.TOKENIZER), checkpoint)
     return config, 0
 
 
@@ -336,7 +353,7 @@ def import_plan(config: Config, names: dict, tensors, moments: bool) -> tuple:
     The parameters are declared under the file's own names (`names`: SPEC
     name -> file key), so a refusal names the tensor as the file has it; the
     tied head is an alias of its owner. bfloat16 tensors are widened by a
-    cast recipe. `offered` leaves out a stored tied head (checked bit for bit
+    cast recipe, and so are float16 ones. `offered` leaves out a stored tied head (checked bit for bit
     by _check_tied) and, with `moments`, the moment tensors (not imported)."""
     reg = registry(config)
     declared, bindings = {}, []
@@ -344,7 +361,7 @@ def import_plan(config: Config, names: dict, tensors, moments: bool) -> tuple:
         key = names[spec.name]
         declared[key] = ("float32", spec.shape)
         info = tensors.get(key)
-        if info is not None and info.dtype == "bfloat16":  # widened exactly
+        if info is not None and info.dtype in WIDENED:  # widened exactly
             bindings.append(RecipeBind(key, Cast(Tensor(key), "float32")))
         else:
             bindings.append(Bind(key, key))
@@ -561,7 +578,8 @@ def inspect_safetensors(path: str, line) -> None:
         line("describes", _describe(config))
         _check_size(source, config, path)  # before a registry is built for the claimed model
         check_binds(source, config, {name: name for name in hf.hf_names(config)}, moments=True)
-        line("binds", "yes: every parameter of the model (lm_head.weight tied)")
+        line("binds", "yes: every parameter of the model" + (" (lm_head.weight tied)"
+                                                              if config.tied else ""))
 
 
 def inspect_hf(directory: str, line) -> None:
@@ -571,10 +589,11 @@ def inspect_hf(directory: str, line) -> None:
     line("hf directory", directory)
     line("files", ", ".join(sorted(os.listdir(directory))) or "none")
     config = hf.read_config(directory)
-    line("architecture", f"{hf.ARCHITECTURE} (model_type stablelm)")
+    arch = hf.architecture(config)
+    line("architecture", f"{arch.name} (model_type {arch.model_type})")
     line("describes", _describe(config))
-    weights = hf.weights_path(directory)
-    with SafetensorsSource(weights) as source:
+    with hf.weights_source(directory) as source:
+        weights = source.path
         meta = source.metadata
         for key in sorted(meta):
             line(key, meta[key])
@@ -585,5 +604,5 @@ def inspect_hf(directory: str, line) -> None:
     sha = hf.directory_tokenizer(directory, config)
     line("tokenizer", f"{hf.TOKENIZER}: {config.vocab} ids, sha256 {sha}" if sha else
          "none (AutoTokenizer will not load this directory)")
-    line("binds", "yes: every parameter of the model (lm_head.weight tied to "
-                  "model.embed_tokens.weight)")
+    line("binds", "yes: every parameter of the model" + (
+        " (lm_head.weight tied to model.embed_tokens.weight)" if config.tied else ""))

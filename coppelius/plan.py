@@ -16,8 +16,8 @@ from coppelius import accelerated
 from coppelius.reference import checkpoint, fsutil, limits
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SEED, Hyper, check_implemented,
-                                        check_precision, config_from_toml, parse_rational,
-                                        preset)
+                                        check_precision, config_from_identity, config_from_toml,
+                                        parse_rational, preset)
 from coppelius.reference.errors import IdentityMismatch, RunError
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
@@ -54,6 +54,7 @@ class Plan:
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
     remembered: dict | None = None  # what run.json will hold
     recompute: bool = False  # the gate and up products computed again in the backward
+    model_source: str = ""  # the preset's name, the model file, or the checkpoint it came from
 
 
 def _positive(value, name):
@@ -73,8 +74,12 @@ def resolve_options(args) -> tuple:
     Paths are remembered absolute, so a run continues from any directory."""
     from coppelius import data  # tokenizers is imported only when a run needs it
 
-    default_name = (os.path.splitext(os.path.basename(args.model))[0] if args.model
-                    else args.preset or data.default_preset())
+    if args.model:
+        default_name = os.path.splitext(os.path.basename(args.model))[0]
+    elif args.preset is None and args.checkpoint is not None:  # the checkpoint's model, below
+        default_name = os.path.splitext(os.path.basename(args.checkpoint))[0]
+    else:
+        default_name = args.preset or data.default_preset()
     run_dir = args.run_dir or os.path.join("runs", default_name)
     remembered = read_run_file(run_dir)
     options = {}
@@ -82,7 +87,7 @@ def resolve_options(args) -> tuple:
         given = getattr(args, key, None)
         if key == "repeat_data":
             given = True if args.repeat_data else None
-        if key in ("source", "stream", "checkpoint", "model") and given is not None:
+        if key in ("source", "stream", "checkpoint", "model", "tokenizer") and given is not None:
             given = os.path.abspath(given)
         if given is not None:
             options[key] = given
@@ -98,7 +103,24 @@ def resolve_options(args) -> tuple:
         options.pop("stream", None)
     if args.stream is not None:
         options.pop("source", None)
+        if getattr(args, "tokenizer", None) is None:  # a stream's tokenizer lies beside it
+            options.pop("tokenizer", None)
     return run_dir, options
+
+
+def choose_model(options: dict, ckpt: str, name: str) -> tuple:
+    """(Config, run defaults, where the model comes from) of a run: --model
+    FILE over --preset (SPEC 17); with neither, the model of the checkpoint
+    it resumes (its model identity: an imported one is fine-tuned as it is),
+    else the default preset `name`."""
+    if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
+        config, defaults = config_from_toml(options["model"], preset(name) if options.get("preset")
+                                            else None)
+        return config, defaults, options["model"]
+    if not options.get("preset") and not checkpoint.is_fresh(ckpt):
+        header = checkpoint.validate(ckpt).header
+        return config_from_identity(header["model"], f"checkpoint {ckpt}"), {}, ckpt
+    return preset(name), {}, name
 
 
 def make_learner(options: dict, final_step: int) -> Hyper:
@@ -156,10 +178,9 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     name = options.get("preset") or data.default_preset()
     if name not in PRESETS:
         raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
-    config, defaults = preset(name), {}
-    if options.get("model"):  # SPEC 17: the file's fields over the preset's, if one is named
-        config, defaults = config_from_toml(options["model"], config if options.get("preset")
-                                            else None)
+    ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
+    fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
+    config, defaults, model_source = choose_model(options, ckpt, name)
     # a family field (SPEC 21) the backend does not compute: refused before anything is written
     check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
     can = accelerated.capabilities(backend)
@@ -182,9 +203,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     _nonnegative(args.until, "until")
     limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
                                         on_host=can.host_data),
-                      f"--batch={batch} on the {options.get('model') or name} model")
-    ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
-    fsutil.output_target(ckpt, "checkpoint")  # a FIFO or a device is refused, not replaced
+                      f"--batch={batch} on the {model_source} model")
     if args.results and fsutil.same_file(args.results, ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
     if writes and args.results and os.path.lexists(args.results):
@@ -195,13 +214,13 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if writes:
         stream_path, tokenizer = data.prepare_stream(
             source=options.get("source"), stream=options.get("stream"),
-            vocab=config.vocab)  # cached under runs/data
+            vocab=config.vocab, tokenizer=options.get("tokenizer"))  # cached under runs/data
     else:  # the stream rank 0 prepared: its digest is compared through the data identity
         stream_path, tokenizer = leader["stream"], leader["tokenizer"]
     stream = open_stream(stream_path, config.vocab)
     resources.callback(stream.close)
     if tokenizer:
-        data.check_tokenizer(tokenizer, config.vocab)  # not found bad after training
+        data.check_tokenizer(tokenizer, config.vocab)  # ids below V: not found bad after training
     K_stream = stream.n_contexts(config.context)
     if K_stream == 0:
         raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
@@ -269,7 +288,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
                 heldout=heldout, eval_every=eval_every, remembered=options,
-                recompute=bool(options.get("recompute", False)))
+                recompute=bool(options.get("recompute", False)), model_source=model_source)
 
 
 def writable_directory(directory) -> None:
@@ -320,7 +339,8 @@ def load_checkpoint(path, config, identities, new_data=False, new_learner=False)
         ck = load_state(path, config, expect=identities, new_data=new_data,
                         new_learner=new_learner)
     except IdentityMismatch as e:
-        hint = identity_hint(checkpoint.validate(path).header, identities)
+        lifted = {"data": new_data, "learner": new_learner}
+        hint = identity_hint(checkpoint.validate(path).header, identities, lifted)
         raise IdentityMismatch(f"{e}{'; ' + hint if hint else ''}") from None
     return ck.state, ck.contexts
 
@@ -332,13 +352,19 @@ _OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "bet
               "accumulate": "--accumulate"}
 
 
-def identity_hint(header: dict, run: dict) -> str:
+def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
     """'the checkpoint was trained with --batch 4', naming every option whose
-    value differs between the checkpoint's identities and the run's."""
+    value differs between the checkpoint's identities and the run's, but
+    the parts that --new-data and --new-learner lift where given (`lifted`:
+    identity key -> whether its parts are lifted)."""
     said = []
     for key in ("learner", "data", "initialization", "model"):
         have = dict(part.partition("=")[::2] for part in str(header.get(key, "")).split("|"))
         want = dict(part.partition("=")[::2] for part in str(run[key]).split("|"))
+        if (lifted or {}).get(key):
+            for part in checkpoint.LIFTED[key]:
+                have.pop(part.rstrip("="), None)
+                want.pop(part.rstrip("="), None)
         if key == "model" and have != want:
             name = next((n for n, c in PRESETS.items() if c.identity() == header[key]), None)
             said.append(f"--preset {name}" if name else "another model shape")

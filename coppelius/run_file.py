@@ -16,7 +16,7 @@ from coppelius.reference.errors import RunError
 # command line gives them. Not remembered: how far to go this time (--steps,
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
-REMEMBERED = ("source", "stream", "preset", "model", "backend", "precision", "batch", "accumulate",
+REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "precision", "batch", "accumulate",
               "gpus", "recompute", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",

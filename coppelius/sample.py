@@ -221,16 +221,18 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
                   tokenizer=None, logits_of=None) -> str:
     """The prompt and its continuation, decoded (`logits_of`: see generate)."""
-    from coppelius.data import load_tokenizer
+    from coppelius.data import load_tokenizer, tokenizer_file, tokenizer_ids
 
     check_options(tokens, temperature, top_k, seed)
     check_prompt(prompt)
     config, P, header = load_parameters(checkpoint_path)
+    if tokenizer is not None:
+        tokenizer = tokenizer_file(tokenizer)  # a tokenizer.json, or a directory holding one
     tokenizer_path = find_tokenizer(checkpoint_path, header, tokenizer)
     tok = load_tokenizer(tokenizer_path)
-    if tok.get_vocab_size() != config.vocab:
-        raise StreamError(f"tokenizer {tokenizer_path}: has {tok.get_vocab_size()} ids, the "
-                          f"checkpoint's model has V={config.vocab}")
+    if tokenizer_ids(tok) > config.vocab:  # SPEC 22: V may exceed the tokenizer's ids
+        raise StreamError(f"tokenizer {tokenizer_path}: has {tokenizer_ids(tok)} ids, more than "
+                          f"the checkpoint's model has (V={config.vocab})")
     ids = tok.encode(prompt, add_special_tokens=False).ids
     out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed),
                    logits_of)
@@ -253,7 +255,8 @@ def register(subparsers) -> None:
                    help="draw from the K most likely tokens; 0 for all (default 40)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--tokenizer", metavar="PATH", type=path_argument,
-                   help="tokenizer.json to use (default: the one whose SHA-256 the checkpoint names)")
+                   help="tokenizer.json to use, or a Hugging Face directory holding one "
+                        "(default: the one whose SHA-256 the checkpoint names)")
     p.set_defaults(func=run_sample)
 
 

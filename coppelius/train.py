@@ -66,13 +66,19 @@ def register(sub) -> None:
     data.add_argument("--source", metavar="PATH", type=path,
                       help="a text file, or a folder of text files, to tokenize and train on")
     data.add_argument("--stream", metavar="STREAM", type=path, help="a token stream file to train on")
+    p.add_argument("--tokenizer", metavar="PATH", type=path,
+                   help="encode --source with this tokenizer.json (or the one in this Hugging "
+                        "Face directory) instead of training a BPE on it; its ids must be below "
+                        "the model's V (SPEC §22)")
     p.add_argument("--checkpoint", metavar="PATH", type=path,
                    help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin); "
-                        "locked while the run uses it")
+                        "locked while the run uses it. With neither --preset nor --model, the "
+                        "model is the checkpoint's (an imported one is fine-tuned as it is)")
     p.add_argument("--results", metavar="PATH", type=path,
                    help="result file to write; must not exist (default: RUN_DIR/results-<step>.bin)")
     p.add_argument("--run-dir", metavar="DIR", type=path,
-                   help="output directory (default: runs/<preset>, or runs/<model file stem>)")
+                   help="output directory (default: runs/<preset>, or runs/<model file stem>, "
+                        "or runs/<checkpoint file stem> when the model is --checkpoint's)")
     how_far = p.add_mutually_exclusive_group()
     how_far.add_argument("--steps", type=int, metavar="S", help="take S more steps")
     how_far.add_argument("--until", type=int, metavar="N",
@@ -726,10 +732,14 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
 
 
 def _model_name(plan) -> str:
-    """The preset's name, or the model file (and the preset it overrides)."""
+    """The preset's name, or the model file (and the preset it overrides),
+    or the checkpoint the model was read from."""
     model, preset_name = plan.remembered.get("model"), plan.remembered.get("preset")
     if model:
         return f"{preset_name} with {model}" if preset_name else model
+    if plan.model_source == plan.checkpoint:
+        name = next((n for n, c in PRESETS.items() if c == plan.config), None)
+        return f"of {plan.checkpoint}" + (f" (preset {name})" if name else "")
     for name, c in PRESETS.items():
         if c == plan.config:
             return name

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import sysconfig
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -406,39 +407,56 @@ def drop_key(key):
 def rope_parameters(**values):
     def change(c):
         c.pop("rope_theta")
-        c.pop("partial_rotary_factor")
+        c.pop("partial_rotary_factor", None)  # StableLM's only
         c["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 1.0, **values}
     return change
 
 
 @pytest.mark.parametrize("change, words", [
-    (set_key("model_type", "llama"), ["model_type", '"llama"', "stablelm"]),
+    (set_key("model_type", "gpt2"), ["model_type", '"gpt2"', "stablelm", "llama", "qwen2"]),
+    (set_key("model_type", "llama"), ["architectures", "StableLmForCausalLM", "LlamaForCausalLM"]),
     (set_key("architectures", ["LlamaForCausalLM"]), ["architectures", "LlamaForCausalLM"]),
-    (set_key("partial_rotary_factor", 0.25), ["partial_rotary_factor", "0.25", "1.0"]),
-    (rope_parameters(partial_rotary_factor=0.5), ["rope_parameters.partial_rotary_factor", "0.5"]),
     (rope_parameters(rope_type="linear", factor=2.0), ["rope_type", "linear"]),
-    (rope_parameters(rope_theta=500000.0), ["rope_parameters.rope_theta", "500000"]),
-    (set_key("rope_theta", 500000.0), ["rope_theta", "500000"]),
+    (rope_parameters(factor=2.0), ["rope_parameters.factor", "2.0"]),
+    (set_key("rope_parameters", {"rope_theta": 500000.0}),  # beside rope_theta 10000.0
+     ["rope_theta", "10000.0", "rope_parameters.rope_theta", "500000.0"]),
     (set_key("rope_scaling", {"type": "linear", "factor": 2.0}), ["rope_scaling"]),
     (drop_key("partial_rotary_factor"), ["partial_rotary_factor", "missing"]),
     (drop_key("tie_word_embeddings"), ["tie_word_embeddings", "missing"]),
-    (set_key("qk_layernorm", True), ["qk_layernorm", "true"]),
-    (set_key("use_qkv_bias", True), ["use_qkv_bias", "true"]),
-    (set_key("use_parallel_residual", True), ["use_parallel_residual", "true"]),
-    (set_key("num_key_value_heads", 1), ["num_key_value_heads", "1", "2"]),
     (drop_key("num_key_value_heads"), ["num_key_value_heads", "missing"]),
-    (set_key("tie_word_embeddings", False), ["tie_word_embeddings", "false"]),
+    (drop_key("use_qkv_bias"), ["use_qkv_bias", "missing"]),
+    (drop_key("layer_norm_eps"), ["layer_norm_eps", "missing"]),
+    (drop_key("max_position_embeddings"), ["max_position_embeddings", "missing"]),
+    (set_key("num_key_value_heads", None), ["num_key_value_heads", "null"]),
+    (set_key("qk_layernorm", True), ["qk_layernorm", "true"]),
+    (set_key("use_parallel_residual", True), ["use_parallel_residual", "true"]),
     (set_key("hidden_act", "gelu"), ["hidden_act", "gelu", "silu"]),
-    (set_key("layer_norm_eps", 1e-6), ["layer_norm_eps", "1e-06"]),
     (set_key("head_dim", 8), ["head_dim", "8", "16"]),
+    (set_key("num_key_value_heads", 3), ["num_key_value_heads", "3", "dividing n_head=2"]),
+    (set_key("partial_rotary_factor", 0.3), ["partial_rotary_factor", "0.3", "even integer"]),
+    (set_key("partial_rotary_factor", 1.5), ["partial_rotary_factor", "1.5", "(0, 1]"]),
+    (set_key("layer_norm_eps", -1e-5), ["layer_norm_eps", "-1e-05", "positive number"]),
+    (set_key("rope_theta", "10000"), ["rope_theta", '"10000"', "positive number"]),
+    (set_key("tie_word_embeddings", 1), ["tie_word_embeddings", "1", "true or false"]),
     (set_key("hidden_size", 30), ["not a shape", "n_head"]),
     (set_key("vocab_size", "320"), ["vocab_size", '"320"', "positive integer"]),
     (set_key("num_hidden_layers", True), ["num_hidden_layers", "true"]),
-    (drop_key("max_position_embeddings"), ["max_position_embeddings", "missing"]),
-    # the metadata names the exported model, and config.json must describe it too
+    (set_key("sliding_window", 4096), ["sliding_window", "not a field", "StableLmForCausalLM"]),
+    (set_key("some_new_field", 1), ["some_new_field", "not a field"]),
+    (set_key("num_experts", 8), ["num_experts", "mixture-of-experts"]),
+    (set_key("num_local_experts", 8), ["num_local_experts", "mixture-of-experts"]),
+    # a member of the family, but not the one the metadata names: config.json and
+    # the tensors' metadata must describe one model
+    (set_key("partial_rotary_factor", 0.25), ["metadata model", "config.json", "rotary=25/100"]),
+    (set_key("num_key_value_heads", 1), ["metadata model", "config.json", "kv_heads=1"]),
+    (set_key("tie_word_embeddings", False), ["metadata model", "config.json", "tied=0"]),
+    (set_key("use_qkv_bias", True), ["metadata model", "config.json", "qkv_bias=1"]),
+    (set_key("layer_norm_eps", 1e-6), ["metadata model", "config.json", "eps=1/1000000"]),
+    (set_key("rope_theta", 500000.0), ["metadata model", "config.json", "rope_base=500000"]),
+    (rope_parameters(rope_theta=500000.0), ["metadata model", "rope_base=500000"]),
     (set_key("intermediate_size", 64), ["metadata model", "config.json", "d_ff=64"]),
-    (set_key("vocab_size", 400), ["tokenizer", "320 ids", "V=400"]),
+    (set_key("vocab_size", 400), ["metadata model", "config.json", "vocab=400"]),
 ])
 def test_import_refuses_a_config_of_another_model(run, tmp_path, capsys, change, words):
     checkpoint, _, _ = run
@@ -448,6 +466,14 @@ def test_import_refuses_a_config_of_another_model(run, tmp_path, capsys, change,
     refused(capsys, "import", out, dst, words=words)
     assert not dst.exists()
     assert sorted(os.listdir(tmp_path)) == ["hf", "run"]
+
+
+def test_import_refuses_a_tokenizer_with_more_ids_than_the_model(run, tmp_path, capsys, text):
+    checkpoint, _, _ = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf", "--no-tokenizer")
+    train_tokenizer([text], 400).save(str(out / "tokenizer.json"))
+    refused(capsys, "import", out, tmp_path / "back.ckpt",
+            words=["tokenizer.json", "400 ids", "V=320"])
 
 
 def edit_tensors(directory, change, metadata=True):
@@ -473,8 +499,10 @@ def edit_tensors(directory, change, metadata=True):
      ["model.layers.2.self_attn.q_proj.weight", "unexpected tensor"]),
     (lambda t: t.update({"lm_head.weight": np.ones((320, 32), np.float32)}),
      ["lm_head.weight", "model.embed_tokens.weight", "ties"]),
-    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float16)}),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float64)}),
      ["model.norm.weight", "bytes"]),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int32)}),
+     ["model.norm.weight", "int32"]),
     (lambda t: t["model.layers.1.self_attn.v_proj.weight"].__setitem__((3, 4), np.nan),
      ["model.layers.1.self_attn.v_proj.weight", "non-finite", "[3, 4]"]),
 ])
@@ -514,7 +542,7 @@ def test_import_refuses_directories_it_cannot_read(run, tmp_path, capsys):
     os.unlink(out / "model.safetensors")
     refused(capsys, "import", out, dst, words=["no model.safetensors"])
     (out / "model.safetensors.index.json").write_text("{}")
-    refused(capsys, "import", out, dst, words=["sharded"])
+    refused(capsys, "import", out, dst, words=["model.safetensors.index.json", "weight_map"])
     os.unlink(out / "model.safetensors.index.json")
     (out / "pytorch_model.bin").write_bytes(b"\x80\x04")
     refused(capsys, "import", out, dst, words=["pytorch_model.bin", "pickle"])
@@ -605,3 +633,308 @@ def test_inspect_refuses_a_directory_import_would_refuse(run, tmp_path, capsys):
     edit_tensors(out, lambda t: t.pop("model.norm.bias"))
     refused(capsys, "inspect", out, words=["model.norm.bias"])
     refused(capsys, "inspect", tmp_path / "run", words=["no config.json"])
+
+
+# ------------------------------------------------------------------ the model families (SPEC 21)
+
+def member(**fields):
+    return Config(vocab=320, context=16, d_model=32, n_layer=2, n_head=4, d_ff=64, **fields)
+
+
+LLAMA = member(norm="rmsnorm", n_kv_head=2, tied=False, rope_base=500000,
+               norm_eps=Fraction(1, 1000000))
+QWEN2 = member(norm="rmsnorm", n_kv_head=1, qkv_bias=True)
+STABLELM = member(n_kv_head=2, tied=False, rotary=Fraction(1, 2), qkv_bias=True)
+# config.json of each, written out here as SPEC 20 and 21 name the fields
+EXPECTED = {
+    "llama": (LLAMA, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "rope_scaling": None, "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "hidden_act": "silu",
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "torch_dtype": "float32"}),
+    "qwen2": (QWEN2, {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 320,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8,
+        "max_position_embeddings": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "rope_scaling": None, "tie_word_embeddings": True, "use_sliding_window": False,
+        "sliding_window": None, "hidden_act": "silu",
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "torch_dtype": "float32"}),
+    "stablelm": (STABLELM, {
+        "architectures": ["StableLmForCausalLM"], "model_type": "stablelm", "vocab_size": 320,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0, "layer_norm_eps": 1e-5, "max_position_embeddings": 16,
+        "tie_word_embeddings": False, "use_qkv_bias": True, "qk_layernorm": False,
+        "use_parallel_residual": False, "hidden_act": "silu", "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "torch_dtype": "float32"}),
+}
+
+
+@pytest.fixture(params=sorted(EXPECTED))
+def family_run(request, tmp_path, text):
+    config, expected = EXPECTED[request.param]
+    checkpoint, state, ids = make_run(tmp_path / "run", config, tokenizer_text=text)
+    return request.param, config, expected, checkpoint, state, ids
+
+
+def test_export_writes_the_architecture_of_each_member(family_run, tmp_path, capsys):
+    name, config, expected, checkpoint, state, _ = family_run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text()) == expected
+    tensors = load_file(str(out / "model.safetensors"))
+    # the names of SPEC 20 and 21, written out: q, k, v biases where the model has them,
+    # norm biases with layernorm only, lm_head.weight when untied
+    want = {"model.embed_tokens.weight": (320, 32), "model.norm.weight": (32,)}
+    if config.norm == "layernorm":
+        want["model.norm.bias"] = (32,)
+    if not config.tied:
+        want["lm_head.weight"] = (320, 32)
+    kv = 8 * config.kv_heads
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        want.update({p + "self_attn.q_proj.weight": (32, 32), p + "self_attn.k_proj.weight": (kv, 32),
+                     p + "self_attn.v_proj.weight": (kv, 32), p + "self_attn.o_proj.weight": (32, 32),
+                     p + "mlp.gate_proj.weight": (64, 32), p + "mlp.up_proj.weight": (64, 32),
+                     p + "mlp.down_proj.weight": (32, 64)})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            want[p + norm + ".weight"] = (32,)
+            if config.norm == "layernorm":
+                want[p + norm + ".bias"] = (32,)
+        if config.qkv_bias:
+            want.update({p + "self_attn.q_proj.bias": (32,), p + "self_attn.k_proj.bias": (kv,),
+                         p + "self_attn.v_proj.bias": (kv,)})
+    assert {key: a.shape for key, a in tensors.items()} == want
+    P = {spec.name: state.P[spec.slice].reshape(spec.shape) for spec in registry(config)}
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].tobytes() == \
+        P["layers.1.attn.k.weight"].tobytes()
+    if config.qkv_bias:
+        assert tensors["model.layers.0.self_attn.v_proj.bias"].tobytes() == \
+            P["layers.0.attn.v.bias"].tobytes()
+    if not config.tied:
+        assert tensors["lm_head.weight"].tobytes() == P["lm_head.weight"].tobytes()
+    status, stdout, _ = cli(capsys, "inspect", out)
+    assert status == 0 and f"{expected['architectures'][0]} (model_type {name})" in stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_member_round_trips(family_run, tmp_path, capsys, dtype):
+    _, config, _, checkpoint, state, ids = family_run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf", "--dtype", dtype)
+    back = tmp_path / "back.ckpt"
+    assert cli(capsys, "import", out, back)[0] == 0
+    got = load_state(back, config, expect=ids)
+    assert got.state.P.tobytes() == (state.P if dtype == "float32" else round_bf16(state.P)).tobytes()
+    # without coppelius' metadata (as transformers saves it): the model is config.json's
+    save_file(load_file(str(out / "model.safetensors")), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    again = tmp_path / "again.ckpt"
+    assert cli(capsys, "import", out, again)[0] == 0
+    header = load_state(again, config).header
+    assert header["model"] == config.identity()
+
+
+@pytest.mark.parametrize("config, words", [
+    (member(norm="rmsnorm", rotary=Fraction(1, 2)), ["rotary=5/10", "LlamaForCausalLM",
+                                                     "Qwen2ForCausalLM", "whole head"]),
+    (member(norm="rmsnorm", rotary=Fraction(1, 2), qkv_bias=True), ["rotary=5/10"]),
+    (Config(vocab=320, context=16, d_model=24, n_layer=1, n_head=4, d_ff=64,
+            rotary=Fraction(1, 3)), ["rotary=1/3", "0.333"]),
+    (member(norm="rmsnorm", norm_eps=Fraction(1, 3)), ["norm_eps=1/3"]),
+])
+def test_export_refuses_a_member_no_architecture_is(tmp_path, capsys, text, config, words):
+    checkpoint, _, _ = make_run(tmp_path / "run", config, tokenizer_text=text)
+    refused(capsys, "export", checkpoint, tmp_path / "hf", "--format", "hf", words=words)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("name, change, words", [
+    ("llama", set_key("attention_bias", True), ["attention_bias", "true", "Qwen2ForCausalLM"]),
+    ("llama", set_key("mlp_bias", True), ["mlp_bias", "true"]),
+    ("llama", set_key("pretraining_tp", 2), ["pretraining_tp", "2"]),
+    ("llama", set_key("partial_rotary_factor", 0.5), ["partial_rotary_factor", "0.5", "whole head"]),
+    ("llama", rope_parameters(partial_rotary_factor=0.5), ["rope_parameters.partial_rotary_factor"]),
+    ("llama", set_key("use_qkv_bias", True), ["use_qkv_bias", "not a field", "LlamaForCausalLM"]),
+    ("llama", set_key("head_dim", 16), ["head_dim", "16", "8"]),
+    ("llama", set_key("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ["rope_scaling"]),
+    ("llama", drop_key("rms_norm_eps"), ["rms_norm_eps", "missing"]),
+    ("llama", drop_key("hidden_act"), ["hidden_act", "missing"]),
+    ("llama", set_key("layer_norm_eps", 1e-5), ["layer_norm_eps", "not a field"]),
+    ("qwen2", set_key("use_sliding_window", True), ["use_sliding_window", "true", "sliding"]),
+    ("qwen2", set_key("layer_types", ["full_attention", "sliding_attention"]),
+     ["layer_types", "sliding_attention"]),
+    ("qwen2", set_key("layer_types", ["full_attention"]), ["layer_types"]),
+    ("qwen2", set_key("use_mrope", True), ["use_mrope", "true"]),
+    ("qwen2", set_key("attention_bias", True), ["attention_bias", "not a field"]),
+    ("qwen2", set_key("num_experts", 60), ["num_experts", "mixture-of-experts"]),
+    ("qwen2", set_key("moe_intermediate_size", 64), ["moe_intermediate_size", "mixture-of-experts"]),
+    ("qwen2", set_key("model_type", "qwen2_moe"), ["model_type", "qwen2_moe"]),
+])
+def test_import_refuses_by_key_what_the_architecture_is_not(tmp_path, capsys, text, name, change,
+                                                            words):
+    config = EXPECTED[name][0]
+    checkpoint, _, _ = make_run(tmp_path / "run", config, tokenizer_text=text)
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    edit_config(out, change)
+    refused(capsys, "import", out, tmp_path / "back.ckpt", words=words)
+    assert not (tmp_path / "back.ckpt").exists()
+
+
+# what transformers writes beside the fields of the model (versions 4 and 5):
+# none of it changes the model, and import takes it
+BENIGN = {"transformers_version": "4.46.0", "dtype": "bfloat16", "torch_dtype": "bfloat16",
+          "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 0, "use_cache": True,
+          "initializer_range": 0.02, "attention_dropout": 0.1, "_name_or_path": "somewhere",
+          "output_hidden_states": False, "return_dict": True, "tokenizer_class": "X"}
+
+
+@pytest.mark.parametrize("name, change", [
+    ("llama", lambda c: c.update(BENIGN, pretraining_tp=1)),
+    ("llama", rope_parameters(rope_theta=500000.0)),  # transformers 5's form
+    ("llama", drop_key("rope_scaling")),
+    ("llama", drop_key("attention_bias")),
+    ("llama", drop_key("head_dim")),
+    ("qwen2", lambda c: c.update(BENIGN, sliding_window=32768, max_window_layers=21,
+                                 layer_types=["full_attention"] * 2)),
+    ("qwen2", lambda c: [c.pop(k) for k in ("use_sliding_window", "sliding_window")]),
+    ("qwen2", set_key("use_mrope", False)),
+    ("llama", set_key("pretraining_tp", 1)),
+    ("stablelm", lambda c: c.update(BENIGN, hidden_dropout=0.1)),
+    ("stablelm", rope_parameters(partial_rotary_factor=0.5)),
+])
+def test_import_takes_what_leaves_the_model_as_it_is(tmp_path, capsys, text, name, change):
+    config = EXPECTED[name][0]
+    checkpoint, state, _ = make_run(tmp_path / "run", config, tokenizer_text=text)
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    edit_config(out, change)
+    back = tmp_path / "back.ckpt"
+    status, _, err = cli(capsys, "import", out, back)
+    assert status == 0, err
+    got = load_state(back, config)
+    assert got.header["model"] == config.identity()
+    assert got.state.P.tobytes() == state.P.tobytes()
+
+
+def test_import_widens_float16_exactly(run, tmp_path, capsys):
+    checkpoint, state, _ = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    path = str(out / "model.safetensors")
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata()
+    half = {key: a.astype(np.float16) for key, a in load_file(path).items()}
+    save_file(half, path, metadata=meta)
+    back = tmp_path / "back.ckpt"
+    assert cli(capsys, "import", out, back)[0] == 0
+    want = state.P.astype(np.float16).astype(np.float32)  # every float16 is a float32
+    assert load_state(back, SMALL).state.P.tobytes() == want.tobytes()
+
+
+def shard(directory, groups: list, weight_map=None, metadata=None) -> dict:
+    """Split DIR/model.safetensors into model-0000i-of-0000n.safetensors, one
+    per group of tensor names (a name in two groups is in two shards), with
+    the index save_pretrained writes (or `weight_map`). -> the index."""
+    path = str(directory / "model.safetensors")
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata() if metadata is None else metadata
+    tensors = load_file(path)
+    os.unlink(path)
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for name, group in zip(files, groups):
+        save_file({key: tensors[key] for key in group}, str(directory / name), metadata=meta)
+    if weight_map is None:
+        weight_map = {key: name for name, group in zip(files, groups) for key in group}
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+def layer_groups(directory) -> list:
+    """The tensor names in three groups: the embedding, layer 0, the rest."""
+    with safe_open(str(directory / "model.safetensors"), framework="numpy") as f:
+        keys = sorted(f.keys())
+    first = [k for k in keys if k.startswith("model.layers.0.")]
+    return [["model.embed_tokens.weight"], first,
+            [k for k in keys if k not in first and k != "model.embed_tokens.weight"]]
+
+
+def test_a_sharded_directory_imports_as_one_file(run, tmp_path, capsys):
+    checkpoint, state, ids = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    shard(out, layer_groups(out))
+    back = tmp_path / "back.ckpt"
+    assert cli(capsys, "import", out, back)[0] == 0
+    assert load_state(back, SMALL, expect=ids).state.P.tobytes() == state.P.tobytes()
+    status, stdout, _ = cli(capsys, "inspect", out)
+    assert status == 0 and "model.safetensors.index.json" in stdout
+
+
+SHARD_1, SHARD_2 = "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"
+
+
+@pytest.mark.parametrize("how, words", [
+    ("missing shard", [SHARD_2, "missing", "model.layers.0."]),
+    ("in two shards", ["model.embed_tokens.weight", SHARD_2, "lists it in " + SHARD_1]),
+    ("not listed", ["model.norm.weight", "does not list it"]),
+    ("listed elsewhere", ["model.norm.weight", "lists it in " + SHARD_1]),
+    ("listed, held by none", ["model.extra.weight", "does not hold it"]),
+    ("a path", ["weight_map.model.norm.weight", "../x.safetensors", "beside the index"]),
+    ("extra tensor", ["model.extra.weight", "unexpected tensor"]),
+    ("missing tensor", ["model.norm.weight", "missing tensor"]),
+    ("both", ["model.safetensors", "model.safetensors.index.json", "both"]),
+    ("other metadata", [SHARD_1, SHARD_2, "metadata"]),
+    ("unknown key", ["format", "shard index"]),
+])
+def test_import_refuses_shards_that_are_not_one_model(run, tmp_path, capsys, how, words):
+    checkpoint, _, _ = run
+    out = export_dir(capsys, checkpoint, tmp_path / "hf")
+    weights = (out / "model.safetensors").read_bytes()
+    groups = layer_groups(out)
+    index = shard(out, groups)
+    wm = index["weight_map"]
+    if how == "missing shard":
+        os.unlink(out / SHARD_2)
+    elif how == "in two shards":  # the embedding also in the second shard
+        resave(out / SHARD_2, lambda t: t.update(load_file(str(out / SHARD_1))))
+    elif how == "not listed":
+        del wm["model.norm.weight"]
+    elif how == "listed elsewhere":
+        wm["model.norm.weight"] = SHARD_1
+    elif how == "listed, held by none":
+        wm["model.extra.weight"] = SHARD_1
+    elif how == "a path":
+        wm["model.norm.weight"] = "../x.safetensors"
+    elif how == "extra tensor":
+        resave(out / groups_file(2), lambda t: t.update({"model.extra.weight": np.zeros(3, np.float32)}))
+        wm["model.extra.weight"] = groups_file(2)
+    elif how == "missing tensor":
+        resave(out / groups_file(2), lambda t: t.pop("model.norm.weight"))
+        del wm["model.norm.weight"]
+    elif how == "both":
+        (out / "model.safetensors").write_bytes(weights)
+    elif how == "other metadata":
+        save_file(load_file(str(out / SHARD_2)), str(out / SHARD_2), metadata={"format": "pt"})
+    elif how == "unknown key":
+        index["format"] = "pt"
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(capsys, "import", out, tmp_path / "back.ckpt", words=words)
+    assert not (tmp_path / "back.ckpt").exists()
+
+
+def groups_file(i: int) -> str:
+    return f"model-{i + 1:05d}-of-00003.safetensors"
+
+
+def resave(path, change) -> None:
+    """Change a safetensors file's tensors, keeping its metadata."""
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata=meta)

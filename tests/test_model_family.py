@@ -226,18 +226,19 @@ def test_norm_eps_and_rope_base_flow_through_mlx():
 
 
 def test_a_hugging_face_export_of_a_member_it_cannot_write_is_refused(tmp_path):
-    """SPEC 20's config.json is the defaults' StableLM: a checkpoint of
-    another member is refused by name, and nothing is written."""
+    """SPEC 21: RMSNorm with partial rotary is no transformers architecture
+    (Llama and Qwen2 rotate the whole head): refused by name, nothing written."""
     from coppelius.exchange import export
+    from coppelius.hf import HfError
     from coppelius.reference import checkpoint
     from coppelius.reference.config import Hyper
     from coppelius.reference.state import State
 
-    config = Config(**SHAPE, norm_eps="1/1000")
+    config = Config(**SHAPE, norm="rmsnorm", rotary="1/2")
     path = str(tmp_path / "ck.bin")
     ids = checkpoint.identities(config, Hyper(), "fp32", 1, None, "0" * 64)
     checkpoint.write_checkpoint(path, config, ids, State.fresh(initialize(config)), 0)
-    with pytest.raises(ConfigError, match=r"--format hf of .*ck\.bin: config field norm_eps=1/1000"):
+    with pytest.raises(HfError, match=r"config field rotary=5/10: an rmsnorm model is"):
         export(path, str(tmp_path / "hf"), fmt="hf", no_tokenizer=True)
     assert not (tmp_path / "hf").exists()
 

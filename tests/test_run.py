@@ -565,3 +565,177 @@ def test_the_state_is_copied_once_per_publication_and_the_final_record_reads_the
     window = slice(emb.offset, emb.offset + CFG.context)
     assert np.array_equal(final["loss_block"][2], saved.P[window])
     assert np.array_equal(final["loss_block"][3], saved.M[window])
+
+
+# ------------------------------------------------------------------ fine-tuning an import
+
+def imported_llama(tmp_path, capsys, vocab_ids=300):
+    """A Llama-family model (RMSNorm, grouped-query attention, untied) as a
+    Hugging Face directory without coppelius metadata, as transformers saves
+    one, with a tokenizer.json of `vocab_ids` ids (< V, as a padded
+    vocabulary is), imported: -> (checkpoint, directory, its text)."""
+    import dataclasses
+
+    from safetensors.numpy import load_file, save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from coppelius.reference import State, initialize
+    from coppelius.reference.checkpoint import identities, write_checkpoint
+    from coppelius.reference.config import Hyper
+
+    config = dataclasses.replace(PRESETS["test-llama"], vocab=320)
+    ck = tmp_path / "made.ckpt"
+    write_checkpoint(ck, config, identities(config, Hyper(), "fp32", 1, None, "0" * 64),
+                     State.fresh(initialize(config, 5)), contexts=0)
+    hf_dir = tmp_path / "hf"
+    assert main(["export", str(ck), str(hf_dir), "--format", "hf", "--no-tokenizer"]) == 0
+    weights = str(hf_dir / "model.safetensors")
+    save_file(load_file(weights), weights, metadata={"format": "pt"})  # no identities
+    text = "".join(open(os.path.join(ROOT, "coppelius", name), encoding="utf-8").read()
+                   for name in ("cli.py", "plan.py"))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab_ids, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(hf_dir / "tokenizer.json"))
+    imported = tmp_path / "imported.ckpt"
+    assert main(["import", str(hf_dir), str(imported)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return imported, hf_dir, text, config
+
+
+def test_train_fine_tunes_an_imported_checkpoint_with_its_tokenizer(tmp_path, capsys,
+                                                                   monkeypatch):
+    """No --preset: the model is the checkpoint's; --tokenizer DIR encodes the
+    source with the directory's tokenizer.json, whose SHA-256 is the data
+    identity's; the steps are the reference's steps on those ids."""
+    import hashlib
+
+    from tokenizers import Tokenizer
+
+    from coppelius.reference import step
+    from coppelius.reference.stream import open_stream
+
+    monkeypatch.chdir(tmp_path)  # the stream cache: runs/data here
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    before = load_state(imported, config)
+    source = tmp_path / "notes.txt"
+    source.write_text(text, encoding="utf-8")
+    rc = main(["train", "--checkpoint", str(imported), "--source", str(source), "--tokenizer",
+               str(hf_dir), "--new-data", "--steps", "2", "--backend", "reference",
+               "--no-sample"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "schema identity" not in err
+    header = checkpoint.validate(imported).header
+    assert header["model"] == config.identity() and header["step"] == 2
+    sha = hashlib.sha256((hf_dir / "tokenizer.json").read_bytes()).hexdigest()
+    assert f"|tokenizer={sha}|" in header["data"]
+    # the stream: the tokenizer's own encoding of the source, id for id
+    [stream_path] = (tmp_path / "runs" / "data").glob("*/*.tokens")
+    ids = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text).ids
+    stream = open_stream(stream_path, config.vocab)
+    assert stream.ids.tolist() == ids
+    stream.close()
+    # two reference steps from the imported parameters, on contexts 0 and 1
+    T, state = config.context, before.state
+    for c in range(2):
+        state = step(config, state, np.array([ids[T * c:T * c + T + 1]])).state
+    assert load_state(imported, config).state.P.tobytes() == state.P.tobytes()
+    # the run directory is the checkpoint's name and remembers the tokenizer
+    remembered = json.loads((tmp_path / "runs" / "imported" / "run.json").read_text())["options"]
+    assert remembered["tokenizer"] == str(hf_dir) and "preset" not in remembered
+    rc = main(["train", "--run-dir", str(tmp_path / "runs" / "imported"), "--steps", "1",
+               "--no-sample"])
+    assert rc == 0, capsys.readouterr().err
+    assert checkpoint.validate(imported).header["step"] == 3
+
+
+def test_eval_and_sample_take_the_imported_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    assert main(["sample", str(imported), "--tokens", "4", "--prompt", "def",
+                 "--temperature", "0"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("def")
+    source = tmp_path / "notes.txt"
+    source.write_text(text, encoding="utf-8")
+    assert main(["train", "--checkpoint", str(imported), "--source", str(source), "--tokenizer",
+                 str(hf_dir / "tokenizer.json"), "--new-data", "--steps", "1", "--backend",
+                 "reference", "--no-sample", "--run-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(imported), "--backend", "reference"]) == 0, capsys.readouterr().err
+    assert "held-out loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option, words", [
+    ("large", ["tokenizer", "400 ids", "V=320"]),
+    ("folder", ["--tokenizer", "without tokenizer.json"]),
+    ("missing", ["--tokenizer", "no such file"]),
+    ("stream", ["--tokenizer", "--stream"]),
+])
+def test_train_refuses_a_tokenizer_that_does_not_fit(tmp_path, capsys, monkeypatch, option,
+                                                    words):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    monkeypatch.chdir(tmp_path)
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    source = tmp_path / "notes.txt"
+    source.write_text(text, encoding="utf-8")
+    data = ["--source", str(source)]
+    if option == "large":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator([text], trainers.BpeTrainer(
+            vocab_size=400, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.save(str(tmp_path / "large.json"))
+        given = tmp_path / "large.json"
+    elif option == "folder":
+        given = tmp_path / "empty"
+        given.mkdir()
+    elif option == "missing":
+        given = tmp_path / "nothing.json"
+    else:
+        given = hf_dir
+        data = ["--stream", str(pattern_stream(tmp_path / "s.tokens", config, 20, noise=0.1))]
+    before = imported.read_bytes()
+    rc = main(["train", "--checkpoint", str(imported), *data, "--tokenizer", str(given),
+               "--new-data", "--steps", "1", "--backend", "reference", "--no-sample"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("coppelius train: error: ")
+    for word in words:
+        assert word in err, (word, err)
+    assert imported.read_bytes() == before
+    assert not (tmp_path / "runs" / "imported").exists()
+
+
+def test_a_learner_change_on_an_import_names_the_option_not_the_lifted_parts(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    source = tmp_path / "notes.txt"
+    source.write_text(text, encoding="utf-8")
+    argv = ["train", "--checkpoint", str(imported), "--source", str(source), "--tokenizer",
+            str(hf_dir), "--new-data", "--steps", "1", "--backend", "reference", "--no-sample",
+            "--lr", "1e-5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    hint = err.rsplit(";", 1)[-1]
+    assert "--lr 3/10000" in hint and "--new-learner" in hint, err
+    assert "stream" not in hint and "--eval-contexts" not in hint, err
+    assert main(argv + ["--new-learner"]) == 0, capsys.readouterr().err
+    assert "lr=1/100000" in checkpoint.validate(imported).header["learner"]
+
+
+def test_conformance_debugs_a_step_of_an_imported_checkpoint(tmp_path, capsys):
+    """conformance --checkpoint takes the checkpoint's model (no --preset)."""
+    imported, _, _, config = imported_llama(tmp_path, capsys)
+    stream = pattern_stream(tmp_path / "s.tokens", config, 4, noise=0.1)
+    rc = main(["conformance", "--backend", "reference", "--checkpoint", str(imported),
+               "--stream", str(stream)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "failed: " in out and ", 0 failed" in out and "PASS" in out

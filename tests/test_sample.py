@@ -203,11 +203,24 @@ def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
     assert main(["sample", str(lone), "--tokens", "2", "--tokenizer", str(run["tok_path"])]) == 0
 
 
-def test_cli_refuses_a_tokenizer_of_another_vocabulary(run, capsys, tmp_path):
+def test_cli_refuses_a_tokenizer_with_more_ids_than_the_model(run, capsys, tmp_path):
+    large = tmp_path / "tokenizer.json"
+    large.write_text(data.train_tokenizer([corpus_text()], 400).to_str(), encoding="utf-8")
+    assert main(["sample", str(run["ckpt"]), "--tokenizer", str(large)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has 400 ids" in err and "V=320" in err, err
+
+
+def test_cli_takes_a_tokenizer_with_fewer_ids_than_the_model(run, capsys, tmp_path):
+    """SPEC 22: V may exceed the tokenizer's vocabulary (an imported model's
+    padded one); --tokenizer may name the directory that holds it."""
     small = tmp_path / "tokenizer.json"
-    small.write_text(data.train_tokenizer([corpus_text()], 300).to_str(), encoding="utf-8")
-    assert main(["sample", str(run["ckpt"]), "--tokenizer", str(small)]) == 2
-    assert "has 300 ids" in capsys.readouterr().err
+    tok = data.train_tokenizer([corpus_text()], 300)
+    small.write_text(tok.to_str(), encoding="utf-8")
+    assert main(["sample", str(run["ckpt"]), "--tokenizer", str(tmp_path), "--tokens", "3",
+                 "--temperature", "0", "--prompt", "def"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def")
 
 
 @pytest.mark.parametrize("option", [["--tokens", "-1"], ["--temperature", "-0.5"],
