@@ -148,7 +148,8 @@ linear_bias_param_grads(const float* __restrict__ partials, int chunks, int W, i
         float t = group[0][j];
         for (int i = 1; i < LB_GROUPS; i++) t = __fadd_rn(t, group[i][j]);
         int at;
-        linear_bias_of(gq, gk, gv, col, K, Vc, at)[at] = t;
+        float* g = linear_bias_of(gq, gk, gv, col, K, Vc, at);
+        g[at] = t;
     }
 }
 
