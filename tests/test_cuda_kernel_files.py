@@ -82,6 +82,7 @@ def test_every_launched_kernel_is_defined_once_and_every_kernel_launched():
     ("LN_CHUNKS", "layernorm.cu", "LN_CHUNKS"),
     ("LAYERNORM_WARPS", "layernorm.cu", "LN_WARPS"),
     ("LAYERNORM_GROUPS", "layernorm.cu", "LN_GROUPS"),
+    ("LINEAR_BIAS_GROUPS", "linear_bias.cu", "LB_GROUPS"),
     ("CE_THREADS", "crossentropy.cu", "CE_THREADS"),
     ("ATTENTION_TILE", "attention_fused.cu", "ATT_TILE"),
 ])

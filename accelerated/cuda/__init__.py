@@ -92,7 +92,8 @@ The modules, one concern each, in the order the step is built:
                         compilation, Kernels (every family's launchers)
     launch.py           the launch machinery the families share
     <family>.py         a kernel family's launchers, beside kernels/<family>.cu:
-                        precision, embedding, layernorm, rope, attention,
-                        attention_fused, swiglu, crossentropy, adamw
+                        precision, embedding, layernorm, rmsnorm, linear_bias,
+                        rope, attention, attention_fused, swiglu, crossentropy,
+                        adamw
     cupy_debug.py       debugging entry points (one part of the step alone)
 """

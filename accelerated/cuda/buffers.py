@@ -7,6 +7,8 @@ places the activations and G's segments in one arena by lifetime."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +21,10 @@ except ImportError:  # the backend is simply unavailable
 from ...reference.adamw import AdamWConstants, float32_of, schedule_table
 from ...reference.config import Config, Hyper
 from ...reference.layers.rope import rope_tables
-from ...reference.layout import layout
+from ...reference.layout import Layout, LayerOffsets, layout
 from ...reference.params import registry
 
-from . import adamw, attention, cudnn_attention, layernorm
+from . import adamw, attention, cudnn_attention, layernorm, linear_bias
 from .cublas import WORKSPACE_BYTES
 from .memory_plan import VirtualArray
 from .policy import attention_path, logits_chunk_rows
@@ -71,10 +73,46 @@ class Buffers:
         return a
 
 
+@functools.lru_cache(maxsize=None)
+def step_layout(config: Config) -> Layout:
+    """The layout the step computes with: reference/layout.py's. With
+    qkv_bias each of q, k and v is followed by its bias in P, so the three
+    weights are no one matrix, which the reference's layout refuses: the
+    columns, widths and the other offsets are then those of the same model
+    without the biases' storage, every offset read from this config's
+    registry; a layer's `qkv` is q's weight alone: the step's products read
+    the three weights gathered side by side (allocate_state's qkv_weights),
+    and their gradients go to the three apart in G (Model.qkv_parts)."""
+    if not config.qkv_bias:
+        return layout(config)
+    base = layout(dataclasses.replace(config, qkv_bias=False))  # columns and widths
+    reg = registry(config)
+    D, F = config.d_model, config.d_ff
+
+    def at(name):
+        return reg[name].offset
+
+    def offsets(l):
+        p = f"layers.{l}."
+        o = LayerOffsets(at(p + "attn_norm.weight"), at(p + "attn.q.weight"),
+                         at(p + "attn.o.weight"), at(p + "mlp_norm.weight"),
+                         at(p + "mlp.gate.weight"), at(p + "mlp.down.weight"))
+        assert at(p + "mlp.up.weight") == o.gate_up + F * D, l  # gate | up: one matrix
+        if config.norm_bias:
+            assert at(p + "attn_norm.bias") == o.attn_norm + D, l
+            assert at(p + "mlp_norm.bias") == o.mlp_norm + D, l
+        return o
+
+    final = at("final_norm.weight")
+    assert not config.norm_bias or at("final_norm.bias") == final + D
+    return dataclasses.replace(base, layers=tuple(offsets(l) for l in range(config.n_layer)),
+                               final_norm=final)
+
+
 def norm_offsets(config: Config) -> np.ndarray:
     """(2L+1,) int64: offsets of every norm's weight, in the order of the
-    layernorm partials: 2l attn_norm, 2l+1 mlp_norm, 2L final_norm."""
-    lay = layout(config)  # (which checks that each bias follows its weight)
+    norms' partials: 2l attn_norm, 2l+1 mlp_norm, 2L final_norm."""
+    lay = step_layout(config)  # (which checks that each bias follows its weight)
     offsets = [at for w in lay.layers for at in (w.attn_norm, w.mlp_norm)]
     return np.array(offsets + [lay.final_norm], dtype=np.int64)
 
@@ -195,7 +233,7 @@ class Activations:
     def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool,
                  recompute: bool = False):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
-        lay = layout(config)  # the fused rows' widths: qkv (q | k | v), gate_up (gate | up)
+        lay = step_layout(config)  # the fused rows' widths: qkv (q | k | v), gate_up (gate | up)
         BT = B * T
         self.B, self.T, self.train = B, T, train
         self.recompute = recompute = recompute and train
@@ -213,8 +251,11 @@ class Activations:
         # forward (saved for the backward when training)
         self.x = per_layer((BT, D), f32) + [alloc((BT, D), f32)]  # residual input of layer l; x[L] final
         self.x_mid = per_layer((BT, D), f32)  # residual after attention
-        self.mean1, self.rstd1 = per_layer((BT,), f32), per_layer((BT,), f32)
-        self.mean2, self.rstd2 = per_layer((BT,), f32), per_layer((BT,), f32)
+        # each norm's row statistics: rstd, and the mean where it is a
+        # layernorm (rmsnorm has none: a list of None)
+        mean = per_layer if config.norm_bias else (lambda shape, dtype: [None] * L)
+        self.mean1, self.rstd1 = mean((BT,), f32), per_layer((BT,), f32)
+        self.mean2, self.rstd2 = mean((BT,), f32), per_layer((BT,), f32)
         # a norm's output, operand: one for both norms of every layer, read at
         # once by the product after it (q,k,v or gate,up); the backward's
         # layernorm writes it again, into h_back, for that product's weight
@@ -246,13 +287,14 @@ class Activations:
         # product; the backward writes it again (swiglu_backward), into
         # a_back, for the down weight's gradient
         self.a = alloc((BT, F), op_dtype)
-        self.meanf, self.rstdf = alloc((BT,), f32), alloc((BT,), f32)
+        self.meanf = alloc((BT,), f32) if config.norm_bias else None
+        self.rstdf = alloc((BT,), f32)
         self.hf = alloc((BT, D), op_dtype)  # final_norm(x[L]), operand
         # the logits: whole for the eager forward; the step's classifier and
         # cross-entropy take them one chunk of rows at a time (Model.classifier_loss)
         self.logits = alloc((logits_chunk_rows(BT, V) if train else BT, V), f32)
         # scratch
-        self.qkv32 = alloc((BT, lay.qkv_width), f32)  # projections before rope
+        self.qkv32 = alloc((BT, lay.qkv_width), f32)  # projections (and biases) before rope
         self.proj = alloc((BT, D), f32)  # output of the o and down products
         # p as an operand: the kernels write its causal part only, the zeros
         # above the diagonal stay from here on
@@ -283,14 +325,17 @@ class Activations:
         # cuDNN's attention writes them (the rope backward reads either)
         self.dqk = alloc((BT, lay.qk_width), op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, lay.qkv_width), op_dtype)  # gradients of the q, k, v projections
-        # each norm's weight and bias partial sums (2l attn_norm, 2l+1 mlp_norm,
-        # 2L final_norm), reduced at the end of the backward through a table
-        # of their addresses: buffers of their own, so that those of the
-        # layers not yet reached are not live
+        # each norm's weight (and bias) partial sums (2l attn_norm, 2l+1
+        # mlp_norm, 2L final_norm), reduced at the end of the backward through
+        # a table of their addresses: buffers of their own, so that those of
+        # the layers not yet reached are not live
         self.ln_partials = [alloc((layernorm.layernorm_chunks(BT), lay.norm_params), f32)
                             for _ in range(2 * L + 1)]
         self.ln_table = address_table(alloc, [p.data.ptr for p in self.ln_partials], np.uint64)
         self.emb_index = alloc((V, 2), np.int32)  # per id: first position, count (scratch)
+        # qkv_bias: the q, k, v bias gradients' partial column sums (scratch of each layer)
+        self.bias_partials = (alloc((linear_bias.linear_bias_chunks(BT), lay.qkv_width), f32)
+                              if config.qkv_bias else None)
 
 
 @dataclass
@@ -327,6 +372,8 @@ class StepBuffers:
     world: int = 1  # W ranks (SPEC 19): the input slot holds this rank's b = B/W contexts
     gathered: object = None  # (B*T,) float32, W > 1: every rank's row losses, batch order
     stop: object = None  # (1,) float32, W > 1: how many ranks ask to stop (summed in the step)
+    qkv_weights: object = None  # qkv_bias: (L, qkv_width * D) operands, each layer's q | k | v
+    qkv_offsets: object = None  # qkv_bias: (L, 3) int64, their weights' offsets into P
 
 
 def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int,
@@ -363,7 +410,22 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     stop = alloc((1,), np.float32, zeros=True) if world > 1 else None
     grad = Gradient.flat(G, alloc) if G is not None else None
     grad_micro = Gradient.flat(Gmicro, alloc) if Gmicro is not None else None
+    # qkv_bias: each layer's q, k, v weights gathered into one operand matrix
+    # (in P each is followed by its bias), written from the operands of P by
+    # every forward (Model.forward): the one q | k | v product's operand
+    qkv_weights = qkv_offsets = None
+    if config.qkv_bias:
+        qkv_weights = alloc((config.n_layer, step_layout(config).qkv_width * config.d_model),
+                            np.uint16 if precision == "bf16" else np.float32)
+        qkv_offsets = alloc.upload(qkv_weight_offsets(config))
     return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
                        norms, clip, AdamWConstants.of(hyper),
                        (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, grad,
-                       grad_micro, rows, world, gathered, stop)
+                       grad_micro, rows, world, gathered, stop, qkv_weights, qkv_offsets)
+
+
+def qkv_weight_offsets(config: Config) -> np.ndarray:
+    """(L, 3) int64: each layer's q, k and v weights' offsets into P."""
+    reg = registry(config)
+    return np.array([[reg[f"layers.{l}.attn.{part}.weight"].offset for part in "qkv"]
+                     for l in range(config.n_layer)], dtype=np.int64)

@@ -19,16 +19,18 @@ compiles it as is.
 Determinism: no kernel uses floating-point atomics. Every reduction runs
 in a fixed order (warp shuffles in a fixed tree, then shared memory in warp
 order), so a replay gives the same bits every time and resume is exact
-(SPEC 9). Layernorm's weight gradients reduce in two passes (per-block
-partials, then the blocks in order); the embedding gradient of an id is
-summed by one block over the positions holding it, in position order, as
-the reference's np.add.at does (integer atomics find each id's first
-position and count: a minimum and a sum, the same in any order).
+(SPEC 9). The norms' weight gradients and the q, k, v bias gradients
+reduce in two passes (per-block partials, then the blocks in order); the
+embedding gradient of an id is summed by one block over the positions
+holding it, in position order, as the reference's np.add.at does
+(integer atomics find each id's first position and count: a minimum and
+a sum, the same in any order).
 
 Elementwise formulas that the reference writes as separate float32
 operations use the _rn intrinsics (no fused multiply-add) where that makes
 the kernel reproduce the reference's rounding exactly: AdamW, rope, the
-layernorm normalization. Division and sqrtf are IEEE (no fast math).
+layernorm and rmsnorm normalizations, the q, k, v biases. Division and
+sqrtf are IEEE (no fast math).
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from . import (adamw, attention, attention_fused, crossentropy, embedding, layernorm, precision,
-               rope, swiglu)
+from . import (adamw, attention, attention_fused, crossentropy, embedding, layernorm,
+               linear_bias, precision, rmsnorm, rope, swiglu)
 from .precision import PrecisionLaunchers
 from .embedding import EmbeddingLaunchers
 from .layernorm import LayernormLaunchers
+from .rmsnorm import RmsnormLaunchers
+from .linear_bias import LinearBiasLaunchers
 from .rope import RopeLaunchers
 from .attention import AttentionLaunchers
 from .attention_fused import AttentionFusedLaunchers
@@ -59,10 +63,12 @@ from .adamw import AdamwLaunchers
 # The kernels are package data, one file per layer family, concatenated in
 # this order into one module: common.cuh first (the operand type floatX and
 # the warp and block reductions the others use), then the families in the
-# order of the step.
+# order of the step (rmsnorm.cu after layernorm.cu, whose partition and
+# column sums it uses).
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
-FILES = ("common.cuh", "precision.cu", "embedding.cu", "layernorm.cu", "rope.cu", "attention.cu",
-         "attention_fused.cu", "swiglu.cu", "crossentropy.cu", "adamw.cu")
+FILES = ("common.cuh", "precision.cu", "embedding.cu", "layernorm.cu", "rmsnorm.cu",
+         "linear_bias.cu", "rope.cu", "attention.cu", "attention_fused.cu", "swiglu.cu",
+         "crossentropy.cu", "adamw.cu")
 
 
 def module_source(replace: dict | None = None) -> str:
@@ -92,18 +98,18 @@ def module_source(replace: dict | None = None) -> str:
 
 
 # every kernel of the module, by family (each family's launcher module lists its own)
-KERNELS = (*precision.KERNELS, *embedding.KERNELS, *layernorm.KERNELS, *rope.KERNELS,
-           *attention.KERNELS, *attention_fused.KERNELS, *swiglu.KERNELS, *crossentropy.KERNELS,
-           *adamw.KERNELS)
+KERNELS = (*precision.KERNELS, *embedding.KERNELS, *layernorm.KERNELS, *rmsnorm.KERNELS,
+           *linear_bias.KERNELS, *rope.KERNELS, *attention.KERNELS, *attention_fused.KERNELS,
+           *swiglu.KERNELS, *crossentropy.KERNELS, *adamw.KERNELS)
 
 
 def compile_options(precision: str) -> tuple:
     return ("-DOPERAND_BF16",) if precision == "bf16" else ()
 
 
-class Kernels(PrecisionLaunchers, EmbeddingLaunchers, LayernormLaunchers, RopeLaunchers,
-              AttentionLaunchers, AttentionFusedLaunchers, SwigluLaunchers, CrossentropyLaunchers,
-              AdamwLaunchers):
+class Kernels(PrecisionLaunchers, EmbeddingLaunchers, LayernormLaunchers, RmsnormLaunchers,
+              LinearBiasLaunchers, RopeLaunchers, AttentionLaunchers, AttentionFusedLaunchers,
+              SwigluLaunchers, CrossentropyLaunchers, AdamwLaunchers):
     """The module compiled for one precision policy, and one launcher per
     kernel (each family's, from its module: accelerated/cuda/<family>.py).
     Arguments are contiguous CuPy arrays (RawKernel checks neither

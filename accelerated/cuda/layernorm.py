@@ -1,6 +1,7 @@
 """The layernorm family (kernels/layernorm.cu): the forward with the residual
 add, the backward with its per-block weight partials, and the partials
-of every norm reduced in a fixed order at the end of the step."""
+of every norm (layernorm's, or rmsnorm's: accelerated/cuda/rmsnorm.py)
+reduced in a fixed order at the end of the step."""
 
 from __future__ import annotations
 
@@ -64,12 +65,13 @@ class LayernormLaunchers(Launcher):
                       partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
     def layernorm_param_grads(self, partials, table, offsets, G):
-        # partials: per norm, a (chunks, 2D) buffer; table (norms,) uint64: their
-        # addresses, which the kernel reads; offsets (norms) int64 -> G[offset : offset + 2D]
-        # (G: buffers.Gradient, reached through its segments' table)
+        # partials: per norm, a (chunks, width) buffer (width: 2D, a layernorm's
+        # weight then bias; D, an rmsnorm's weight); table (norms,) uint64: their
+        # addresses, which the kernel reads; offsets (norms) int64 -> G[offset :
+        # offset + width] (G: buffers.Gradient, reached through its segments' table)
         norms = len(partials)
-        chunks, twoD = partials[0].shape
-        assert all(p.shape == (chunks, twoD) for p in partials) and table.shape == (norms,)
-        self._launch("layernorm_param_grads", norms * _cdiv(twoD, 32), 32 * LAYERNORM_GROUPS,
+        chunks, width = partials[0].shape
+        assert all(p.shape == (chunks, width) for p in partials) and table.shape == (norms,)
+        self._launch("layernorm_param_grads", norms * _cdiv(width, 32), 32 * LAYERNORM_GROUPS,
                      (table, offsets, G.table, i32(len(G.parts)), i32(norms), i32(chunks),
-                      i32(twoD // 2)), reads=(*partials, *G.parts))
+                      i32(width)), reads=(*partials, *G.parts))

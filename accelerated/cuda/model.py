@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...reference.config import LAYERNORM_EPS, Config
-from ...reference.layout import layout
 from ...reference.params import registry
 
 from . import attention, cudnn_attention
-from .buffers import Activations, Gradient, StepBuffers, _ptr
+from .buffers import Activations, Gradient, StepBuffers, _ptr, step_layout
 from .memory_plan import VirtualArray
 
 EPS = np.float32(float(LAYERNORM_EPS))  # the default norm_eps; a model's own is Model.eps
@@ -23,7 +22,7 @@ class Model:
     """The step's kernels and products over the program's buffers."""
 
     def __init__(self, config: Config, precision: str, kernels, blas, P, Pop, G, cos, sin,
-                 norms):
+                 norms, qkv_weights=None, qkv_offsets=None):
         self.config, self.precision = config, precision
         self.norm_offsets = norms  # (2L+1,) int64 on the device: see norm_offsets()
         self.k, self.blas = kernels, blas
@@ -32,16 +31,32 @@ class Model:
         self.cos, self.sin = cos, sin  # (T, E/2)
         self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
         # the fused q/k/v and gate/up columns and the parameters' offsets
-        # (reference/layout.py): every width and column below is the layout's
-        self.layout = layout(config)
+        # (reference/layout.py, buffers.step_layout): every width and column
+        # below is the layout's
+        self.layout = step_layout(config)
         self.layers = self.layout.layers
         self.eps = np.float32(float(config.norm_eps))
         self.scale = attention.attention_scale(config.head_dim)
         D = config.d_model
         V = config.vocab
-        self.emb = registry(config)["tok_embedding.weight"].offset  # (V, D), tied
+        reg = registry(config)
+        self.emb = reg["tok_embedding.weight"].offset  # (V, D)
+        # the logits' weight (V, D): lm_head.weight, the embedding's own where tied (an alias)
+        self.head = reg["lm_head.weight"].offset
         self.final_norm = self.layout.final_norm
         self.G_emb = G.view(self.emb, V * D).reshape(V, D)
+        # qkv_bias (SPEC 21): per layer, (columns of the q | k | v row, weight
+        # offset, bias offset) of q, k and v, whose weights are not adjacent
+        # in P: the products read them gathered into one matrix per layer,
+        # qkv_weights (L, qkv_width * D) operands (buffers.allocate_state);
+        # None: one product over the fused weights of P
+        lay = self.layout
+        self.qkv_parts = [tuple((cols, reg[f"layers.{l}.attn.{part}.weight"].offset,
+                                 reg[f"layers.{l}.attn.{part}.bias"].offset)
+                                for part, cols in zip("qkv", (lay.q, lay.k, lay.v)))
+                          for l in range(config.n_layer)] if config.qkv_bias else None
+        self.qkv_weights, self.qkv_offsets = qkv_weights, qkv_offsets
+        assert (qkv_weights is None) == (self.qkv_parts is None)
         self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
 
     def at(self, *operations):
@@ -61,9 +76,31 @@ class Model:
 
     def norm(self, offset):
         # (weight, bias) views of P for a norm whose weight starts at offset;
-        # the layout checked that the bias follows the weight
+        # the layout checked that the bias follows the weight (None: rmsnorm's)
         D = self.config.d_model
-        return self.P[offset:offset + D], self.P[offset + D:offset + 2 * D]
+        bias = self.P[offset + D:offset + 2 * D] if self.layout.norm_bias else None
+        return self.P[offset:offset + D], bias
+
+    def norm_forward(self, x_prev, add, x_out, h, mean, rstd, offset) -> None:
+        """x_prev (+ add -> x_out, the residual) (rows,D) -> h (rows,D)
+        operand, the row statistics (mean: layernorm's only), by the config's
+        norm (SPEC 3, 21) with the weight (and bias) at offset into P."""
+        weight, bias = self.norm(offset)
+        if self.layout.norm_bias:
+            self.k.layernorm_forward(x_prev, add, x_out, h, mean, rstd, weight, bias, self.eps)
+        else:
+            self.k.rmsnorm_forward(x_prev, add, x_out, h, rstd, weight, self.eps)
+
+    def norm_backward(self, dout, dres, x, mean, rstd, offset, dx, dx_op, partials,
+                      h=None) -> None:
+        """dout (rows,D) -> dx (+ dres), dx_op, the weight (and bias) partials,
+        and (h: not None) the forward's h again, by the config's norm."""
+        weight, bias = self.norm(offset)
+        if self.layout.norm_bias:
+            self.k.layernorm_backward(dout, dres, x, mean, rstd, weight, dx, dx_op, partials,
+                                      **({} if h is None else {"b": bias, "h": h}))
+        else:
+            self.k.rmsnorm_backward(dout, dres, x, rstd, weight, dx, dx_op, partials, h=h)
 
     def operand(self, a, a_op):
         """The operand form of a float32 buffer: its bfloat16 copy under bf16."""
@@ -106,6 +143,12 @@ class Model:
         L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
         lay = self.layout
         T = a.T
+        if self.qkv_parts is not None:
+            # the q, k, v weights side by side, from the operands of P as they are now
+            self.at(*(f"layers.{l}.attn.{part}" for l in range(L) for part in "qkv"))
+            k.linear_bias_gather_weights(self.Pop, self.qkv_weights, self.qkv_offsets,
+                                         [[w for _, w, _ in parts] for parts in self.qkv_parts],
+                                         [cols.width * D for cols, _, _ in self.qkv_parts[0]])
         self.at("embedding")
         k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
                             a.x[0])
@@ -114,11 +157,11 @@ class Model:
             # h = attn_norm(x), after the previous layer's residual add
             prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
             self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
-            k.layernorm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
-                                *self.norm(w.attn_norm), self.eps)
+            self.norm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
+                              w.attn_norm)
             self._tap(p + "attn_norm.out", a.h)
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-            self.linear_forward(a.h, w.qkv, a.qkv32, lay.qkv_width, D)  # (BT,qkv)
+            self.qkv_forward(a.h, l, a.qkv32)  # (BT,qkv)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
             self.at(p + "attn.core")
@@ -127,8 +170,8 @@ class Model:
             self.linear_forward(a.y[l], w.o, a.proj, D, D)
             # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
             self.at(p + "attn.residual", p + "mlp_norm")
-            k.layernorm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
-                                *self.norm(w.mlp_norm), self.eps)
+            self.norm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
+                              w.mlp_norm)
             self._tap(p + "mlp_norm.out", a.h)
             self.at(p + "mlp.gate", p + "mlp.up")
             self.linear_forward(a.h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
@@ -137,23 +180,74 @@ class Model:
             self._tap(p + "mlp.h", a.a)
             self.at(p + "mlp.down")
             self.linear_forward(a.a, w.down, a.proj, D, F)
-        # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_emb^T
+        # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_head^T
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
-        k.layernorm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
-                            *self.norm(self.final_norm), self.eps)
+        self.norm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
+                          self.final_norm)
         if not a.train:
             self.at("lm_head")
-            self.linear_forward(a.hf, self.emb, a.logits, V, D)
+            self.linear_forward(a.hf, self.head, a.logits, V, D)
+
+    def qkv_matrix(self, l: int) -> int:
+        """The address of layer l's (qkv, D) q | k | v weight operands: in P
+        (adjacent there), or gathered (qkv_bias)."""
+        if self.qkv_parts is None:
+            return _ptr(self.Pop, self.layers[l].qkv)
+        return _ptr(self.qkv_weights, l * self.qkv_weights.shape[1])
+
+    def qkv_forward(self, h, l: int, out) -> None:
+        """h (BT,D) operand -> out (BT,qkv) float32: the q | k | v products of
+        layer l, one product over the (qkv, D) weights; with qkv_bias the
+        biases then added in float32 (SPEC 6: only the products' operands
+        are rounded)."""
+        D, W = self.config.d_model, self.layout.qkv_width
+        self.gemm(False, True, h.shape[0], W, D, _ptr(h), D, self.qkv_matrix(l), D, _ptr(out), W)
+        if self.qkv_parts is not None:
+            bq, bk, bv = (self.P[b:b + cols.width] for cols, _, b in self.qkv_parts[l])
+            self.k.linear_bias_forward(out, bq, bk, bv, self.layout.k.start,
+                                       self.layout.v.start)
+
+    def qkv_backward(self, a: Activations, l: int) -> None:
+        """a.dqkv (BT,qkv) operands, the gradients of the q | k | v products
+        -> a.dh (BT,D) = dq Wq + dk Wk + dv Wv, and with qkv_bias the biases'
+        gradients, the column sums of dq, dk, dv, in a fixed order: of
+        a.dqkv as the step keeps it, so under bf16 of the bfloat16 operands
+        the rope's and attention's backward write (no path keeps a float32
+        dv, and cuDNN's dq, dk are bfloat16 already). The weights' gradients
+        (which read h, written again by the norm's backward) are
+        qkv_backward_weight's."""
+        D, W, lay = self.config.d_model, self.layout.qkv_width, self.layout
+        # the sum inside one (BT,qkv) x (qkv,D) product
+        self.gemm(False, False, a.dh.shape[0], D, W, _ptr(a.dqkv), W, self.qkv_matrix(l), D,
+                  _ptr(a.dh), D)
+        if self.qkv_parts is None:
+            return
+        self.k.linear_bias_backward(a.dqkv, a.bias_partials)
+        self.k.linear_bias_param_grads(a.bias_partials, *(self.G.view(b, cols.width)
+                                                          for cols, _, b in self.qkv_parts[l]),
+                                       lay.k.start, lay.v.start)
+
+    def qkv_backward_weight(self, dqkv, h, l: int) -> None:
+        """dqkv (BT,qkv), h (BT,D) operands -> G of the q, k, v weights: dqkv^T h,
+        one product where they are adjacent in G, else (qkv_bias) one each."""
+        D, W = self.config.d_model, self.layout.qkv_width
+        if self.qkv_parts is None:
+            self.linear_backward_weight(dqkv, h, self.layers[l].qkv, W, D)
+            return
+        for cols, weight, _ in self.qkv_parts[l]:
+            self.gemm(True, False, cols.width, D, dqkv.shape[0], _ptr(dqkv, cols.start), W,
+                      _ptr(h), D, self.G.ptr(weight), D)
 
     def classifier_loss(self, a: Activations, ids, ids_stride: int, ce, dce,
                         backward: bool = True) -> None:
         """a.hf (BT, D) -> the row losses ce (BT), a.dh (BT, D) the gradient
-        at hf, and the unembedding part of G_emb, for the mean's gradient
-        dce, by chunks of a.logits' rows: each chunk's logits = hf W_emb^T
-        into a.logits, the cross-entropy on them writes the chunk's rows of
-        ce and its logits gradient into a.dlogits, then dh's rows =
-        dlogits W_emb and G_emb += dlogits^T hf's rows (the first chunk
-        writes G_emb, the others add: float32 sums, in chunk order); with
+        at hf, and the head's gradient G_head (lm_head.weight's, or where
+        tied the unembedding part of G_emb), for the mean's gradient dce, by
+        chunks of a.logits' rows: each chunk's logits = hf W_head^T into
+        a.logits, the cross-entropy on them writes the chunk's rows of ce
+        and its logits gradient into a.dlogits, then dh's rows = dlogits
+        W_head and G_head += dlogits^T hf's rows (the first chunk writes
+        G_head, the others add: float32 sums, in chunk order); with
         backward=False (the evaluation) the row losses only. Neither
         the float32 logits nor dlogits are ever whole. A row's logits and dh
         are products over that row alone, but cuBLAS may choose another
@@ -165,7 +259,7 @@ class Model:
             n = min(rows, BT - r0)
             logits, dlogits, hf = a.logits[:n], a.dlogits[:n], a.hf[r0:r0 + n]
             self.at("lm_head")
-            self.linear_forward(hf, self.emb, logits, V, D)
+            self.linear_forward(hf, self.head, logits, V, D)
             self._tap("logits", logits)
             self.at("loss", "loss.backward")
             self.k.crossentropy_forward_backward(logits, ids, ids_stride, a.T, ce[r0:r0 + n],
@@ -173,10 +267,11 @@ class Model:
             if not backward:
                 continue
             self._tap("dlogits", dlogits)
-            # logits = hf W_emb^T: dhf = dlogits W_emb, and the unembedding part of G_emb
+            # logits = hf W_head^T: dhf = dlogits W_head, and G_head
             self.at("lm_head.backward")
-            self.linear_backward_input(dlogits, self.emb, a.dh[r0:r0 + n], V, D)
-            self.linear_backward_weight(dlogits, hf, self.emb, V, D, beta=0.0 if r0 == 0 else 1.0)
+            self.linear_backward_input(dlogits, self.head, a.dh[r0:r0 + n], V, D)
+            self.linear_backward_weight(dlogits, hf, self.head, V, D,
+                                        beta=0.0 if r0 == 0 else 1.0)
 
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,qkv) -> a.y[l] (BT,D); kept for the backward: a.att[l]
@@ -222,7 +317,7 @@ class Model:
         L, D, F = c.n_layer, c.d_model, c.d_ff
         T, BT = a.T, a.B * a.T
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
-        # the logits, row losses, dh and the unembedding gradient, by chunks of rows
+        # the logits, row losses, dh and the head's gradient, by chunks of rows
         self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)
         if rows is None:
             self.at("loss.mean")
@@ -230,8 +325,8 @@ class Model:
         self._tap("final_norm.dout", a.dh)
         dres_op = self.operand(a.dres, a.dres_op)
         self.at("final_norm.backward")
-        k.layernorm_backward(a.dh, None, a.x[L], a.meanf, a.rstdf, self.norm(self.final_norm)[0],
-                             a.dres, a.dres_op, a.ln_partials[2 * L])
+        self.norm_backward(a.dh, None, a.x[L], a.meanf, a.rstdf, self.final_norm, a.dres,
+                           a.dres_op, a.ln_partials[2 * L])
         for l in reversed(range(L)):
             w = self.layers[l]
             p = f"layers.{l}."
@@ -244,13 +339,12 @@ class Model:
             self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
             gu = a.gu[l]
-            weight, bias = self.norm(w.mlp_norm)
             if a.recompute:
                 # h = mlp_norm(x_mid) and g, u = h Wgate^T, h Wup^T again, by
                 # the forward's kernel and product: the forward's bits
                 self.at(p + "mlp_norm", p + "mlp.gate", p + "mlp.up")
-                k.layernorm_forward(a.x_mid[l], None, None, a.h_back, a.mean2[l], a.rstd2[l],
-                                    weight, bias, self.eps)
+                self.norm_forward(a.x_mid[l], None, None, a.h_back, a.mean2[l], a.rstd2[l],
+                                  w.mlp_norm)
                 self.linear_forward(a.h_back, w.gate_up, a.gu_back, lay.gate_up_width, D)
                 gu = a.gu_back
             self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
@@ -260,7 +354,7 @@ class Model:
             self._tap(p + "mlp.dgate", a.dgu, lay.gate)
             self._tap(p + "mlp.dup", a.dgu, lay.up)
             # dh = dh_gate + dh_up: the sum inside one (BT,2F) x (2F,D) product;
-            # h = mlp_norm(x_mid) is not kept per layer either: the layernorm
+            # h = mlp_norm(x_mid) is not kept per layer either: the norm's
             # backward writes it again (the forward's bits) for the gate and up
             # weights' gradient dgu^T h
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
@@ -269,9 +363,9 @@ class Model:
             self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
                     *(() if a.recompute else (p + "mlp_norm",)))
             # (with recompute h_back holds h already)
-            k.layernorm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], weight, a.dres,
-                                 a.dres_op, a.ln_partials[2 * l + 1],
-                                 **({} if a.recompute else {"b": bias, "h": a.h_back}))
+            self.norm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], w.mlp_norm,
+                               a.dres, a.dres_op, a.ln_partials[2 * l + 1],
+                               h=None if a.recompute else a.h_back)
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
             self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, lay.gate_up_width, D)
             self._tap(p + "dmid", a.dres)
@@ -284,23 +378,25 @@ class Model:
             self._tap(p + "attn.dy", a.dy)
             self.at(p + "attn.core.backward")
             self.attention_backward(a, l)  # -> a.dqkv (BT,qkv)
-            # dh = dh_q + dh_k + dh_v: the sum inside one (BT,qkv) x (qkv,D) product
-            # (h = attn_norm(x) written again by the layernorm backward, as above)
+            # dh = dh_q + dh_k + dh_v (and the q, k, v biases' gradients)
+            # (h = attn_norm(x) written again by the norm's backward, as above)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
                     p + "attn_norm.dout_sum")
-            self.linear_backward_input(a.dqkv, w.qkv, a.dh, lay.qkv_width, D)
+            self.qkv_backward(a, l)
             self._tap(p + "attn_norm.dout", a.dh)
             self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
-            weight, bias = self.norm(w.attn_norm)
-            k.layernorm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], weight, a.dres,
-                                 a.dres_op, a.ln_partials[2 * l], b=bias, h=a.h_back)
+            self.norm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], w.attn_norm,
+                               a.dres, a.dres_op, a.ln_partials[2 * l], h=a.h_back)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
-            self.linear_backward_weight(a.dqkv, a.h_back, w.qkv, lay.qkv_width, D)
+            self.qkv_backward_weight(a.dqkv, a.h_back, l)
         self._tap("embedding.dout", a.dres)
-        # the gather gradient, added to the unembedding gradient already in G_emb
-        self.at("embedding.backward", "tok_embedding.dweight_sum")
-        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb, a.emb_index)
-        # every norm's weight and bias gradients, reduced from their partials at once
+        if c.tied:  # the gather gradient, added to the unembedding gradient already in G_emb
+            self.at("embedding.backward", "tok_embedding.dweight_sum")
+        else:  # untied (SPEC 21): the gather gradient alone
+            self.at("embedding.backward")
+        k.embedding_backward(a.dres, ids, ids_stride, T, self.G_emb, a.emb_index,
+                             accumulate=c.tied)
+        # every norm's weight (and bias) gradients, reduced from their partials at once
         self.at("final_norm.backward", *(f"layers.{l}.{norm}.backward" for l in range(L)
                                          for norm in ("attn_norm", "mlp_norm")))
         k.layernorm_param_grads(a.ln_partials, a.ln_table, self.norm_offsets, self.G)
@@ -381,4 +477,4 @@ def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers,
               G: Gradient) -> Model:
     """The step's Model over the buffers s, its gradient into G."""
     return Model(config, precision, kernels, blas, s.P, s.Pb if s.Pb is not None else s.P, G,
-                 s.cos, s.sin, s.norms)
+                 s.cos, s.sin, s.norms, s.qkv_weights, s.qkv_offsets)

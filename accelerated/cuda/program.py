@@ -37,7 +37,7 @@ from .step import kernels_for, memory_plan, run_step, step_gradients
 
 BACKEND = "cupy"
 # The family's fields (SPEC 21) this backend computes; the others are refused at capture
-IMPLEMENTED = ("norm_eps", "rope_base")
+IMPLEMENTED = ("norm", "norm_eps", "tied", "rope_base", "qkv_bias")
 
 
 def available() -> bool:
@@ -128,7 +128,7 @@ class CupyProgram(CapturedProgram):
         self.local_batch = batch // W
         self.accumulate, self.micro_batch = k, batch // (W * k)
         if config.d_model > layernorm.MAX_D:
-            raise RunError(f"d_model={config.d_model}: the CUDA backend's layernorm kernels hold "
+            raise RunError(f"d_model={config.d_model}: the CUDA backend's norm kernels hold "
                            f"a row in registers, at most {layernorm.MAX_D} features")
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
         self.replays = 0

@@ -68,8 +68,11 @@ def _report(program: CupyProgram) -> dict:
                          "slot is the only per-step host input",
         "decomposition": "hand-written forward and backward: NVRTC kernels and cuBLAS products"
                          + ("; attention: cuDNN graphs" if path.kind == "cudnn" else ""),
-        "fusion": "residual add into layernorm; loss, softmax and dlogits in one kernel; q,k,v "
-                  "and gate,up as single products; operands rounded by their producers"
+        "fusion": "residual add into the norm; loss, softmax and dlogits in one kernel; "
+                  + "q,k,v as a single product"
+                  + (" over their weights gathered side by side, the biases added after"
+                     if program.config.qkv_bias else "")
+                  + "; gate,up as a single product; operands rounded by their producers"
                   + ("; causal attention fused (scores never in memory)"
                      if program.acts.fused else ""),
         "placement": "one CUDA device, one non-blocking stream" if program.world == 1 else
@@ -149,7 +152,7 @@ def _partition_outcomes(program: CupyProgram) -> list:
     outcomes = {
         "shared_input_products": PartitionOutcome("applied", "one product over the adjacent "
                                                              "weights"),
-        "residual_norm": PartitionOutcome("applied", "the residual add inside the layernorm "
+        "residual_norm": PartitionOutcome("applied", f"the residual add inside the {c.norm} "
                                                      "kernel"),
         "attention": attention,
         "loss": PartitionOutcome("applied", "row losses and dlogits in one kernel"),

@@ -103,7 +103,7 @@ PINNED = {"ce": "row losses: read by the host after a replay",
           "G.table": "the gradient's segments' addresses: written at allocation, read every step"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
          "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
-         "gathered": "state", "stop": "state"}
+         "gathered": "state", "stop": "state", "qkv_weights": "workspace"}
 
 
 def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
@@ -131,9 +131,10 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
     for attr, value in vars(acts).items():
         if isinstance(value, VirtualArray):
             names[value.ptr] = f"acts.{attr}"
-        elif isinstance(value, list):
+        elif isinstance(value, list):  # per layer (None: not kept, e.g. rmsnorm's means)
             for l, x in enumerate(value):
-                names.setdefault(x.ptr, f"acts.{attr}[{l}]")
+                if x is not None:
+                    names.setdefault(x.ptr, f"acts.{attr}[{l}]")
         elif isinstance(value, dict):
             for key, x in value.items():
                 if x is not None:

@@ -9,6 +9,8 @@ replayed later, pointers and scalars frozen at capture) and the program's
 interface -- against reference.step through the conformance suite.
 
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
+    python dev/cuda/emulate.py PRESET     # another preset (reference/config.py PRESETS)
+    python dev/cuda/emulate.py MODEL.toml # a model file (SPEC 17) over the test preset
     python dev/cuda/emulate.py --pytest   # tests/cuda and the contract rows on the stand-ins
     python dev/cuda/emulate.py --script dev/cuda/attention/check.py --preset test
                                           # a dev/cuda script on the stand-ins
@@ -78,6 +80,10 @@ def main():
     backend.NAME = "cupy (emulated on the CPU)"
     status = 0
     preset = sys.argv[1] if len(sys.argv) > 1 else "test"
+    if preset.endswith(".toml"):  # a model file: the fields it sets over the test preset's
+        from coppelius.reference.config import config_from_toml, preset as preset_config
+
+        preset = config_from_toml(preset, preset_config("test"))[0]
     for precision in ("fp32", "bf16"):
         # one context per step, then two in two micro-batches (SPEC 19)
         for batch, k in ((1, 1), (2, 2)):

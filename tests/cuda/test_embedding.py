@@ -51,3 +51,23 @@ def test_embedding_backward_many_positions(Bn, T, V, D, ids):
     index = empty((V, 2), np.int32)
     kernels().embedding_backward(dev(dx), dev(ids.astype(np.int32)), T + 1, T, dW, index)
     check_bitwise("dW", host(dW), d_head + embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V))
+
+
+@small
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50),
+       st.sampled_from([1, 5, 32, 70, 512, 1000]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_the_untied_embedding_gradient_is_the_gather_gradient_alone(Bn, T, V, D, aligned, seed):
+    """accumulate=False (SPEC 21, untied): dW, poisoned, is written whole:
+    bitwise the reference's gather gradient, the rows of ids absent from
+    the batch zero."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, min(V, 6), (Bn, T + 1))  # some ids absent where V > 6
+    dx = rng.standard_normal((Bn * T, D)).astype(np.float32)
+    dW = empty_placed((V, D), aligned=aligned)
+    index = empty((V, 2), np.int32)
+    kernels().embedding_backward(placed(dx, aligned), dev(ids.astype(np.int32)), T + 1, T, dW,
+                                 index, accumulate=False)
+    want = embedding_backward(dx.reshape(Bn, T, D), ids[:, :T], V)
+    check_bitwise("dW", host(dW), want)
+    absent = np.setdiff1d(np.arange(V), ids[:, :T])
+    assert (host(dW)[absent] == 0).all()

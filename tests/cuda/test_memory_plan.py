@@ -2,6 +2,7 @@
 savings, the same bits with and without it, lifetimes, the logits by
 chunks, the gradient's segments, recompute, accumulation."""
 
+import dataclasses
 import gc
 import json
 
@@ -99,6 +100,36 @@ def test_memory_plan_saves_memory_and_keeps_every_bit(precision, batch, path, mo
     assert not off["materialized"] and "COPPELIUS_NO_MEMORY_PLAN" in off["fallback_reason"]
 
 
+@pytest.mark.parametrize("precision, batch", [("fp32", 2), ("bf16", 4)])
+def test_a_family_members_plan_and_recompute_keep_every_bit(precision, batch, monkeypatch):
+    """RMSNorm, the q, k, v biases and the untied head under the memory plan
+    and with recompute: the same row losses, G, P, M, V, bit for bit, as
+    every buffer in its own storage, and as the gate and up products kept;
+    no norm means (RMSNorm has none), the biases' partials planned, the
+    head's gradient in the final norm's segment, first written by the
+    classifier's first chunk."""
+    state = random_state(FAMILY, seed=46, t=3)
+    inputs = windows(3, seed=47, config=FAMILY, batch=batch)
+    planned = capture(FAMILY, Hyper(), precision, batch, state.copy())
+    again = capture(FAMILY, Hyper(), precision, batch, state.copy(), recompute=True)
+    names = {b.name: b for b in planned.plan.buffers}
+    assert not any("mean" in name for name in names) and "acts.rstd1[0]" in names
+    assert names["acts.bias_partials"].candidate
+    head = next(c.index for c in planned.plan.commands
+                if c.operations == ("lm_head.backward",) and c.launch.get("trans_a"))
+    assert names["G.final_norm"].first == head
+    assert names["G.tok_embedding"].first > head  # the gather gradient alone, after the layers
+    monkeypatch.setenv("COPPELIUS_NO_MEMORY_PLAN", "1")
+    unplanned = capture(FAMILY, Hyper(), precision, batch, state.copy())
+    assert planned.memory_planned and not unplanned.memory_planned
+    rows, G, state1 = check_same_steps(planned, unplanned, inputs)
+    rows2, G2, state2 = run_steps(again, inputs)
+    check_bitwise("row losses (recompute)", rows2, rows)
+    check_bitwise("G (recompute)", G2, G)
+    for name in "PMV":
+        check_bitwise(f"{name} (recompute)", getattr(state2, name), getattr(state1, name))
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulation_holds_the_activations_of_a_micro_batch_and_plans_them(k, monkeypatch):
     """SPEC 19: activations of B/k contexts (fewer bytes than the step of B),
@@ -145,11 +176,18 @@ def test_a_plan_that_ignores_lifetimes_is_caught(monkeypatch):
     assert not np.array_equal(good[0], bad[0])
 
 
+# a member of the model family (SPEC 21): RMSNorm, q, k, v biases, an untied head
+FAMILY = Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96, norm="rmsnorm",
+                tied=False, qkv_bias=True)
+
+
 @pytest.mark.parametrize("config, batch, precision", [
     (CONFIG, 2, "fp32"), (CONFIG, 4, "bf16"),
     (Config(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13), 3, "bf16"),
     (preset("coppelius"), 32, "bf16"),
-], ids=["test-fp32", "test-fused", "odd", "coppelius-B32"])
+    (FAMILY, 2, "fp32"),
+    (dataclasses.replace(preset("llama-124m"), n_kv_head=12, qkv_bias=True), 8, "fp32"),
+], ids=["test-fp32", "test-fused", "odd", "coppelius-B32", "family-fp32", "llama-bias-fp32-B8"])
 def test_memory_plan_shares_storage_only_between_disjoint_lifetimes(config, batch, precision):
     """The plan itself, made by the dry run (no device memory, so even the
     production model at B=32): two activations whose bytes overlap never

@@ -85,16 +85,44 @@ def test_compilation_report(precision):
     rope = "rope_backward_operand" if program.acts.dqk.dtype == np.uint16 else "rope_backward"
     nc = layernorm_variant(CONFIG.d_model)
     layernorm = {f"layernorm_{part}_c{nc}" for part in ("forward", "backward")}
+    # (rmsnorm's, the q, k, v biases' and the untied embedding's: a family member's, SPEC 21)
     others = {name for name in KERNELS if not name.startswith(
-        ("attention_", "rope_backward", "layernorm_forward_", "layernorm_backward_"))}
+        ("attention_", "rope_backward", "layernorm_forward_", "layernorm_backward_", "rmsnorm_",
+         "linear_bias_"))}
     # k = 1, and clipping off: AdamW's pass sums the norm, no pass of its own
     assert set(report["kernel_names"]) == (others | attention | layernorm | {rope}) - {
         "round_bf16", "adamw_bias_corrections_table", "accumulate_gradient",
-        "gradient_sum_squares"}
+        "gradient_sum_squares", "embedding_backward_unseen"}
     assert report["kernels"] == len(report["kernel_names"])
     assert report["graph_nodes"] >= report["kernel_launches"] + report["products"]
     assert report["device_bytes"] >= 4 * 4 * registry(CONFIG).total
     assert report["runtime"]["update_count"] == 1
+
+
+def test_a_family_members_commands():
+    """RMSNorm, q, k, v biases, an untied head (SPEC 21): the rmsnorm
+    kernels and not layernorm's, the biases' kernels, the untied
+    embedding's zero rows; per layer one q | k | v product over the gathered
+    weights, its input gradient one product, its weight gradient three (q,
+    k, v are apart in G), so two products more per layer than the fused
+    layout's twelve."""
+    from coppelius.reference.config import Config
+
+    config = Config(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96,
+                    norm="rmsnorm", tied=False, qkv_bias=True)
+    program = capture(config, Hyper(), "fp32", B, fresh(config))
+    report = program.compilation_report()
+    L, rows = config.n_layer, B * config.context
+    chunks = -(-rows // logits_chunk_rows(rows, config.vocab))
+    assert report["products"] == 3 * chunks + 14 * L + 6 * L * B  # fp32: materialized
+    nc = layernorm_variant(config.d_model)
+    names = set(report["kernel_names"])
+    assert {f"rmsnorm_forward_c{nc}", f"rmsnorm_backward_c{nc}", "layernorm_param_grads",
+            "linear_bias_forward", "linear_bias_backward", "linear_bias_param_grads",
+            "linear_bias_gather_weights", "embedding_backward_unseen"} <= names
+    assert not any(n.startswith(("layernorm_forward", "layernorm_backward")) for n in names)
+    fusion = program.diagnostics()["notes"]["fusion"]
+    assert "residual add into the norm" in fusion and "biases added after" in fusion
 
 
 def test_available_and_backend_module():
@@ -188,7 +216,44 @@ def test_executable_plan_lists_the_captured_commands():
     assert "acts.h" in gemm["buffers"] and "acts.qkv32" in gemm["buffers"]
 
 
-def test_norm_eps_and_rope_base_reach_the_captured_step():
-    from tests.support import check_family_fields_reach_the_step
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_eps_and_rope_base_reach_the_captured_step(norm):
+    """A model whose norm_eps and rope_base are not the defaults (SPEC 21),
+    with either norm: the captured program's logits against the
+    reference's within SPEC 14's fp32 tolerance, where the defaults' logits
+    are far outside it (so the fields reached the step)."""
+    from coppelius.conformance.tolerances import relative_error, tolerance
+    from coppelius.reference.config import Config
+    from coppelius.reference.model import model_forward
 
-    check_family_fields_reach_the_step("cupy")
+    shape = dict(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96, norm=norm)
+    config = Config(**shape, norm_eps="1/1000", rope_base=500000)
+    state = random_state(config, 3)
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.context))
+    program = capture(config, Hyper(), "fp32", 2, state)
+    want = model_forward(config, state.P, tokens, "fp32")[0]
+    assert relative_error(program.logits(tokens), want)[0] <= tolerance("logits", "fp32")
+    default = model_forward(Config(**shape), state.P, tokens, "fp32")[0]
+    assert relative_error(default, want)[0] > 100 * tolerance("logits", "fp32")
+
+
+def test_a_family_field_the_backend_does_not_compute_is_refused_by_name():
+    """Each SPEC 21 field outside IMPLEMENTED is refused at capture, naming
+    the field, before anything is allocated; the others capture."""
+    from coppelius.reference.config import FAMILY_FIELDS, Config
+    from coppelius.reference.errors import ConfigError
+
+    shape = dict(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96)
+    members = {"norm": dict(norm="rmsnorm"), "norm_eps": dict(norm_eps="1/1000"),
+               "n_kv_head": dict(n_kv_head=1), "tied": dict(tied=False),
+               "rope_base": dict(rope_base=500000), "rotary": dict(rotary="1/2"),
+               "qkv_bias": dict(qkv_bias=True)}
+    assert set(members) == set(FAMILY_FIELDS)
+    for name, fields in members.items():
+        config = Config(**shape, **fields)
+        if name in cuda_program.IMPLEMENTED:
+            capture(config, Hyper(), "fp32", 1, random_state(config, 3))
+            continue
+        with pytest.raises(ConfigError, match=rf"cupy: config field {name}="):
+            capture(config, Hyper(), "fp32", 1, random_state(config, 3))
+    assert {"norm", "norm_eps", "tied", "rope_base", "qkv_bias"} <= set(cuda_program.IMPLEMENTED)

@@ -23,10 +23,13 @@ extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int id
     }
 }
 
-// The gather gradient: dW[v] += the sum of dx over the positions holding v,
-// in position order (the order of the reference's np.add.at), added to the
-// unembedding gradient already in dW[v]; rows of ids that occur nowhere are
-// not touched. No float atomics: one block sums id v's rows in order.
+// The gather gradient: the sum of dx over the positions holding v, in
+// position order (the order of the reference's np.add.at), added to the
+// unembedding gradient already in dW[v] (accumulate: the tied embedding)
+// or written as dW[v] (the untied one, SPEC 21); rows of ids that occur
+// nowhere are not touched (embedding_backward_unseen writes their zeros
+// where dW holds nothing else). No float atomics: one block sums id v's
+// rows in order.
 //
 // First, the index (V,2) int32 per id: the first position holding it and
 // how many do. embedding_index_reset clears it; embedding_index fills it
@@ -60,7 +63,7 @@ extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_
 extern "C" __global__ void __launch_bounds__(EMB_THREADS)
 embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, int ids_stride,
                    int T, int BT, float* __restrict__ dW, int D, const int* __restrict__ index,
-                   int vec) {
+                   int accumulate, int vec) {
     __shared__ int hits[EMB_THREADS];  // positions holding v among those of this pass, in order
     __shared__ int counts[EMB_THREADS / 32];
     int p = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -122,14 +125,33 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
     if (vec) {
         if (threadIdx.x < D / 4) {
             float4* o = reinterpret_cast<float4*>(out) + threadIdx.x;
-            float4 w = *o;
+            float4 w = accumulate ? *o : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             *o = make_float4(w.x + acc[0], w.y + acc[1], w.z + acc[2], w.w + acc[3]);
         }
     } else {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int d = threadIdx.x + nt * k;
-            if (d < D) out[d] = out[d] + acc[k];
+            if (d < D) out[d] = accumulate ? out[d] + acc[k] : acc[k];
         }
+    }
+}
+
+// The untied embedding's gradient is its gather gradient alone: the rows of
+// the ids that occur nowhere (count 0 in the index) are zero, the others
+// embedding_backward's to write, so that each element of dW (V,D) is
+// written once. One thread per chunk of 4 features (vec) or per feature.
+extern "C" __global__ void embedding_backward_unseen(const int* __restrict__ index,
+                                                     float* __restrict__ dW, int V, int D,
+                                                     int vec) {
+    int per_row = vec ? D / 4 : D;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= V * per_row) return;
+    int v = i / per_row;
+    if (index[2 * v + 1] != 0) return;
+    if (vec) {
+        reinterpret_cast<float4*>(dW)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    } else {
+        dW[i] = 0.0f;
     }
 }

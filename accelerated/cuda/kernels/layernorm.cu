@@ -227,33 +227,35 @@ LAYERNORM_KERNELS(2)
 LAYERNORM_KERNELS(4)
 LAYERNORM_KERNELS(8)
 
-// Every layernorm's weight and bias gradient at once: norm n's partials
-// (chunks, 2D), at the address partials[n] (each norm's are a buffer of
-// their own, live from its backward on), summed in chunk order into
-// G[offsets[n] .. + 2D) (its weight then its bias, adjacent in the
-// registry, in one segment of G: gseg, grad_at). A block of 8 x 32 threads
-// takes 32 adjacent columns of one norm: thread (g, j) sums the chunks g,
-// g + 8, ... of column j in order, then the 8 sums are added in order of g.
+// Every norm's parameter gradients at once: a layernorm's weight and bias
+// (width = 2D, adjacent in the registry), or an rmsnorm's weight (width =
+// D; rmsnorm.cu writes its partials in the same partition). Norm n's
+// partials (chunks, width), at the address partials[n] (each norm's are a
+// buffer of their own, live from its backward on), summed in chunk order
+// into G[offsets[n] .. + width) (in one segment of G: gseg, grad_at). A
+// block of 8 x 32 threads takes 32 adjacent columns of one norm: thread
+// (g, j) sums the chunks g, g + 8, ... of column j in order, then the 8 sums
+// are added in order of g.
 #define LN_GROUPS 8
 extern "C" __global__ void __launch_bounds__(32 * LN_GROUPS)
 layernorm_param_grads(const float* const* __restrict__ partials,
                       const long long* __restrict__ offsets,
                       const long long* __restrict__ gseg, int S, int norms, int chunks,
-                      int D) {
+                      int width) {
     __shared__ float group[LN_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
-    int blocks_per_norm = (2 * D + 31) / 32;
+    int blocks_per_norm = (width + 31) / 32;
     int n = blockIdx.x / blocks_per_norm;
     int col = (blockIdx.x - n * blocks_per_norm) * 32 + j;
     float s = 0.0f;
-    if (col < 2 * D) {
+    if (col < width) {
         const float* p = partials[n] + col;
 #pragma unroll 4
-        for (int k = g; k < chunks; k += LN_GROUPS) s = __fadd_rn(s, p[(long long)k * 2 * D]);
+        for (int k = g; k < chunks; k += LN_GROUPS) s = __fadd_rn(s, p[(long long)k * width]);
     }
     group[g][j] = s;
     __syncthreads();
-    if (g == 0 && col < 2 * D) {
+    if (g == 0 && col < width) {
         float t = group[0][j];
         for (int i = 1; i < LN_GROUPS; i++) t = __fadd_rn(t, group[i][j]);
         *grad_at(gseg, S, offsets[n] + col) = t;

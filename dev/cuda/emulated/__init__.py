@@ -2,8 +2,8 @@
 (runtime.py: arrays, streams, events, graphs, a memory pool counting the
 arrays alive; nccl.py: NCCL's collectives over threads), NumPy versions of
 its kernels, one module per kernel family with the family's name
-(precision, embedding, layernorm, rope, attention, attention_fused,
-swiglu, crossentropy, adamw; common.py what they share, kernels.py the
+(precision, embedding, layernorm, rmsnorm, linear_bias, rope, attention,
+attention_fused, swiglu, crossentropy, adamw; common.py what they share, kernels.py the
 stand-in compiled module), a column-major GEMM behind the cuBLAS entry
 points (cublas.py) and cuDNN's attention graphs (cudnn.py).
 

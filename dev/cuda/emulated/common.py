@@ -1,6 +1,6 @@
 """What the NumPy kernels share (as kernels/common.cuh does the CUDA
 kernels'): null pointers, views of the stand-in arrays, operand stores
-(bfloat16 bits under bf16), the targets of a row, float32 views at an
+and loads (bfloat16 bits under bf16), the targets of a row, float32 views at an
 address, and G's segments (grad_at)."""
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ def _store(out, values, bf16):
         _a(out)[...] = values.astype(ml_dtypes.bfloat16).view(np.uint16).reshape(out.shape)
     else:
         _a(out)[...] = values.reshape(out.shape)
+
+
+def _operand(x, bf16):
+    """An operand buffer's values as float32 (bfloat16 bits widened exactly under bf16)."""
+    if bf16:
+        return (_a(x).astype(np.uint32) << 16).view(np.float32)
+    return _a(x)
 
 
 def _rows_ids(ids, stride, T, BT, shift=0):

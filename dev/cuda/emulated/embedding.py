@@ -24,7 +24,13 @@ def k_embedding_index(bf16, ids, stride, T, BT, index):
     np.add.at(_a(index)[:, 1], v, 1)
 
 
-def k_embedding_backward(bf16, dx, ids, stride, T, BT, dW, D, index, vec):
+def k_embedding_backward(bf16, dx, ids, stride, T, BT, dW, D, index, accumulate, vec):
+    v = _rows_ids(ids, int(stride), int(T), int(BT))
     acc = np.zeros(dW.shape, dtype=np.float32)
-    np.add.at(acc, _rows_ids(ids, int(stride), int(T), int(BT)), _a(dx))
-    _a(dW)[...] = _a(dW) + acc
+    np.add.at(acc, v, _a(dx))
+    seen = np.unique(v)  # the rows of ids that occur nowhere are not touched
+    _a(dW)[seen] = (_a(dW)[seen] + acc[seen]) if accumulate else acc[seen]
+
+
+def k_embedding_backward_unseen(bf16, index, dW, V, D, vec):
+    _a(dW)[_a(index)[:, 1] == 0] = 0.0

@@ -5,14 +5,15 @@ commands of the current stream."""
 
 from __future__ import annotations
 
-from . import (adamw, attention, attention_fused, crossentropy, embedding, layernorm, precision,
-               rope, swiglu)
+from . import (adamw, attention, attention_fused, crossentropy, embedding, layernorm,
+               linear_bias, precision, rmsnorm, rope, swiglu)
 from .runtime import _STATE, _submit
 
 
 # every family's k_<kernel>, by its kernel name
-KERNELS = {name[2:]: fn for family in (precision, embedding, layernorm, rope, attention,
-                                       attention_fused, swiglu, crossentropy, adamw)
+KERNELS = {name[2:]: fn for family in (precision, embedding, layernorm, rmsnorm, rope,
+                                       linear_bias, attention, attention_fused, swiglu,
+                                       crossentropy, adamw)
            for name, fn in vars(family).items() if name.startswith("k_")}
 # the fused attention: one entry point per head dimension, one contract
 _FUSED = {part: KERNELS.pop(f"attention_{part}") for part in ("forward", "backward_dq",
@@ -20,11 +21,12 @@ _FUSED = {part: KERNELS.pop(f"attention_{part}") for part in ("forward", "backwa
 for _E in (16, 32, 64):
     for _part, _fn in _FUSED.items():
         KERNELS[f"attention_{_part}_e{_E}"] = _fn
-# the layernorm kernels: one entry point per row width in registers, one contract
-_LAYERNORM = {part: KERNELS.pop(f"layernorm_{part}") for part in ("forward", "backward")}
+# the layernorm and rmsnorm kernels: one entry point per row width in registers, one contract
+_NORMS = {f"{norm}_{part}": KERNELS.pop(f"{norm}_{part}") for norm in ("layernorm", "rmsnorm")
+          for part in ("forward", "backward")}
 for _NC in (1, 2, 4, 8):
-    for _part, _fn in _LAYERNORM.items():
-        KERNELS[f"layernorm_{_part}_c{_NC}"] = _fn
+    for _name, _fn in _NORMS.items():
+        KERNELS[f"{_name}_c{_NC}"] = _fn
 
 
 class RawModule:

@@ -43,12 +43,12 @@ def k_layernorm_backward(bf16, dout, dres, x, mean, rstd, w, b, h, dx, dx_op, pa
         _a(partials)[c, int(D):] = dy[s].sum(0)
 
 
-def k_layernorm_param_grads(bf16, table, offsets, gseg, S, norms, chunks, D):
-    # table: each norm's partials' address, (chunks, 2D) float32 there
-    count = int(chunks) * 2 * int(D)
+def k_layernorm_param_grads(bf16, table, offsets, gseg, S, norms, chunks, width):
+    # table: each norm's partials' address, (chunks, width) float32 there
+    count = int(chunks) * int(width)
     segments = _a(gseg).reshape(-1, 2)[:int(S)]
     for n in range(int(norms)):
         off = int(_a(offsets)[n])
-        part = _floats(int(_a(table)[n]), count).reshape(int(chunks), 2 * int(D))
+        part = _floats(int(_a(table)[n]), count).reshape(int(chunks), int(width))
         start, addr = next((int(st), int(a)) for st, a in reversed(segments) if st <= off)
-        _floats(addr + 4 * (off - start), 2 * int(D))[...] = part.sum(0)
+        _floats(addr + 4 * (off - start), int(width))[...] = part.sum(0)
