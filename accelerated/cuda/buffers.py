@@ -311,7 +311,7 @@ class StepBuffers:
     partial: object  # float32: the norm's first pass (gradient_norm's, or AdamW's: run_step)
     norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
     decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
-    cos: object  # (T, E/2) float32 each, from float64 angles
+    cos: object  # (T, R/2) float32 each, from float64 angles (R: config.rotary_dim)
     sin: object
     ids: object  # (B, T+1) int32: the input slot
     workspace: object  # cuBLAS's
@@ -340,7 +340,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     with k > 1 or W > 1 (it carries a sum); else the step's Gradient is
     allocated with the activations, in the memory plan's arena."""
     reg = registry(config)
-    N, T, E = reg.total, config.context, config.head_dim
+    N, T = reg.total, config.context
     b = batch // world
     P, M, V = (alloc((N,), np.float32) for _ in range(3))
     G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
@@ -351,7 +351,8 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     partial = alloc((max(adamw.NORM_BLOCKS, adamw.adamw_blocks(N)),), np.float32)
     norm = alloc((2,), np.float32)
     decay = alloc.upload(reg.decay_ranges())
-    cos, sin = (alloc.upload(x) for x in rope_tables(T, E, np.float32, config.rope_base))
+    cos, sin = (alloc.upload(x) for x in rope_tables(T, config.rotary_dim, np.float32,
+                                                     config.rope_base))
     ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
     norms = alloc.upload(norm_offsets(config))

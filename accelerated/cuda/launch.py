@@ -34,6 +34,19 @@ def ungrouped_d(width: int, columns: str, H: int, E: int) -> int:
     return q.width
 
 
+def fused_head_dim(width: int, columns: str, H: int, Hkv: int) -> int:
+    """E of a fused row `width` wide whose `columns` ("qkv": q | k | v, or
+    "qk": q | k) are the step's layout (reference/layout.py) for H query
+    and Hkv key/value heads, the layout kernels/rope.cu and
+    kernels/attention_fused.cu index through the strides they are given;
+    anything else is refused."""
+    E = width // (H + (2 if columns == "qkv" else 1) * Hkv)
+    q, k, v = qkv_columns(H, Hkv, E)
+    assert H % Hkv == 0 and width == (v.stop if columns == "qkv" else k.stop), \
+        (width, columns, H, Hkv)
+    return E
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

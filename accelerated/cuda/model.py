@@ -120,7 +120,7 @@ class Model:
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
             self.linear_forward(a.h, w.qkv, a.qkv32, lay.qkv_width, D)  # (BT,qkv)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
-            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
+            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
             self.at(p + "attn.core")
             self.attention_forward(a, l)  # -> a.y[l] (BT,D)
             self.at(p + "attn.o")
@@ -370,11 +370,11 @@ class Model:
         self._tap(p + "attn.dk", a.dqk, lay.k)
         self._tap(p + "attn.dv", a.dqkv, lay.v)
         self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
+        H, Hkv = lay.heads, lay.kv_heads
         if a.dqk.dtype == np.float32:
-            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
+            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, H, Hkv)
         else:
-            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T,
-                                         self.config.n_head)
+            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T, H, Hkv)
 
 
 def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers,
