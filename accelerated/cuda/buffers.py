@@ -236,7 +236,8 @@ class Activations:
         directions = (("forward", "backward") if train else ("forward",)) if cudnn else ()
         for direction in directions:
             nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
-                                                     attention.attention_scale(config.head_dim))
+                                                     attention.attention_scale(config.head_dim),
+                                                     kv_heads=config.kv_heads)
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
         # gate and up projections: kept per layer, or (recompute) one buffer
         # for every layer's forward and, below, one for the backward's
@@ -280,8 +281,12 @@ class Activations:
             self.dp = alloc((B, H, T, T), f32)
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
         # gradients of the rotated q, k: float32, or bfloat16 operands as
-        # cuDNN's attention writes them (the rope backward reads either)
-        self.dqk = alloc((BT, lay.qk_width), op_dtype if cudnn else f32)
+        # cuDNN's attention writes them (the rope backward reads either); the
+        # materialized scores' products with grouped heads sum each key/value
+        # head's dv here too, in float32, beside dk (the rope backward copies it)
+        grouped = not fused and lay.kv_heads < lay.heads
+        self.dqk = alloc((BT, lay.qkv_width if grouped else lay.qk_width),
+                         op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, lay.qkv_width), op_dtype)  # gradients of the q, k, v projections
         # each norm's weight and bias partial sums (2l attn_norm, 2l+1 mlp_norm,
         # 2L final_norm), reduced at the end of the backward through a table

@@ -24,16 +24,6 @@ NULL = np.uint64(0)  # a null pointer argument
 i32, i64, f32, f64 = np.int32, np.int64, np.float32, np.float64
 
 
-def ungrouped_d(width: int, columns: str, H: int, E: int) -> int:
-    """D = H E of a fused row `width` wide whose `columns` ("qkv": q | k | v,
-    or "qk": q | k) are the step's layout (reference/layout.py) with one
-    key/value head per query head, the layout kernels/rope.cu and
-    kernels/attention_fused.cu index; anything else is refused."""
-    q, k, v = qkv_columns(H, H, E)
-    assert width == (v.stop if columns == "qkv" else k.stop), (width, columns, H, E)
-    return q.width
-
-
 def fused_head_dim(width: int, columns: str, H: int, Hkv: int) -> int:
     """E of a fused row `width` wide whose `columns` ("qkv": q | k | v, or
     "qk": q | k) are the step's layout (reference/layout.py) for H query

@@ -1,16 +1,21 @@
 """The attention family (accelerated/cuda/attention.py, kernels/attention.cu):
-the materialized softmax against the reference's layer functions
-(hypothesis-drawn shapes and values; on a GPU, or on dev/cuda/emulated's
-stand-ins: conftest.py)."""
+the materialized softmax against the reference's layer functions, and the
+step's materialized attention with grouped heads against the reference
+model's (hypothesis-drawn shapes and values; on a GPU, or on
+dev/cuda/emulated's stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coppelius.reference.config import Config
 from coppelius.reference.layers.attention import attention_forward
+from coppelius.reference.model import _attention_backward, _attention_forward
 from coppelius.reference.precision import round_bf16
 from coppelius.accelerated.cuda.attention import attention_scale
+from coppelius.accelerated.cuda.cupy_debug import NEVER, fused_from_batch, step_attention
+from coppelius.accelerated.cuda.policy import attention_path
 
 from .helpers import (PRECISIONS, small, kernels, dev, host, op_dtype, as_float, policy,
                       check_close, check_sum_close, operand_tol, cupy)
@@ -67,3 +72,62 @@ def check_attention_softmax(Bn, H, T, E, precision, seed):
     if bf16:
         check_close("p operand (backward)", as_float(p_op2, "bf16"),
                     round_bf16(np.where(causal, p, 0)), 0)
+
+
+# ------------------------------------------------------------ the step's materialized attention
+
+def grouped_inputs(Bn, H, Hkv, T, E, precision, seed):
+    """q, dy (B,H,T,E) and k, v (B,Hkv,T,E) as the policy's operands: scores
+    of a few units (peaked rows)."""
+    rng = np.random.default_rng(seed)
+    q = 2 * rng.standard_normal((Bn, H, T, E))
+    k = 2 * rng.standard_normal((Bn, Hkv, T, E))
+    v = rng.standard_normal((Bn, Hkv, T, E))
+    dy = rng.standard_normal((Bn, H, T, E))
+    return [policy(x.astype(np.float32), precision) for x in (q, k, v, dy)]
+
+
+def reference_attention(q, k, v, dy, precision):
+    """The reference model's attention (reference/model.py: query head h
+    with key/value head h // g, dk, dv summed over the g query heads) on
+    (B,heads,T,E) inputs -> y, dq, dk, dv (B,heads,T,E)."""
+    H = q.shape[1]
+    rows = lambda x: x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)  # noqa: E731
+    heads = lambda x, n: x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)  # noqa
+    y, cache = _attention_forward(rows(q), rows(k), rows(v), H, precision)
+    dq, dk, dv = _attention_backward(rows(dy), cache, H, precision)
+    Hkv = k.shape[1]
+    return heads(y, H), heads(dq, H), heads(dk, Hkv), heads(dv, Hkv)
+
+
+@small
+@given(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (4, 2), (4, 1), (3, 3), (6, 2)]),
+       st.sampled_from([1, 5, 33]), st.sampled_from([2, 8, 16]), st.sampled_from(PRECISIONS),
+       st.integers(0, 2**31 - 1))
+def test_materialized_attention_matches_the_reference_model(Bn, heads, T, E, precision, seed):
+    """The step's materialized attention (the (B,H,T,T) scores and cuBLAS's
+    batched products, per member of the groups), forward and backward,
+    against the reference model's grouped-query attention."""
+    H, Hkv = heads
+    q, k, v, dy = grouped_inputs(Bn, H, Hkv, T, E, precision, seed)
+    with fused_from_batch(NEVER):
+        assert attention_path(Config(8, T, H * E, 1, H, 8, n_kv_head=Hkv), precision,
+                              Bn).kind == "materialized"
+        got = step_attention(precision, q, k, v, dy)
+    want_y, want_dq, want_dk, want_dv = reference_attention(q, k, v, dy, precision)
+    check_grouped("materialized", got, (want_y, want_dq, want_dk, want_dv), precision)
+
+
+def check_grouped(what, got, want, precision, tol=None):
+    """y and dv are operands: a rounding to a neighbouring bfloat16 apart at
+    most; dq, dk come from the rounded ds, a roundoff apart now and then;
+    a key/value head's dk, dv sum its query heads' in another order."""
+    y, dq, dk, dv = got
+    want_y, want_dq, want_dk, want_dv = want
+    assert dk.shape == want_dk.shape and dv.shape == want_dv.shape, (dk.shape, want_dk.shape)
+    check_close(f"{what} y", y, policy(want_y, precision), tol or operand_tol(precision))
+    check_close(f"{what} dv", dv, policy(want_dv, precision), tol or operand_tol(precision))
+    tol = tol or (1e-5 if precision == "fp32" else 1e-2)
+    check_close(f"{what} dq", dq, want_dq, tol)
+    check_close(f"{what} dk", dk, want_dk, tol)
+
