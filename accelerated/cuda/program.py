@@ -37,7 +37,7 @@ from .step import kernels_for, memory_plan, run_step, step_gradients
 
 BACKEND = "cupy"
 # The family's fields (SPEC 21) this backend computes; the others are refused at capture
-IMPLEMENTED = ("norm_eps", "rope_base")
+IMPLEMENTED = ("norm_eps", "n_kv_head", "rope_base", "rotary")
 
 
 def available() -> bool:

@@ -3,6 +3,8 @@ kernels/attention_fused.cu), as the step runs it, against the reference
 model's attention, grouped heads included (hypothesis-drawn shapes and
 values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,7 +14,8 @@ from coppelius.accelerated.cuda.policy import attention_path
 from coppelius.accelerated.cuda.cupy_debug import fused_from_batch, step_attention
 
 from .helpers import PRECISIONS, small
-from .test_attention import check_grouped, grouped_inputs, reference_attention
+from .test_attention import (FAMILY, check_family_activations, check_family_step,
+                             check_grouped, family_config, grouped_inputs, reference_attention)
 
 # on a GPU; elsewhere on the CPU stand-ins (conftest.py)
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
@@ -36,3 +39,16 @@ def test_attention_matches_reference_model(Bn, heads, T, E, precision, seed):
         got = step_attention(precision, q, k, v, dy)
     check_grouped(path.kind, got, reference_attention(q, k, v, dy, precision), precision)
 
+
+@pytest.mark.parametrize("n_kv_head, rotary", FAMILY)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_step_with_fused_attention(n_kv_head, rotary, batch):
+    """Grouped heads and partial rotary through the whole bf16 step with the
+    project's fused kernels (from batch 1 on, cuDNN off)."""
+    with fused_from_batch(1):
+        check_family_step(family_config(n_kv_head, rotary), "bf16", batch, "fused")
+
+
+def test_activations_with_fused_attention():
+    with fused_from_batch(1):
+        check_family_activations(family_config(2, Fraction(1, 2)), "bf16", 2, "fused")

@@ -2,6 +2,8 @@
 it, against the reference's layer function and, with grouped heads, the
 reference model's attention."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from coppelius.accelerated.cuda.policy import attention_path
 from coppelius.accelerated.cuda.cupy_debug import cudnn_from_batch, step_attention
 
 from .helpers import check_close, check_bitwise, need_cudnn
-from .test_attention import grouped_inputs, reference_attention
+from .test_attention import (FAMILY, check_family_activations, check_family_step,
+                             family_config, grouped_inputs, reference_attention)
 
 # on a GPU; elsewhere on the CPU stand-ins (conftest.py)
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
@@ -72,3 +75,19 @@ def test_cudnn_grouped_query_attention_matches_reference_model(Bn, H, Hkv, T, E)
         check_close(name, g, w, 1e-2)
         check_bitwise(name + " (second run)", a, g)
 
+
+@pytest.mark.parametrize("n_kv_head, rotary", FAMILY)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_step_with_cudnn_attention(n_kv_head, rotary, batch):
+    """Grouped heads and partial rotary through the whole bf16 step with
+    cuDNN's attention (from batch 1 on; where cuDNN refuses the shape, the
+    project's kernels with its reason)."""
+    need_cudnn()
+    with cudnn_from_batch(1):
+        check_family_step(family_config(n_kv_head, rotary), "bf16", batch, None)
+
+
+def test_activations_with_cudnn_attention():
+    need_cudnn()
+    with cudnn_from_batch(1):
+        check_family_activations(family_config(2, Fraction(1, 2)), "bf16", 2, None)
