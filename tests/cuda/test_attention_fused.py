@@ -40,8 +40,7 @@ def test_attention_matches_reference_model(Bn, heads, T, E, precision, seed):
     check_grouped(path.kind, got, reference_attention(q, k, v, dy, precision), precision)
 
 
-@pytest.mark.parametrize("n_kv_head, rotary", FAMILY)
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("n_kv_head, rotary, batch", FAMILY)
 def test_step_with_fused_attention(n_kv_head, rotary, batch):
     """Grouped heads and partial rotary through the whole bf16 step with the
     project's fused kernels (from batch 1 on, cuDNN off)."""

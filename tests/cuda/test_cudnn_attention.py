@@ -76,8 +76,7 @@ def test_cudnn_grouped_query_attention_matches_reference_model(Bn, H, Hkv, T, E)
         check_bitwise(name + " (second run)", a, g)
 
 
-@pytest.mark.parametrize("n_kv_head, rotary", FAMILY)
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("n_kv_head, rotary, batch", FAMILY)
 def test_step_with_cudnn_attention(n_kv_head, rotary, batch):
     """Grouped heads and partial rotary through the whole bf16 step with
     cuDNN's attention (from batch 1 on; where cuDNN refuses the shape, the
