@@ -35,12 +35,13 @@ layout's strides (H, Hkv, W, K, V, QK) that the package's kernels take now,
 so this harness runs them no more (the tree of their time does: git log
 dev/cuda/attention); a new variant starts from the package's file.
 
-Checks, on fresh random inputs: each variant against
-reference.layers.attention (NumPy float32 with the reference's own bf16
-rounding) at the coppelius shape and two smaller ones (T across tile edges,
-E = 32 and 16); every output element written (buffers start as NaN); two
-runs bitwise equal. Timing: each variant captured as a
-CUDA graph and replayed (median of 20), bf16, coppelius shape."""
+Checks, on fresh random inputs: each variant against the reference
+model's attention (NumPy float32 with the reference's own bf16 rounding;
+query head h with key/value head h // g) at the preset's shape and smaller
+ones (T across tile edges, E = 32 and 16, grouped heads Hkv = 1 of 4 and 2
+of 6); every output element written (buffers start as NaN); two runs
+bitwise equal. Timing: each variant captured as a CUDA graph and replayed
+(median of 20), bf16, the preset's shape."""
 
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--preset", default="coppelius")
-    parser.add_argument("--variant", action="append", help="of " + ", ".join(VARIANTS))
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS))
     args = parser.parse_args()
     config = preset(args.preset)
     # (B, H, Hkv, T, E): the preset's, then smaller ones, grouped and not
@@ -163,7 +164,7 @@ def main():
     ok_all, times = True, {}
     for name in names:
         kernels = variant_kernels(VARIANTS[name])
-        print(f"variant {name}: bf16 against reference.layers.attention")
+        print(f"variant {name}: bf16 against the reference model's attention")
         ok = True
         for i, shape in enumerate(shapes):
             ok &= check(kernels, *shape, seed=100 + i)
