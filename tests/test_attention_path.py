@@ -20,8 +20,8 @@ class Served:
     def __init__(self):
         self.asked = []
 
-    def __call__(self, direction, B, T, H, E, scale):
-        self.asked.append((direction, B, T, H, E, scale))
+    def __call__(self, direction, B, T, H, E, scale, kv_heads=None):
+        self.asked.append((direction, B, T, H, E, scale) + ((kv_heads,) if kv_heads != H else ()))
         return types.SimpleNamespace(device=0, direction=direction)
 
 
@@ -48,6 +48,41 @@ def test_cudnn_from_its_batch_on_where_it_serves_the_shape(served):
     scale = attention_scale(64)
     assert served.asked == [("forward", 8, 1024, 8, 64, scale), ("backward", 8, 1024, 8, 64, scale)]
     assert policy.fused_attention(COPPELIUS, "bf16", 8)
+
+
+@pytest.mark.parametrize("name", ["llama-124m", "test-llama", "test-stablelm"])
+def test_grouped_heads_ask_cudnn_for_their_key_value_heads(served, name):
+    """A model with grouped heads asks cuDNN for the graphs of its H query
+    and Hkv key/value heads; the partial rotary changes nothing here (it is
+    the rope kernels')."""
+    config = preset(name)
+    assert config.kv_heads < config.n_head
+    assert policy.attention_path(config, "bf16", 8).kind == "cudnn"
+    scale = attention_scale(config.head_dim)
+    shape = (8, config.context, config.n_head, config.head_dim, scale, config.kv_heads)
+    assert served.asked == [("forward", *shape), ("backward", *shape)]
+
+
+def test_the_fused_kernels_serve_grouped_heads_where_cudnn_does_not(monkeypatch):
+    """cuDNN refusing a grouped shape: the project's fused kernels (their
+    head dims, from their batch on), which index key/value head h // g,
+    with cuDNN's reason."""
+    monkeypatch.delenv("COPPELIUS_NO_CUDNN", raising=False)
+    monkeypatch.setattr(cudnn_attention, "MIN_BATCH", 1)
+    monkeypatch.setattr(attention_fused, "ATTENTION_FUSED_MIN_BATCH", 4)
+    asked = []
+
+    def refused(direction, B, T, H, E, scale, kv_heads=None):
+        asked.append(kv_heads)
+        return f"cuDNN refuses the {direction} of B={B} T={T} H={H} Hkv={kv_heads} E={E} (x)"
+
+    monkeypatch.setattr(cudnn_attention, "graph", refused)
+    config = Config(vocab=8, context=64, d_model=256, n_layer=1, n_head=4, d_ff=8, n_kv_head=2)
+    path = policy.attention_path(config, "bf16", 8)
+    assert path == policy.AttentionPath("fused", "cuDNN refuses the forward of B=8 T=64 H=4 "
+                                                 "Hkv=2 E=64 (x)")
+    assert asked == [2, 2]  # the forward and the backward, each for its Hkv = 2
+    assert policy.attention_path(config, "bf16", 2).kind == "materialized"
 
 
 def test_a_forward_only_step_asks_for_the_forward_alone(served):
@@ -81,8 +116,8 @@ def test_a_shape_cudnn_refuses_runs_the_projects_kernels_with_cudnns_reason(monk
     monkeypatch.setattr(cudnn_attention, "_trials", {})
     monkeypatch.setattr(cudnn_attention, "_trial", trial(""))
     monkeypatch.setattr(cudnn_attention, "graph",
-                        lambda direction, *shape: why if direction == "backward" else
-                        types.SimpleNamespace(device=0))
+                        lambda direction, *shape, kv_heads=None: why if direction == "backward"
+                        else types.SimpleNamespace(device=0))
     config = Config(vocab=8, context=64, d_model=2 * E, n_layer=1, n_head=2, d_ff=8)
     assert policy.attention_path(config, "bf16", batch) == policy.AttentionPath(kind,
                                                                                             why)

@@ -30,7 +30,7 @@ Under bf16, where cuDNN serves the shape (accelerated/cuda/cudnn_attention.py:
 the nvidia-cudnn-frontend package importable, cuDNN's graphs supported),
 from a batch of cudnn_attention.MIN_BATCH on, it is cuDNN's fused attention
 (SDPA forward and backward, deterministic): q, k, v read in place from the
-(BT, 3D) projection, y written in the (BT, D) layout, per row the softmax's
+(BT, qkv) projection, y written in the (BT, D) layout, per row the softmax's
 log-sum-exp kept for the backward, which writes dv into the projections'
 gradient and dq, dk into the rope backward's input. Else, with a head dim
 of 16, 32 or 64, from a batch of attention_fused.ATTENTION_FUSED_MIN_BATCH on,
@@ -41,10 +41,13 @@ only the maximum and the sum of the softmax are kept for the backward,
 which recomputes p. Otherwise (fp32, other head dims, small batches, where
 the fused kernels leave the chip idle) it runs per batch element as
 strided batched products over the heads, reading q, k, v straight out of
-the (BT, 3D) projection with row stride 3D and writing y in the (BT, D)
-layout with row stride D, with the scores materialized (B, H, T, T)
-float32 and kept per layer for the backward. The report gives the path and
-the one reason cuDNN's is not used.
+the (BT, qkv) projection and writing y in the (BT, D) layout with row
+stride D, with the scores materialized (B, H, T, T) float32 and kept per
+layer for the backward. The report gives the path and the one reason
+cuDNN's is not used. Every path takes the layout's grouped heads (SPEC 21:
+query head h with key/value head h // g, g = H / Hkv, a key/value head's
+dk, dv the sum over its g query heads, in a fixed order) and the rope
+kernels its partial rotary (the first R elements of each q and k head).
 
 bf16 policy (SPEC 6). Every operand of every product is a bfloat16
 (rounded to nearest even) and every product accumulates in float32. The

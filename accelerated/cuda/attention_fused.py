@@ -3,7 +3,9 @@ style kernels over bfloat16 operands, one entry point per head dim."""
 
 from __future__ import annotations
 
-from .launch import Launcher, _cdiv, f32, i32, ungrouped_d
+from ...reference.layout import qkv_columns
+
+from .launch import Launcher, _cdiv, f32, fused_head_dim, i32
 
 ATTENTION_HEAD_DIMS = (16, 32, 64)  # head dims with fused attention kernels (attention_fused.cu)
 # From this batch on the step's attention is fused. The fused kernels' grid
@@ -22,26 +24,39 @@ class AttentionFusedLaunchers(Launcher):
     """The launchers of kernels/attention_fused.cu."""
 
     # fused attention (bf16 policy, E in ATTENTION_HEAD_DIMS): q, k, v are
-    # read from qkv (BT,qkv) operands, head h at column h*E of q's, k's and v's
-    # columns (the ungrouped layout: ungrouped_d)
-    def _attention(self, part, E, B, T, H, args):
+    # read from qkv (BT,qkv) operands of the layout for H query and Hkv
+    # key/value heads (qkv_columns: q's head h at column h*E, k's and v's
+    # head h // g at K + (h // g)*E and V + (h // g)*E, g = H / Hkv)
+    def _attention(self, part, E, B, T, heads, args):
+        # grid (tiles of T, B * heads): heads H (query tiles) or Hkv (key tiles)
         assert E in ATTENTION_HEAD_DIMS, E
-        self._launch(f"attention_{part}_e{E}", (_cdiv(T, ATTENTION_TILE), B * H), 128, args)
+        self._launch(f"attention_{part}_e{E}", (_cdiv(T, ATTENTION_TILE), B * heads), 128, args)
 
-    def attention_forward(self, qkv, y, m, l, B, T, H, scale):
+    @staticmethod
+    def _columns(qkv, y, H, Hkv):
+        # -> E and the layout's strides (W, K, V) of qkv's rows
+        E = y.shape[1] // H
+        assert fused_head_dim(qkv.shape[1], "qkv", H, Hkv) == E, (qkv.shape, y.shape, H, Hkv)
+        _, k, v = qkv_columns(H, Hkv, E)
+        return E, (i32(v.stop), i32(k.start), i32(v.start))
+
+    def attention_forward(self, qkv, y, m, l, B, T, H, Hkv, scale):
         # qkv (BT,qkv) -> y (BT,D) operand; kept: m, l (B,H,T), the row maximum
         # of the scores times log2(e) and 1 / the row sum of exp(s - m)
-        E = y.shape[1] // H
-        ungrouped_d(qkv.shape[1], "qkv", H, E)
-        self._attention("forward", E, B, T, H, (qkv, y, m, l, i32(T), i32(H), f32(scale)))
+        E, strides = self._columns(qkv, y, H, Hkv)
+        self._attention("forward", E, B, T, H, (qkv, y, m, l, i32(T), i32(H), i32(Hkv), *strides,
+                                                 f32(scale)))
 
-    def attention_backward(self, qkv, y, dy, m, l, dot, dqk, dqkv, B, T, H, scale):
+    def attention_backward(self, qkv, y, dy, m, l, dot, dqk, dqkv, B, T, H, Hkv, scale):
         # y (BT,D) the forward's output, dy (BT,D) operands -> dq, dk into dqk
-        # (BT,qk) float32, dv into dqkv's v columns, operand; dot (B,H,T)
-        # scratch: sum_j dp p per row, written by the first kernel
-        E = y.shape[1] // H
-        ungrouped_d(qkv.shape[1], "qkv", H, E)
-        self._attention("backward_dq", E, B, T, H, (qkv, y, dy, m, l, dot, dqk, i32(T), i32(H),
+        # (BT,qk) float32, dv into dqkv's v columns, operand: dk, dv of a
+        # key/value head summed over its query heads; dot (B,H,T) scratch:
+        # sum_j dp p per row, written by the first kernel
+        E, strides = self._columns(qkv, y, H, Hkv)
+        _, k, _ = qkv_columns(H, Hkv, E)
+        assert dqk.shape[1] == k.stop and dqkv.shape == qkv.shape, (dqk.shape, dqkv.shape)
+        heads = (i32(T), i32(H), i32(Hkv), *strides, i32(k.stop))
+        self._attention("backward_dq", E, B, T, H, (qkv, y, dy, m, l, dot, dqk, *heads,
                                                     f32(scale)))
-        self._attention("backward_dkdv", E, B, T, H, (qkv, dy, m, l, dot, dqk, dqkv, i32(T),
-                                                      i32(H), f32(scale)))
+        self._attention("backward_dkdv", E, B, T, Hkv, (qkv, dy, m, l, dot, dqk, dqkv, *heads,
+                                                        f32(scale)))

@@ -277,7 +277,8 @@ class Activations:
         directions = (("forward", "backward") if train else ("forward",)) if cudnn else ()
         for direction in directions:
             nbytes = cudnn_attention.workspace_bytes(direction, B, T, H, config.head_dim,
-                                                     attention.attention_scale(config.head_dim))
+                                                     attention.attention_scale(config.head_dim),
+                                                     kv_heads=config.kv_heads)
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
         # gate and up projections: kept per layer, or (recompute) one buffer
         # for every layer's forward and, below, one for the backward's
@@ -322,8 +323,12 @@ class Activations:
             self.dp = alloc((B, H, T, T), f32)
             self.ds = alloc((B, H, T, T), op_dtype, zeros=True)  # causal part written, as att_op
         # gradients of the rotated q, k: float32, or bfloat16 operands as
-        # cuDNN's attention writes them (the rope backward reads either)
-        self.dqk = alloc((BT, lay.qk_width), op_dtype if cudnn else f32)
+        # cuDNN's attention writes them (the rope backward reads either); the
+        # materialized scores' products with grouped heads sum each key/value
+        # head's dv here too, in float32, beside dk (the rope backward copies it)
+        grouped = not fused and lay.kv_heads < lay.heads
+        self.dqk = alloc((BT, lay.qkv_width if grouped else lay.qk_width),
+                         op_dtype if cudnn else f32)
         self.dqkv = alloc((BT, lay.qkv_width), op_dtype)  # gradients of the q, k, v projections
         # each norm's weight (and bias) partial sums (2l attn_norm, 2l+1
         # mlp_norm, 2L final_norm), reduced at the end of the backward through
@@ -356,7 +361,7 @@ class StepBuffers:
     partial: object  # float32: the norm's first pass (gradient_norm's, or AdamW's: run_step)
     norm: object  # (2,) float32: ||G|| before clipping, and the clip scale
     decay: object  # (R, 2) int64: the decayed elements' [start, end) runs
-    cos: object  # (T, E/2) float32 each, from float64 angles
+    cos: object  # (T, R/2) float32 each, from float64 angles (R: config.rotary_dim)
     sin: object
     ids: object  # (B, T+1) int32: the input slot
     workspace: object  # cuBLAS's
@@ -387,7 +392,7 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     with k > 1 or W > 1 (it carries a sum); else the step's Gradient is
     allocated with the activations, in the memory plan's arena."""
     reg = registry(config)
-    N, T, E = reg.total, config.context, config.head_dim
+    N, T = reg.total, config.context
     b = batch // world
     P, M, V = (alloc((N,), np.float32) for _ in range(3))
     G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
@@ -398,7 +403,8 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     partial = alloc((max(adamw.NORM_BLOCKS, adamw.adamw_blocks(N)),), np.float32)
     norm = alloc((2,), np.float32)
     decay = alloc.upload(reg.decay_ranges())
-    cos, sin = (alloc.upload(x) for x in rope_tables(T, E, np.float32, config.rope_base))
+    cos, sin = (alloc.upload(x) for x in rope_tables(T, config.rotary_dim, np.float32,
+                                                     config.rope_base))
     ids = alloc((b, T + 1), np.int32)
     workspace = alloc((WORKSPACE_BYTES,), np.uint8)
     norms = alloc.upload(norm_offsets(config))

@@ -2,15 +2,19 @@
 backend's bf16 step, through NVIDIA's `nvidia-cudnn-frontend` Python
 package (`import cudnn`) and the cuDNN 9 library it loads.
 
-What it computes (SPEC 3 and 5, causal attention of one layer, every head):
-q, k, v are read straight out of the (BT, 3D) bfloat16 projection (head h
-of q at column h*E, of k at D + h*E, of v at 2D + h*E: dims (B, H, T, E),
-strides (3DT, E, 3D, 1), no copies); y is written as a bfloat16 operand in
-the (BT, D) layout; per row the softmax's log-sum-exp (B, H, T) float32 is
-kept for the backward. The backward reads q, k, v, y, dy and the
-statistics and writes dv straight into the (BT, 3D) gradient of the
-projections and dq, dk, as bfloat16, into the (BT, 2D) buffer that the
-rope backward reads. Products accumulate in float32 (compute and
+What it computes (SPEC 3, 5 and 21, causal attention of one layer, every
+head): q, k, v are read straight out of the (BT, qkv) bfloat16 projection
+of the step's layout (reference/layout.py: H query heads, Hkv key/value
+heads; head h of q at column h*E, of k and v at K + h*E and V + h*E: dims
+(B, H, T, E) for q and (B, Hkv, T, E) for k and v, strides (W T, E, W, 1)
+with W the row's width, no copies). With Hkv < H query head h attends with
+key/value head h // (H / Hkv), cuDNN's grouped-query attention, and the
+backward's dk, dv of a key/value head are the sums over its query heads.
+y is written as a bfloat16 operand in the (BT, D) layout; per row the
+softmax's log-sum-exp (B, H, T) float32 is kept for the backward. The
+backward reads q, k, v, y, dy and the statistics and writes dv straight
+into the (BT, qkv) gradient of the projections and dq, dk, as bfloat16,
+into the (BT, qk) buffer that the rope backward reads. Products accumulate in float32 (compute and
 intermediate type float32), the scale multiplies q k^T, the mask is causal
 (top-left aligned, the diagonal kept), and the backward is cuDNN's
 deterministic algorithm: replays give the same bits, as the rest of the
@@ -19,7 +23,7 @@ SPEC 6. (cuDNN 9.19 builds a backward with float32 dq, dk but its
 execution fails, "nullptr == dq_ptr": they are bfloat16, the type every
 user of cuDNN's attention asks for.)
 
-One graph per (B, T, H, E) and direction, built once per process and
+One graph per (B, T, H, Hkv, E) and direction, built once per process and
 device (validate, operation graph, heuristics A then fallback, support,
 plans) and shared by every layer, program and stream; each execution
 names its buffers by address. A plan is built only outside a stream
@@ -66,8 +70,8 @@ DETERMINISTIC = True
 _frontend = None  # the cudnn module once imported
 _import_error = None  # why it could not be, once tried
 _handles = {}  # device id -> (handle, the stream last set)
-_graphs = {}  # (device, B, T, H, E, direction, deterministic) -> Graph, or the str why not
-_trials = {}  # (device, B, T, H, E, train, deterministic) -> '', or the str why not
+_graphs = {}  # (device, B, T, H, Hkv, E, direction, deterministic) -> Graph, or the str why not
+_trials = {}  # (device, B, T, H, Hkv, E, train, deterministic) -> '', or the str why not
 
 
 def disabled() -> bool:
@@ -117,18 +121,19 @@ def _handle(device: int):
 
 class Graph:
     """One built cuDNN graph of one direction ("forward" or "backward") for
-    one (B, T, H, E) and its execution on addresses."""
+    one (B, T, H, Hkv, E) and its execution on addresses."""
 
-    def __init__(self, direction: str, B: int, T: int, H: int, E: int, scale: float):
-        self.direction, self.B, self.T, self.H, self.E = direction, B, T, H, E
+    def __init__(self, direction: str, B: int, T: int, H: int, E: int, scale: float,
+                 Hkv: int):
+        self.direction, self.B, self.T, self.H, self.Hkv, self.E = direction, B, T, H, Hkv, E
         self.scale = float(scale)
         self.device = cupy.cuda.Device().id
         self.handle = _handle(self.device)
         cudnn = frontend()
         t = cudnn.data_type
         D = H * E
-        dims = [B, H, T, E]
-        _, k, v = qkv_columns(H, H, E)  # the step's fused layout (reference/layout.py)
+        dims, kv_dims = [B, H, T, E], [B, Hkv, T, E]  # q, y, dq; k, v, dk, dv
+        _, k, v = qkv_columns(H, Hkv, E)  # the step's fused layout (reference/layout.py)
         W, QK = v.stop, k.stop
         self.qkv_stride = [T * W, E, W, 1]  # q, k, v inside the (BT, qkv) projection
         self.y_stride = [T * D, E, D, 1]  # y, dy: (BT, D)
@@ -138,8 +143,8 @@ class Graph:
                           compute_data_type=t.FLOAT, handle=self.handle[0])
         self.graph = g
         q = g.tensor(name="q", dim=dims, stride=self.qkv_stride, data_type=t.BFLOAT16)
-        k = g.tensor(name="k", dim=dims, stride=self.qkv_stride, data_type=t.BFLOAT16)
-        v = g.tensor(name="v", dim=dims, stride=self.qkv_stride, data_type=t.BFLOAT16)
+        k = g.tensor(name="k", dim=kv_dims, stride=self.qkv_stride, data_type=t.BFLOAT16)
+        v = g.tensor(name="v", dim=kv_dims, stride=self.qkv_stride, data_type=t.BFLOAT16)
         causal = _causal_mask(cudnn)
         if direction == "forward":
             o, stats = _call(g.sdpa, dict(name="sdpa", q=q, k=k, v=v, attn_scale=self.scale),
@@ -158,9 +163,10 @@ class Graph:
                                     attn_scale=self.scale,
                                     use_deterministic_algorithm=DETERMINISTIC),
                                [{}], causal)
-            dv.set_output(True).set_dim(dims).set_stride(self.qkv_stride).set_data_type(t.BFLOAT16)
-            for d in (dq, dk):
-                d.set_output(True).set_dim(dims).set_stride(self.dqk_stride) \
+            dv.set_output(True).set_dim(kv_dims).set_stride(self.qkv_stride) \
+                .set_data_type(t.BFLOAT16)
+            for d, d_dims in ((dq, dims), (dk, kv_dims)):
+                d.set_output(True).set_dim(d_dims).set_stride(self.dqk_stride) \
                     .set_data_type(t.BFLOAT16)
             self.tensors = (q, k, v, o, dO, stats, dq, dk, dv)
         g.validate()
@@ -173,7 +179,8 @@ class Graph:
     def launch(self) -> dict:
         """What the executable plan and the memory plan's dry run record."""
         return {"graph": f"sdpa_{self.direction}", "batch": self.B, "context": self.T,
-                "heads": self.H, "head_dim": self.E, "workspace": self.workspace}
+                "heads": self.H, "kv_heads": self.Hkv, "head_dim": self.E,
+                "workspace": self.workspace}
 
     def execute(self, pointers: tuple, workspace: int) -> None:
         """Run on the current CuPy stream; pointers in the order of
@@ -221,10 +228,17 @@ def stream_capturing() -> bool:
         return False
 
 
-def graph(direction: str, B: int, T: int, H: int, E: int, scale: float):
+def _shape(B: int, T: int, H: int, Hkv: int, E: int) -> str:
+    """The shape as the reasons name it (Hkv only where it is not H)."""
+    return f"B={B} T={T} H={H}" + (f" Hkv={Hkv}" if Hkv != H else "") + f" E={E}"
+
+
+def graph(direction: str, B: int, T: int, H: int, E: int, scale: float,
+          kv_heads: int | None = None):
     """The built Graph for this shape on the current device, or the reason
     (a str) why cuDNN does not serve it; built on first use, outside a
-    capture."""
+    capture. kv_heads: Hkv, the key/value heads (None: H, no grouping)."""
+    Hkv = H if kv_heads is None else kv_heads
     if disabled():
         return "disabled by COPPELIUS_NO_CUDNN"
     if frontend() is None:
@@ -233,27 +247,31 @@ def graph(direction: str, B: int, T: int, H: int, E: int, scale: float):
         device = cupy.cuda.Device().id
     except Exception as e:
         return f"no CUDA device ({_one_line(e)})"
-    key = (device, B, T, H, E, direction, DETERMINISTIC)
+    key = (device, B, T, H, Hkv, E, direction, DETERMINISTIC)
     if key not in _graphs:
+        shape = _shape(B, T, H, Hkv, E)
         if stream_capturing():
-            raise RuntimeError(f"cuDNN attention: the {direction} graph of B={B} T={T} H={H} "
-                               f"E={E} would be built inside a capture")
+            raise RuntimeError(f"cuDNN attention: the {direction} graph of {shape} would be "
+                               "built inside a capture")
         try:
-            _graphs[key] = Graph(direction, B, T, H, E, scale)
+            _graphs[key] = Graph(direction, B, T, H, E, scale, Hkv)
         except Exception as e:
-            _graphs[key] = (f"cuDNN refuses the {direction} of B={B} T={T} H={H} E={E} "
-                            f"({_one_line(e)})")
+            _graphs[key] = f"cuDNN refuses the {direction} of {shape} ({_one_line(e)})"
     return _graphs[key]
 
 
-def unavailable(B: int, T: int, H: int, E: int, scale: float, train: bool) -> str:
+def unavailable(B: int, T: int, H: int, E: int, scale: float, train: bool,
+                kv_heads: int | None = None) -> str:
     """'' when cuDNN serves attention of this shape (the forward, and with
-    train the backward too), else the one-line reason why not."""
-    graphs = [graph(d, B, T, H, E, scale) for d in ("forward", "backward")[:1 + train]]
+    train the backward too; kv_heads as graph()'s), else the one-line
+    reason why not."""
+    Hkv = H if kv_heads is None else kv_heads
+    graphs = [graph(d, B, T, H, E, scale, kv_heads=Hkv)
+              for d in ("forward", "backward")[:1 + train]]
     for g in graphs:
         if isinstance(g, str):
             return g
-    key = (graphs[0].device, B, T, H, E, train, DETERMINISTIC)
+    key = (graphs[0].device, B, T, H, Hkv, E, train, DETERMINISTIC)
     if key not in _trials:
         _trials[key] = _trial(graphs)
     return _trials[key]
@@ -265,16 +283,16 @@ def _trial(graphs: list) -> str:
     both runs execute, write every output element finite and (with the
     deterministic backward) agree bit for bit, else why not."""
     g = graphs[0]
-    B, T, H, E = g.B, g.T, g.H, g.E
+    B, T, H, Hkv, E = g.B, g.T, g.H, g.Hkv, g.E
     D, BT = H * E, g.B * g.T
-    shape = f"B={B} T={T} H={H} E={E}"
+    shape = _shape(B, T, H, Hkv, E)
     rng = np.random.default_rng(0)
 
     def operand(cols):  # bfloat16 bits of N(0, 1) values, truncated
         x = rng.standard_normal((BT, cols)).astype(np.float32)
         return cupy.asarray((x.view(np.uint32) >> 16).astype(np.uint16))
 
-    q, k, v = qkv_columns(H, H, E)
+    q, k, v = qkv_columns(H, Hkv, E)
     qkv, dy = operand(v.stop), operand(D)
     outputs = {"y": cupy.empty((BT, D), dtype=np.uint16),
                "stats": cupy.empty((B, H, T), dtype=np.float32),
@@ -320,10 +338,11 @@ def _trial(graphs: list) -> str:
     return ""
 
 
-def workspace_bytes(direction: str, B: int, T: int, H: int, E: int, scale: float) -> int:
+def workspace_bytes(direction: str, B: int, T: int, H: int, E: int, scale: float,
+                    kv_heads: int | None = None) -> int:
     """The workspace one execution of the direction's graph needs (a served
-    shape). The deterministic backward's grows with B (16 MiB per context
+    shape; kv_heads as graph()'s). The deterministic backward's grows with B (16 MiB per context
     of the coppelius preset with cuDNN 9.19), the forward's stays small: the
     step gives each its own buffer, so the backward's lives in the backward
     alone."""
-    return graph(direction, B, T, H, E, scale).workspace
+    return graph(direction, B, T, H, E, scale, kv_heads=kv_heads).workspace

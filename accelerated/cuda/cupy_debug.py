@@ -73,36 +73,38 @@ def _as_float(x, precision: str) -> np.ndarray:
 
 def step_attention(precision: str, q, k, v, dy, kernels=None):
     """The step's attention (Model.attention_forward, then
-    attention_backward) of one layer on q, k, v, dy (B,H,T,E) float32 (under
-    bf16 already bfloat16 values), with the path the backend picks for them
-    (attention_path). -> y, dq, dk, dv (B,H,T,E) as float32 (y and dv are
-    operands, dq and dk float32, or bfloat16 operands where cuDNN writes
-    them so).
+    attention_backward) of one layer on q, dy (B,H,T,E) and k, v
+    (B,Hkv,T,E) float32 (under bf16 already bfloat16 values; Hkv < H:
+    grouped heads), with the path the backend picks for them
+    (attention_path). -> y, dq (B,H,T,E), dk, dv (B,Hkv,T,E) as float32 (y
+    and dv are operands, dq and dk float32, or bfloat16 operands where
+    cuDNN writes them so).
 
     kernels: a compile.Kernels to run instead of the backend's own for
     the precision (a kernel variant under test)."""
     Bn, H, T, E = q.shape
     D = H * E
-    config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8)
+    config = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=H, d_ff=8,
+                    n_kv_head=k.shape[1])
     bf16 = precision == "bf16"
     stream = cupy.cuda.Stream(non_blocking=True)
     alloc = Buffers(stream)
     ws = alloc((cublas.WORKSPACE_BYTES,), np.uint8)
     blas = cublas.Cublas(stream.ptr, ws.data.ptr, cublas.WORKSPACE_BYTES)
     P = alloc((registry(config).total,), np.float32)  # the layer's weights are not read
-    cos, sin = (alloc.upload(t) for t in rope_tables(T, E))
+    cos, sin = (alloc.upload(t) for t in rope_tables(T, config.rotary_dim))
     if kernels is None:
         kernels = kernels_for(precision)
     model = Model(config, precision, kernels, blas, P, P, Gradient.flat(P, alloc), cos, sin,
                   None)
     acts = Activations(config, Bn, T, np.uint16 if bf16 else np.float32, alloc, train=True)
 
-    def rows(x):  # (B,H,T,E) -> (BT,D) in the operand type
-        x = x.transpose(0, 2, 1, 3).reshape(Bn * T, D)
+    def rows(x):  # (B,H,T,E) -> (BT,H*E) in the operand type (H: x's heads)
+        x = x.transpose(0, 2, 1, 3).reshape(Bn * T, -1)
         return x.astype(ml_dtypes.bfloat16).view(np.uint16) if bf16 else x
 
-    def heads(x):  # (BT,D) -> (B,H,T,E)
-        return x.reshape(Bn, T, H, E).transpose(0, 2, 1, 3)
+    def heads(x):  # (BT,H*E) -> (B,H,T,E) (H: x's heads)
+        return x.reshape(Bn, T, -1, E).transpose(0, 2, 1, 3)
 
     acts.qkv[0].set(np.concatenate([rows(q), rows(k), rows(v)], axis=1), stream=stream)
     acts.dy.set(rows(dy), stream=stream)

@@ -24,14 +24,17 @@ NULL = np.uint64(0)  # a null pointer argument
 i32, i64, f32, f64 = np.int32, np.int64, np.float32, np.float64
 
 
-def ungrouped_d(width: int, columns: str, H: int, E: int) -> int:
-    """D = H E of a fused row `width` wide whose `columns` ("qkv": q | k | v,
-    or "qk": q | k) are the step's layout (reference/layout.py) with one
-    key/value head per query head, the layout kernels/rope.cu and
-    kernels/attention_fused.cu index; anything else is refused."""
-    q, k, v = qkv_columns(H, H, E)
-    assert width == (v.stop if columns == "qkv" else k.stop), (width, columns, H, E)
-    return q.width
+def fused_head_dim(width: int, columns: str, H: int, Hkv: int) -> int:
+    """E of a fused row `width` wide whose `columns` ("qkv": q | k | v, or
+    "qk": q | k) are the step's layout (reference/layout.py) for H query
+    and Hkv key/value heads, the layout kernels/rope.cu and
+    kernels/attention_fused.cu index through the strides they are given;
+    anything else is refused."""
+    E = width // (H + (2 if columns == "qkv" else 1) * Hkv)
+    q, k, v = qkv_columns(H, Hkv, E)
+    assert H % Hkv == 0 and width == (v.stop if columns == "qkv" else k.stop), \
+        (width, columns, H, Hkv)
+    return E
 
 
 def _cdiv(a: int, b: int) -> int:

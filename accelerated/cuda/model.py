@@ -163,7 +163,7 @@ class Model:
             self.at(p + "attn.q", p + "attn.k", p + "attn.v")
             self.qkv_forward(a.h, l, a.qkv32)  # (BT,qkv)
             self.at(p + "attn.rope_q", p + "attn.rope_k")
-            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, c.n_head)
+            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
             self.at(p + "attn.core")
             self.attention_forward(a, l)  # -> a.y[l] (BT,D)
             self.at(p + "attn.o")
@@ -276,9 +276,11 @@ class Model:
     def attention_forward(self, a: Activations, l: int) -> None:
         """a.qkv[l] (BT,qkv) -> a.y[l] (BT,D); kept for the backward: a.att[l]
         (B,H,T,T) probabilities, or the fused kernels' a.att_m[l], a.att_l[l]
-        (B,H,T) row maxima and sums."""
+        (B,H,T) row maxima and sums. Query head h attends with key/value
+        head h // g, g = H / Hkv (SPEC 21)."""
         c, lay = self.config, self.layout
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        Hkv, g = lay.kv_heads, lay.heads // lay.kv_heads
         W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
         if a.path.kind == "cudnn":
             qkv = a.qkv[l]
@@ -286,23 +288,29 @@ class Model:
                                        _ptr(a.att_stats[l])))
             return
         if a.fused:
-            self.k.attention_forward(a.qkv[l], a.y[l], a.att_m[l], a.att_l[l], B, T, H,
+            self.k.attention_forward(a.qkv[l], a.y[l], a.att_m[l], a.att_l[l], B, T, H, Hkv,
                                      self.scale)
             return
         qkv, att, y = a.qkv[l], a.att[l], a.y[l]
-        for b in range(B):  # one strided batched product over the H heads
-            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
-            # s_h (T,T) = q_h (T,E) @ k_h^T
-            self.gemm(False, True, T, T, E, q, W, kk, W, _ptr(att, b * H * T * T), T,
-                      batch=H, stride_a=E, stride_b=E, stride_c=T * T)
+        # one strided batched product per batch element and member i of the
+        # groups, over the Hkv key/value heads: query head h = kv g + i, at
+        # column h*E of q, y and at (b, h) of att, with key/value head kv
+        # (g = 1: one product over the H heads)
+        for b in range(B):
+            for i in range(g):
+                q, kk = _ptr(qkv, b * T * W + i * E), _ptr(qkv, b * T * W + K)
+                # s_h (T,T) = q_h (T,E) @ k_kv^T
+                self.gemm(False, True, T, T, E, q, W, kk, W, _ptr(att, (b * H + i) * T * T), T,
+                          batch=Hkv, stride_a=g * E, stride_b=E, stride_c=g * T * T)
         self.k.attention_softmax_forward(att, a.att_op, self.scale)
         p = self.operand(att, a.att_op)
         for b in range(B):
-            v = _ptr(qkv, b * T * W + Vc)
-            # y_h (T,E) = p_h (T,T) @ v_h, at column h*E of y
-            self.gemm(False, False, T, E, T, _ptr(p, b * H * T * T), T, v, W,
-                      _ptr(y, b * T * D), D, c_type=self.op, batch=H, stride_a=T * T, stride_b=E,
-                      stride_c=E)
+            for i in range(g):
+                v = _ptr(qkv, b * T * W + Vc)
+                # y_h (T,E) = p_h (T,T) @ v_kv, at column h*E of y
+                self.gemm(False, False, T, E, T, _ptr(p, (b * H + i) * T * T), T, v, W,
+                          _ptr(y, b * T * D + i * E), D, c_type=self.op, batch=Hkv,
+                          stride_a=g * T * T, stride_b=E, stride_c=g * E)
 
     # -- loss and backward --------------------------------------------------------
 
@@ -402,11 +410,12 @@ class Model:
         k.layernorm_param_grads(a.ln_partials, a.ln_table, self.norm_offsets, self.G)
 
     def attention_backward(self, a: Activations, l: int) -> None:
-        """a.dy (BT,D) -> a.dqkv (BT,qkv): dq, dk through rope, and dv."""
+        """a.dy (BT,D) -> a.dqkv (BT,qkv): dq, dk through rope, and dv; the
+        dk, dv of a key/value head are the sums over its g query heads."""
         c, lay = self.config, self.layout
         B, T, D, H, E = a.B, a.T, c.d_model, c.n_head, c.head_dim
+        Hkv, g = lay.kv_heads, lay.heads // lay.kv_heads
         W, K, Vc = lay.qkv_width, lay.k.start, lay.v.start  # the qkv row, k's and v's columns
-        QK = lay.qk_width  # the dqk row: dq, then dk at column K
         if a.path.kind == "cudnn":
             # q, k, v, y, dy, stats -> dq, dk (into dqk), dv (into dqkv's v columns)
             qkv = a.qkv[l]
@@ -417,30 +426,42 @@ class Model:
             return
         if a.fused:
             self.k.attention_backward(a.qkv[l], a.y[l], a.dy, a.att_m[l], a.att_l[l], a.att_dot,
-                                      a.dqk, a.dqkv, B, T, H, self.scale)
+                                      a.dqk, a.dqkv, B, T, H, Hkv, self.scale)
             self._rope_backward(a, l)
             return
         qkv, att = a.qkv[l], a.att[l]
+        # the dqk row: dq, then dk at column K; with g > 1 also dv at column
+        # Vc (float32: the sums over each group, rounded once by the rope
+        # backward, which copies them into dqkv); with g = 1 dv goes straight
+        # into dqkv's v columns, an operand
+        QK = a.dqk.shape[1]
+        dv, ldv, dv_type = (a.dqk, QK, "float32") if g > 1 else (a.dqkv, W, self.op)
+        # the products as in the forward: per batch element and member i of
+        # the groups, over the Hkv key/value heads (query head h = kv g + i)
         for b in range(B):
-            v = _ptr(qkv, b * T * W + Vc)
-            # dp_h (T,T) = dy_h (T,E) @ v_h^T
-            self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D), D, v, W,
-                      _ptr(a.dp, b * H * T * T), T, batch=H, stride_a=E, stride_b=E,
-                      stride_c=T * T)
+            for i in range(g):
+                v = _ptr(qkv, b * T * W + Vc)
+                # dp_h (T,T) = dy_h (T,E) @ v_kv^T
+                self.gemm(False, True, T, T, E, _ptr(a.dy, b * T * D + i * E), D, v, W,
+                          _ptr(a.dp, (b * H + i) * T * T), T, batch=Hkv, stride_a=g * E,
+                          stride_b=E, stride_c=g * T * T)
         self.k.attention_softmax_backward(att, a.dp, a.ds, a.att_op, self.scale)
         p = self.operand(att, a.att_op)
         for b in range(B):
-            q, kk = _ptr(qkv, b * T * W), _ptr(qkv, b * T * W + K)
-            hh = dict(batch=H, stride_a=T * T, stride_b=E, stride_c=E)
-            # dv_h (T,E) = p_h^T dy_h, an operand only: straight into dqkv's v columns
-            self.gemm(True, False, T, E, T, _ptr(p, b * H * T * T), T, _ptr(a.dy, b * T * D), D,
-                      _ptr(a.dqkv, b * T * W + Vc), W, c_type=self.op, **hh)
-            # dq_h = ds_h k_h ; dk_h = ds_h^T q_h  (T,E), into dqk (BT,qk)
-            ds = _ptr(a.ds, b * H * T * T)
-            self.gemm(False, False, T, E, T, ds, T, kk, W, _ptr(a.dqk, b * T * QK), QK,
-                      **hh)
-            self.gemm(True, False, T, E, T, ds, T, q, W, _ptr(a.dqk, b * T * QK + K),
-                      QK, **hh)
+            kk = _ptr(qkv, b * T * W + K)
+            for i in range(g):
+                hh = dict(batch=Hkv, stride_a=g * T * T, stride_b=g * E, stride_c=E)
+                first = dict(beta=0.0 if i == 0 else 1.0)  # sums over i, in order
+                ph, ds = _ptr(p, (b * H + i) * T * T), _ptr(a.ds, (b * H + i) * T * T)
+                # dv_kv (T,E) += p_h^T dy_h
+                self.gemm(True, False, T, E, T, ph, T, _ptr(a.dy, b * T * D + i * E), D,
+                          _ptr(dv, b * T * ldv + Vc), ldv, c_type=dv_type, **hh, **first)
+                # dq_h = ds_h k_kv (T,E), into dqk at column h*E
+                self.gemm(False, False, T, E, T, ds, T, kk, W, _ptr(a.dqk, b * T * QK + i * E),
+                          QK, batch=Hkv, stride_a=g * T * T, stride_b=E, stride_c=g * E)
+                # dk_kv (T,E) += ds_h^T q_h, into dqk at column K + kv*E
+                self.gemm(True, False, T, E, T, ds, T, _ptr(qkv, b * T * W + i * E), W,
+                          _ptr(a.dqk, b * T * QK + K), QK, **hh, **first)
         self._rope_backward(a, l)
 
     def _cudnn(self, direction: str, a: Activations, pointers: tuple) -> None:
@@ -449,7 +470,8 @@ class Model:
         workspace a.att_workspace[direction]; in the memory plan's dry run
         (buffers without storage) only recorded."""
         c = self.config
-        g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale)
+        g = cudnn_attention.graph(direction, a.B, a.T, c.n_head, c.head_dim, self.scale,
+                                  kv_heads=c.kv_heads)
         buffer = a.att_workspace[direction]
         workspace = 0 if buffer is None else _ptr(buffer)
         if self.k.log is not None:
@@ -460,17 +482,21 @@ class Model:
 
     def _rope_backward(self, a: Activations, l: int) -> None:
         """a.dqk (BT,qk), the gradients of the rotated q and k (float32, or
-        bfloat16 operands as cuDNN writes them) -> a.dqkv's q and k columns."""
+        bfloat16 operands as cuDNN writes them), or (BT,qkv) with dv beside
+        them (the materialized path's grouped heads) -> a.dqkv's q and k
+        (and v) columns."""
         p, lay = f"layers.{l}.", self.layout
         self._tap(p + "attn.dq", a.dqk, lay.q)  # dqk's rows: dq, then dk at k's columns
         self._tap(p + "attn.dk", a.dqk, lay.k)
-        self._tap(p + "attn.dv", a.dqkv, lay.v)
-        self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward")
+        # (dv beside dq, dk: the attention backward's sums, copied here too)
+        self.at(p + "attn.rope_q.backward", p + "attn.rope_k.backward",
+                *((p + "attn.core.backward",) if a.dqk.shape[1] == lay.qkv_width else ()))
+        H, Hkv = lay.heads, lay.kv_heads
         if a.dqk.dtype == np.float32:
-            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, self.config.n_head)
+            self.k.rope_backward(a.dqk, a.dqkv, self.cos, self.sin, a.T, H, Hkv)
         else:
-            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T,
-                                         self.config.n_head)
+            self.k.rope_backward_operand(a.dqk, a.dqkv, self.cos, self.sin, a.T, H, Hkv)
+        self._tap(p + "attn.dv", a.dqkv, lay.v)
 
 
 def model_for(config: Config, precision: str, kernels, blas, s: StepBuffers,

@@ -30,17 +30,22 @@ def attention_path(config: Config, precision: str, batch: int, context: int | No
     attention_fused.ATTENTION_FUSED_MIN_BATCH on, else the materialized scores
     (the thresholds are measured: each path's time per layer in
     accelerated/cuda/attention_fused.py and cudnn_attention.py). fp32 keeps the materialized
-    scores: both fused paths take bfloat16 operands."""
+    scores: both fused paths take bfloat16 operands. Every path computes
+    grouped heads (config.kv_heads < H: cuDNN's own grouped-query attention,
+    where it serves the shape; the fused kernels and the materialized
+    products index key/value head h // g); the rotary fraction is the rope
+    kernels' alone."""
     if precision != "bf16":
         return AttentionPath("materialized", "fp32 policy: cuDNN's and the fused kernels' "
                                              "attention take bfloat16 operands")
     T = config.context if context is None else context
-    H, E = config.n_head, config.head_dim
+    H, Hkv, E = config.n_head, config.kv_heads, config.head_dim
     if batch < cudnn_attention.MIN_BATCH:
         why = (f"batch {batch} < {cudnn_attention.MIN_BATCH}: cuDNN's attention is slower there "
                "than the project's")
     else:
-        why = cudnn_attention.unavailable(batch, T, H, E, attention.attention_scale(E), train)
+        why = cudnn_attention.unavailable(batch, T, H, E, attention.attention_scale(E), train,
+                                          kv_heads=Hkv)
     if not why:
         return AttentionPath("cudnn", "")
     kernels = E in attention_fused.ATTENTION_HEAD_DIMS and \

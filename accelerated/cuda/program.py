@@ -37,7 +37,7 @@ from .step import kernels_for, memory_plan, run_step, step_gradients
 
 BACKEND = "cupy"
 # The family's fields (SPEC 21) this backend computes; the others are refused at capture
-IMPLEMENTED = ("norm", "norm_eps", "tied", "rope_base", "qkv_bias")
+IMPLEMENTED = ("norm", "norm_eps", "n_kv_head", "tied", "rope_base", "rotary", "qkv_bias")
 
 
 def available() -> bool:

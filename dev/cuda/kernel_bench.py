@@ -42,6 +42,7 @@ from coppelius.accelerated.cuda.policy import attention_path, logits_chunk_rows 
 from coppelius.reference.adamw import AdamWConstants  # noqa: E402
 from coppelius.reference.config import Hyper, preset  # noqa: E402
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
+from coppelius.reference.layout import layout  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 
 WORKING_SET = 200e6  # bytes over the launches' copies: past the H200's 50 MB L2
@@ -119,7 +120,6 @@ class Case:
 def cases(config, B):
     T, D, F, V, H, L = (config.context, config.d_model, config.d_ff, config.vocab,
                         config.n_head, config.n_layer)
-    E = config.head_dim
     BT = B * T
     N = registry(config).total
     rng = np.random.default_rng(0)
@@ -127,7 +127,9 @@ def cases(config, B):
     zipf = np.minimum(rng.zipf(1.3, size=(B, T + 1)) - 1, V - 1).astype(np.int32)
     ids = cupy.asarray(zipf)
     distinct = len(np.unique(zipf[:, :T]))
-    cos, sin = (cupy.asarray(x) for x in rope_tables(T, E))
+    cos, sin = (cupy.asarray(x) for x in rope_tables(T, config.rotary_dim))
+    # the q | k | v row of the layout (grouped heads: k and v Hkv E wide each)
+    Hkv, QK, W = config.kv_heads, layout(config).qk_width, layout(config).qkv_width
     bf = np.uint16
     norms = 2 * L + 1
     offsets = cupy.asarray(np.arange(norms, dtype=np.int64) * 2 * D)
@@ -214,15 +216,19 @@ def cases(config, B):
         Case("layernorm_param_grads", 1, param_grads(new_chunks), param_grads_run,
              norms * new_chunks * 2 * D * 4, old_make=param_grads(old_chunks, old=True),
              old_bytes=norms * old_chunks * 2 * D * 4),
-        Case("rope_forward", L, lambda: dict(qkv=randn((BT, 3 * D)), out=empty((BT, 3 * D), bf)),
-             lambda k, b: k.rope_forward(b["qkv"], b["out"], cos, sin, T, H), BT * 3 * D * 6),
+        # (an older tree's rope launchers take H alone: the ungrouped layout)
+        Case("rope_forward", L, lambda: dict(qkv=randn((BT, W)), out=empty((BT, W), bf)),
+             lambda k, b: k.rope_forward(b["qkv"], b["out"], cos, sin, T, H, Hkv), BT * W * 6,
+             old_run=lambda k, b: k.rope_forward(b["qkv"], b["out"], cos, sin, T, H)),
         Case("rope_backward", 0 if cudnn else L,
-             lambda: dict(dqk=randn((BT, 2 * D)), dqkv=empty((BT, 3 * D), bf)),
-             lambda k, b: k.rope_backward(b["dqk"], b["dqkv"], cos, sin, T, H), BT * 2 * D * 6),
+             lambda: dict(dqk=randn((BT, QK)), dqkv=empty((BT, W), bf)),
+             lambda k, b: k.rope_backward(b["dqk"], b["dqkv"], cos, sin, T, H, Hkv), BT * QK * 6,
+             old_run=lambda k, b: k.rope_backward(b["dqk"], b["dqkv"], cos, sin, T, H)),
         Case("rope_backward_operand", L if cudnn else 0,
-             lambda: dict(dqk=randn((BT, 2 * D)).astype(bf), dqkv=empty((BT, 3 * D), bf)),
-             lambda k, b: k.rope_backward_operand(b["dqk"], b["dqkv"], cos, sin, T, H),
-             BT * 2 * D * 4),
+             lambda: dict(dqk=randn((BT, QK)).astype(bf), dqkv=empty((BT, W), bf)),
+             lambda k, b: k.rope_backward_operand(b["dqk"], b["dqkv"], cos, sin, T, H, Hkv),
+             BT * QK * 4,
+             old_run=lambda k, b: k.rope_backward_operand(b["dqk"], b["dqkv"], cos, sin, T, H)),
         Case("swiglu_forward", L, lambda: dict(gu=randn((BT, 2 * F), 3), a=empty((BT, F), bf)),
              lambda k, b: k.swiglu_forward(b["gu"], b["a"]), BT * F * (2 * 4 + 2)),
         # the step's: it also writes a again (old trees: dgu only)

@@ -22,6 +22,14 @@
 // rounded operands: it would make ds of a row with one key nonzero). No atomics: dq is summed per query tile by
 // one block (attention_backward_dq), dk and dv per key tile by another
 // (attention_backward_dkdv), each over the tiles in order.
+//
+// The heads are the layout's (reference/layout.py), passed as strides: a
+// row of qkv (BT,W) holds q's H heads from column 0, k's and v's Hkv heads
+// from columns K and V; query head h attends with key/value head h / g, g =
+// H / Hkv (grouped heads, SPEC 21). The dk, dv of a key/value head are sums
+// over its g query heads: the block of a key tile of a key/value head walks
+// the query tiles of each of its query heads in turn, summing in float32
+// registers, so the sum has a fixed order and dv is rounded once.
 
 #define ATT_TILE 64  // rows of a query tile and of a key tile
 #define ATT_PAD 8    // bfloat16 padding per shared-memory row: fragment loads hit distinct banks
@@ -174,26 +182,26 @@ __device__ __forceinline__ void att_mask(float (&s)[8][4], int i0, int j0, int T
         }
 }
 
-// qkv (BT,3D) operands -> y (BT,D) operand; m, l (B,H,T): the row maximum
-// of s times log2(e), and 1 / the row sum of exp(s - m). grid (query tiles,
-// B*H), 128 threads.
+// qkv (BT,W) operands -> y (BT,D) operand, D = H E; m, l (B,H,T): the row
+// maximum of s times log2(e), and 1 / the row sum of exp(s - m). grid
+// (query tiles, B*H), 128 threads.
 template <int E>
 __device__ void attention_forward_tile(const bf16* qkv, bf16* y, float* stat_m, float* stat_l,
-                                       int T, int H, float scale) {
+                                       int T, int H, int Hkv, int W, int K, int V, float scale) {
     constexpr int TILE = ATT_TILE * (E + ATT_PAD);
     __shared__ __align__(16) bf16 ks[2][TILE];  // double buffers: tile kt + 1 lands
     __shared__ __align__(16) bf16 vs[2][TILE];  // while tile kt is used
     int D = H * E, tiles = (T + ATT_TILE - 1) / ATT_TILE;
     int qt = tiles - 1 - blockIdx.x;  // the longest rows start first
-    int bh = blockIdx.y, b = bh / H, h = bh % H;
+    int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, u = lane & 3;
-    const bf16* q = qkv + (long long)b * T * 3 * D + h * E;
-    const bf16* k = q + D;
-    const bf16* v = q + 2 * D;
+    const bf16* q = qkv + (long long)b * T * W + h * E;
+    const bf16* k = qkv + (long long)b * T * W + K + kvh * E;  // key/value head h / g
+    const bf16* v = qkv + (long long)b * T * W + V + kvh * E;
     int i0 = qt * ATT_TILE + warp * 16;  // this warp's rows: i0 + g and i0 + g + 8
     unsigned qa[E / 16][4];
-    att_fetch<E>(q, 3 * D, qt * ATT_TILE, T, vs[1]);
-    att_fetch<E>(k, 3 * D, 0, T, ks[0]);
+    att_fetch<E>(q, W, qt * ATT_TILE, T, vs[1]);
+    att_fetch<E>(k, W, 0, T, ks[0]);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -205,7 +213,7 @@ __device__ void attention_forward_tile(const bf16* qkv, bf16* y, float* stat_m, 
     float c2 = scale * ATT_LOG2E;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     for (int kt = 0; kt <= qt; kt++) {
-        if (kt < qt) att_fetch<E>(k, 3 * D, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
+        if (kt < qt) att_fetch<E>(k, W, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -234,13 +242,13 @@ __device__ void attention_forward_tile(const bf16* qkv, bf16* y, float* stat_m, 
     float o[E / 8][4];
 #pragma unroll
     for (int n = 0; n < E / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    att_fetch<E>(k, 3 * D, 0, T, ks[0]);
-    att_fetch<E>(v, 3 * D, 0, T, vs[0]);
+    att_fetch<E>(k, W, 0, T, ks[0]);
+    att_fetch<E>(v, W, 0, T, vs[0]);
     cp_async_commit();
     for (int kt = 0; kt <= qt; kt++) {
         if (kt < qt) {
-            att_fetch<E>(k, 3 * D, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
-            att_fetch<E>(v, 3 * D, (kt + 1) * ATT_TILE, T, vs[(kt + 1) & 1]);
+            att_fetch<E>(k, W, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
+            att_fetch<E>(v, W, (kt + 1) * ATT_TILE, T, vs[(kt + 1) & 1]);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -289,26 +297,27 @@ __device__ __forceinline__ void att_recompute(float (&s)[8][4], float (&dp)[8][4
         for (int c = 0; c < 4; c++) s[n][c] = att_exp(s[n][c], c2, m[c >> 1]) * l[c >> 1];
 }
 
-// dy (BT,D) operand -> dq (into dqk (BT,2D), float32) and dot (B,H,T) =
-// sum_j dp_j p_j per row. grid (query tiles, B*H), 128 threads.
+// dy (BT,D) operand -> dq (into dqk (BT,QK) at column h E, float32) and
+// dot (B,H,T) = sum_j dp_j p_j per row. grid (query tiles, B*H), 128 threads.
 template <int E>
 __device__ void attention_backward_dq_tile(const bf16* qkv, const bf16* dy, const float* stat_m,
                                            const float* stat_l, float* stat_dot, float* dqk, int T,
-                                           int H, float scale) {
+                                           int H, int Hkv, int W, int K, int V, int QK,
+                                           float scale) {
     constexpr int TILE = ATT_TILE * (E + ATT_PAD);
     __shared__ __align__(16) bf16 ks[2][TILE];
     __shared__ __align__(16) bf16 vs[2][TILE];
     int D = H * E, tiles = (T + ATT_TILE - 1) / ATT_TILE;
     int qt = tiles - 1 - blockIdx.x;
-    int bh = blockIdx.y, b = bh / H, h = bh % H;
+    int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, u = lane & 3;
-    const bf16* q = qkv + (long long)b * T * 3 * D + h * E;
-    const bf16* k = q + D;
-    const bf16* v = q + 2 * D;
+    const bf16* q = qkv + (long long)b * T * W + h * E;
+    const bf16* k = qkv + (long long)b * T * W + K + kvh * E;  // key/value head h / g
+    const bf16* v = qkv + (long long)b * T * W + V + kvh * E;
     const bf16* dyb = dy + (long long)b * T * D + h * E;
     int i0 = qt * ATT_TILE + warp * 16;
     unsigned qa[E / 16][4], da[E / 16][4];
-    att_fetch<E>(q, 3 * D, qt * ATT_TILE, T, ks[1]);
+    att_fetch<E>(q, W, qt * ATT_TILE, T, ks[1]);
     att_fetch<E>(dyb, D, qt * ATT_TILE, T, vs[1]);
     cp_async_commit();
     cp_async_wait<0>();
@@ -331,13 +340,13 @@ __device__ void attention_backward_dq_tile(const bf16* qkv, const bf16* dy, cons
 #pragma unroll
     for (int n = 0; n < E / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     for (int pass = 0; pass < 2; pass++) {
-        att_fetch<E>(k, 3 * D, 0, T, ks[0]);
-        att_fetch<E>(v, 3 * D, 0, T, vs[0]);
+        att_fetch<E>(k, W, 0, T, ks[0]);
+        att_fetch<E>(v, W, 0, T, vs[0]);
         cp_async_commit();
         for (int kt = 0; kt <= qt; kt++) {
             if (kt < qt) {
-                att_fetch<E>(k, 3 * D, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
-                att_fetch<E>(v, 3 * D, (kt + 1) * ATT_TILE, T, vs[(kt + 1) & 1]);
+                att_fetch<E>(k, W, (kt + 1) * ATT_TILE, T, ks[(kt + 1) & 1]);
+                att_fetch<E>(v, W, (kt + 1) * ATT_TILE, T, vs[(kt + 1) & 1]);
             }
             cp_async_commit();
             cp_async_wait<1>();
@@ -370,7 +379,7 @@ __device__ void attention_backward_dq_tile(const bf16* qkv, const bf16* dy, cons
     for (int r = 0; r < 2; r++) {
         int i = i0 + g + 8 * r;
         if (i >= T) continue;
-        float* dq = dqk + (long long)(b * T + i) * 2 * D + h * E;
+        float* dq = dqk + (long long)(b * T + i) * QK + h * E;
 #pragma unroll
         for (int n = 0; n < E / 8; n++)
             *(float2*)(dq + 8 * n + 2 * u) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
@@ -378,30 +387,33 @@ __device__ void attention_backward_dq_tile(const bf16* qkv, const bf16* dy, cons
     }
 }
 
-// -> dk (into dqk (BT,2D) at column D, float32) and dv (into dqkv (BT,3D) at
-// column 2D, operand). One block per key tile; its warps hold 16 keys each
-// and walk the query tiles on and below the diagonal, computing the
-// transposed tiles s^T = k q^T and dp^T = v dy^T. grid (key tiles, B*H).
+// -> dk (into dqk (BT,QK) at column K + kvh E, float32) and dv (into dqkv
+// (BT,W) at column V + kvh E, operand) of key/value head kvh: the sums over
+// its g query heads. One block per key tile of a key/value head; its warps
+// hold 16 keys each and walk, query head by query head, the query tiles on
+// and below the diagonal, computing the transposed tiles s^T = k q^T and
+// dp^T = v dy^T. grid (key tiles, B*Hkv).
 template <int E>
 __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, const float* stat_m,
                                              const float* stat_l, const float* stat_dot,
-                                             float* dqk, bf16* dqkv, int T, int H, float scale) {
+                                             float* dqk, bf16* dqkv, int T, int H, int Hkv, int W,
+                                             int K, int V, int QK, float scale) {
     constexpr int TILE = ATT_TILE * (E + ATT_PAD);
     __shared__ __align__(16) bf16 qs[2][TILE];
     __shared__ __align__(16) bf16 dys[2][TILE];
     __shared__ float sm[2][ATT_TILE], sl[2][ATT_TILE], sd[2][ATT_TILE];
     int D = H * E, tiles = (T + ATT_TILE - 1) / ATT_TILE;
     int kt = blockIdx.x;  // the key tiles with the most query tiles start first
-    int bh = blockIdx.y, b = bh / H, h = bh % H;
+    int bk = blockIdx.y, b = bk / Hkv, kvh = bk % Hkv;
+    int group = H / Hkv, h0 = kvh * group;  // the query heads h0 .. h0 + group - 1
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, u = lane & 3;
-    const bf16* q = qkv + (long long)b * T * 3 * D + h * E;
-    const bf16* k = q + D;
-    const bf16* v = q + 2 * D;
-    const bf16* dyb = dy + (long long)b * T * D + h * E;
+    const bf16* rows = qkv + (long long)b * T * W;  // this batch element's rows
+    const bf16* k = rows + K + kvh * E;
+    const bf16* v = rows + V + kvh * E;
     int j0 = kt * ATT_TILE + warp * 16;  // this warp's keys: j0 + g and j0 + g + 8
     unsigned ka[E / 16][4], va[E / 16][4];
-    att_fetch<E>(k, 3 * D, kt * ATT_TILE, T, qs[1]);
-    att_fetch<E>(v, 3 * D, kt * ATT_TILE, T, dys[1]);
+    att_fetch<E>(k, W, kt * ATT_TILE, T, qs[1]);
+    att_fetch<E>(v, W, kt * ATT_TILE, T, dys[1]);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -418,22 +430,26 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
         dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
     }
     float c2 = scale * ATT_LOG2E;
-    // the query tile's rows and their m, 1/l and dot, into buffer f
-    auto fetch = [&](int qt, int f) {
-        att_fetch<E>(q, 3 * D, qt * ATT_TILE, T, qs[f]);
-        att_fetch<E>(dyb, D, qt * ATT_TILE, T, dys[f]);
+    // step st: query head h0 + st / per_head, query tile kt + st % per_head
+    int per_head = tiles - kt, steps = group * per_head;
+    // step st's query rows and their m, 1/l and dot, into buffer f
+    auto fetch = [&](int st, int f) {
+        int h = h0 + st / per_head, qt = kt + st % per_head;
+        long long bh = (long long)b * H + h;
+        att_fetch<E>(rows + h * E, W, qt * ATT_TILE, T, qs[f]);
+        att_fetch<E>(dy + (long long)b * T * D + h * E, D, qt * ATT_TILE, T, dys[f]);
         for (int r = threadIdx.x; r < ATT_TILE; r += blockDim.x) {
             int i = qt * ATT_TILE + r;
-            sm[f][r] = i < T ? stat_m[(long long)bh * T + i] : 0.0f;
-            sl[f][r] = i < T ? stat_l[(long long)bh * T + i] : 1.0f;
-            sd[f][r] = i < T ? stat_dot[(long long)bh * T + i] : 0.0f;
+            sm[f][r] = i < T ? stat_m[bh * T + i] : 0.0f;
+            sl[f][r] = i < T ? stat_l[bh * T + i] : 1.0f;
+            sd[f][r] = i < T ? stat_dot[bh * T + i] : 0.0f;
         }
     };
-    fetch(kt, kt & 1);
+    fetch(0, 0);
     cp_async_commit();
-    for (int qt = kt; qt < tiles; qt++) {
-        int f = qt & 1, i_base = qt * ATT_TILE;
-        if (qt + 1 < tiles) fetch(qt + 1, (qt + 1) & 1);
+    for (int st = 0; st < steps; st++) {
+        int f = st & 1, qt = kt + st % per_head, i_base = qt * ATT_TILE;
+        if (st + 1 < steps) fetch(st + 1, (st + 1) & 1);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -459,8 +475,8 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
     for (int r = 0; r < 2; r++) {
         int j = j0 + g + 8 * r;
         if (j >= T) continue;
-        float* dkr = dqk + (long long)(b * T + j) * 2 * D + D + h * E;
-        bf16* dvr = dqkv + (long long)(b * T + j) * 3 * D + 2 * D + h * E;
+        float* dkr = dqk + (long long)(b * T + j) * QK + K + kvh * E;
+        bf16* dvr = dqkv + (long long)(b * T + j) * W + V + kvh * E;
 #pragma unroll
         for (int n = 0; n < E / 8; n++) {
             *(float2*)(dkr + 8 * n + 2 * u) = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
@@ -473,20 +489,22 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
 #define ATTENTION_KERNELS(E)                                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                            \
         attention_forward_e##E(const bf16* qkv, bf16* y, float* m, float* l, int T, int H,       \
-                               float scale) {                                                     \
-        attention_forward_tile<E>(qkv, y, m, l, T, H, scale);                                     \
+                               int Hkv, int W, int K, int V, float scale) {                       \
+        attention_forward_tile<E>(qkv, y, m, l, T, H, Hkv, W, K, V, scale);                       \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                            \
         attention_backward_dq_e##E(const bf16* qkv, const bf16* y, const bf16* dy,               \
                                    const float* m, const float* l, float* dot, float* dqk, int T, \
-                                   int H, float scale) {                                          \
-        attention_backward_dq_tile<E>(qkv, dy, m, l, dot, dqk, T, H, scale);                      \
+                                   int H, int Hkv, int W, int K, int V, int QK, float scale) {    \
+        attention_backward_dq_tile<E>(qkv, dy, m, l, dot, dqk, T, H, Hkv, W, K, V, QK, scale);    \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                            \
         attention_backward_dkdv_e##E(const bf16* qkv, const bf16* dy, const float* m,            \
                                      const float* l, const float* dot, float* dqk, bf16* dqkv,   \
-                                     int T, int H, float scale) {                                 \
-        attention_backward_dkdv_tile<E>(qkv, dy, m, l, dot, dqk, dqkv, T, H, scale);              \
+                                     int T, int H, int Hkv, int W, int K, int V, int QK,         \
+                                     float scale) {                                               \
+        attention_backward_dkdv_tile<E>(qkv, dy, m, l, dot, dqk, dqkv, T, H, Hkv, W, K, V, QK,    \
+                                        scale);                                                   \
     }
 ATTENTION_KERNELS(16)
 ATTENTION_KERNELS(32)

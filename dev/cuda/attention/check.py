@@ -1,8 +1,9 @@
 """The fused causal attention (accelerated/cuda/kernels/attention_fused.cu,
 attention_forward_e* and attention_backward_*_e*) against the reference
-layer, and timed against the materialized path it replaces.
+model's attention (grouped heads too), and timed against the materialized
+path it replaces.
 
-    PYTHONPATH=. python dev/cuda/attention/check.py [--batch 1 --batch 8] [--variant 2]
+    PYTHONPATH=. python dev/cuda/attention/check.py [--batch 1 --batch 8] [--preset llama-124m]
     bash dev/cuda/attention/device_run.sh   # this, then dev/cuda/device_check.sh
 
 Variants (each the step's attention, forward then backward, one layer):
@@ -27,14 +28,20 @@ Variants (each the step's attention, forward then backward, one layer):
 Each vN.cu is a whole replacement of the package's attention_fused.cu: the
 module is compiled with that one file swapped (compile.Kernels'
 replace), every other kernel file as in the package, so a compiler error
-names the variant's file and line.
+names the variant's file and line. v1.cu .. v4.cu are the record of the
+measurements in dev/cuda/NOTES.md: they index the ungrouped layout and take
+the arguments the launchers passed then (qkv, ..., T, H, scale), not the
+layout's strides (H, Hkv, W, K, V, QK) that the package's kernels take now,
+so this harness runs them no more (the tree of their time does: git log
+dev/cuda/attention); a new variant starts from the package's file.
 
-Checks, on fresh random inputs: each variant against
-reference.layers.attention (NumPy float32 with the reference's own bf16
-rounding) at the coppelius shape and two smaller ones (T across tile edges,
-E = 32 and 16); every output element written (buffers start as NaN); two
-runs bitwise equal. Timing: each variant captured as a
-CUDA graph and replayed (median of 20), bf16, coppelius shape."""
+Checks, on fresh random inputs: each variant against the reference
+model's attention (NumPy float32 with the reference's own bf16 rounding;
+query head h with key/value head h // g) at the preset's shape and smaller
+ones (T across tile edges, E = 32 and 16, grouped heads Hkv = 1 of 4 and 2
+of 6); every output element written (buffers start as NaN); two runs
+bitwise equal. Timing: each variant captured as a CUDA graph and replayed
+(median of 20), bf16, the preset's shape."""
 
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cudnn_check, beside this file
 
 import cupy  # noqa: E402
 
@@ -55,11 +63,12 @@ from coppelius.accelerated.cuda.model import Model  # noqa: E402
 from coppelius.accelerated.cuda.step import kernels_for  # noqa: E402
 from coppelius.conformance.tolerances import relative_error  # noqa: E402
 from coppelius.reference.config import Config, preset  # noqa: E402
-from coppelius.reference.layers.attention import attention_backward, attention_forward  # noqa: E402
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
+from coppelius.reference.layout import layout  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 from coppelius.reference.precision import round_bf16  # noqa: E402
 from coppelius.accelerated.cuda.cupy_debug import fused_from_batch, step_attention  # noqa: E402
+from cudnn_check import reference_attention  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,23 +82,22 @@ def variant_kernels(name):
     return Kernels("bf16", replace={"attention_fused.cu": os.path.join(HERE, name)})
 
 
-def check(kernels, Bn, H, T, E, seed):
+def check(kernels, Bn, H, Hkv, T, E, seed):
     rng = np.random.default_rng(seed)
-    q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
-    v, dy = rng.standard_normal((2, Bn, H, T, E))
+    q, dy = 2 * rng.standard_normal((Bn, H, T, E)), rng.standard_normal((Bn, H, T, E))
+    k, v = 2 * rng.standard_normal((Bn, Hkv, T, E)), rng.standard_normal((Bn, Hkv, T, E))
     q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
     with fused_from_batch(1):
         got = step_attention("bf16", q, k, v, dy, kernels)
         again = step_attention("bf16", q, k, v, dy, kernels)
-    y, cache = attention_forward(q, k, v, "bf16")
-    want = (round_bf16(y), *attention_backward(dy, cache, "bf16"))
-    want = want[:3] + (round_bf16(want[3]),)
+    y, dq, dk, dv = reference_attention(q, k, v, dy)
+    want = (round_bf16(y), dq, dk, round_bf16(dv))
     ok = True
     for name, g, w, a in zip(("y", "dq", "dk", "dv"), got, want, again):
         err, worst, x1, x2 = relative_error(g, w)
         same = np.array_equal(g.view(np.uint32), a.view(np.uint32))
-        print(f"  B={Bn} H={H} T={T} E={E} {name}: error {err:.2e} (worst at {worst}: {x1} vs "
-              f"{x2}), all written {np.isfinite(g).all()}, replay bitwise {same}")
+        print(f"  B={Bn} H={H} Hkv={Hkv} T={T} E={E} {name}: error {err:.2e} (worst at {worst}: "
+              f"{x1} vs {x2}), all written {np.isfinite(g).all()}, replay bitwise {same}")
         ok &= err <= 1e-2 and np.isfinite(g).all() and same
     return ok
 
@@ -103,9 +111,10 @@ def timed(config, B, kernels):
         alloc = Buffers(stream)
         ws = alloc((WORKSPACE_BYTES,), np.uint8)
         blas = Cublas(stream.ptr, ws.data.ptr, WORKSPACE_BYTES)
-        one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
+        one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8,
+                     n_kv_head=config.kv_heads, rotary=config.rotary)
         P = alloc((registry(one).total,), np.float32)
-        cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
+        cos, sin = (alloc.upload(t) for t in rope_tables(T, one.rotary_dim))
         model = Model(one, "bf16", kernels or kernels_for("bf16"), blas, P, P,
                       Gradient.flat(P, alloc), cos, sin, None)
         acts = Activations(one, B, T, np.uint16, alloc, train=True)
@@ -113,7 +122,7 @@ def timed(config, B, kernels):
         rng = np.random.default_rng(1)
         bits = lambda shape: (round_bf16(rng.standard_normal(shape).astype(np.float32))  # noqa
                               .view(np.uint32) >> 16).astype(np.uint16)
-        acts.qkv[0].set(bits((B * T, 3 * D)), stream=stream)
+        acts.qkv[0].set(bits((B * T, layout(one).qkv_width)), stream=stream)
         acts.dy.set(bits((B * T, D)), stream=stream)
 
         def work():
@@ -137,32 +146,35 @@ def timed(config, B, kernels):
         return float(np.median(ms[2:]))
 
 
-VARIANTS = {"1": "v1.cu", "2": "v2.cu", "3": "v3.cu", "4": "v4.cu", "in package": None}
+VARIANTS = {"in package": None}  # (v1.cu .. v4.cu: see above)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--preset", default="coppelius")
-    parser.add_argument("--variant", action="append", help="of " + ", ".join(VARIANTS))
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS))
     args = parser.parse_args()
     config = preset(args.preset)
-    shapes = [(1, config.n_head, config.context, config.head_dim), (2, 3, 200, 32), (1, 2, 77, 16)]
+    # (B, H, Hkv, T, E): the preset's, then smaller ones, grouped and not
+    shapes = [(1, config.n_head, config.kv_heads, config.context, config.head_dim),
+              (2, 3, 3, 200, 32), (1, 2, 2, 77, 16), (2, 4, 1, 130, 64), (1, 6, 2, 65, 16)]
     names = args.variant or list(VARIANTS)
     batches = args.batch or [1, 2, 4, 8]
     ok_all, times = True, {}
     for name in names:
         kernels = variant_kernels(VARIANTS[name])
-        print(f"variant {name}: bf16 against reference.layers.attention")
+        print(f"variant {name}: bf16 against the reference model's attention")
         ok = True
-        for i, (Bn, H, T, E) in enumerate(shapes):
-            ok &= check(kernels, Bn, H, T, E, seed=100 + i)
+        for i, shape in enumerate(shapes):
+            ok &= check(kernels, *shape, seed=100 + i)
         print(f"variant {name}: {'correct' if ok else 'WRONG'}")
         ok_all &= ok
         times[name] = [timed(config, B, kernels) for B in batches]
     times["0 materialized"] = [timed(config, B, None) for B in batches]
     print(f"\nattention forward + backward, one layer, {args.preset} (T={config.context}, "
-          f"H={config.n_head}, E={config.head_dim}), bf16, ms (graph replay, median of 20)")
+          f"H={config.n_head}, Hkv={config.kv_heads}, E={config.head_dim}), bf16, ms (graph "
+          "replay, median of 20)")
     print(f"{'variant':<16}" + "".join(f"{f'B={B}':>9}" for B in batches))
     for name, row in times.items():
         print(f"{name:<16}" + "".join(f"{t:>9.3f}" for t in row))

@@ -1,10 +1,11 @@
 """cuDNN's fused attention (accelerated/cuda/cudnn_attention.py) on the device:
-the frontend and library found, the graphs built for the coppelius shapes,
-cuDNN's results against reference.layers.attention, the captured graph
-against the eager run, two replays bitwise, and each attention path's time
-per layer beside the others.
+the frontend and library found, the graphs built for the preset's shapes
+(grouped heads too: --preset llama-124m), cuDNN's results against the
+reference model's attention, the captured graph against the eager run, two
+replays bitwise, and each attention path's time per layer beside the others.
 
     PYTHONPATH=. python dev/cuda/attention/cudnn_check.py [--batch 1 --batch 8] [--quick]
+                                                          [--preset llama-124m]
 
 Paths (each the step's attention of one layer, forward then backward, the
 rope backward included, through Model.attention_forward / _backward on the
@@ -42,8 +43,9 @@ from coppelius.accelerated.cuda.cupy_debug import (NEVER, cudnn_from_batch,  # n
                                               fused_from_batch, step_attention)
 from coppelius.conformance.tolerances import relative_error  # noqa: E402
 from coppelius.reference.config import Config, preset  # noqa: E402
-from coppelius.reference.layers.attention import attention_backward, attention_forward  # noqa: E402
 from coppelius.reference.layers.rope import rope_tables  # noqa: E402
+from coppelius.reference.layout import layout  # noqa: E402
+from coppelius.reference.model import _attention_backward, _attention_forward  # noqa: E402
 from coppelius.reference.params import registry  # noqa: E402
 from coppelius.reference.precision import round_bf16  # noqa: E402
 
@@ -51,19 +53,31 @@ PATHS = {"materialized": lambda: fused_from_batch(NEVER), "fused": lambda: fused
          "cudnn": lambda: cudnn_from_batch(1)}
 
 
-def check(Bn, H, T, E, seed):
-    """cuDNN's attention against the reference layer; -> ok."""
+def reference_attention(q, k, v, dy):
+    """The reference model's attention (query head h with key/value head
+    h // g; dk, dv summed over the g query heads) on q, dy (B,H,T,E), k, v
+    (B,Hkv,T,E) -> y, dq, dk, dv in those shapes, bf16 policy."""
+    rows = lambda x: x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)  # noqa: E731
+    heads = lambda x, n: x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)  # noqa
+    H, Hkv = q.shape[1], k.shape[1]
+    y, cache = _attention_forward(rows(q), rows(k), rows(v), H, "bf16")
+    dq, dk, dv = _attention_backward(rows(dy), cache, H, "bf16")
+    return heads(y, H), heads(dq, H), heads(dk, Hkv), heads(dv, Hkv)
+
+
+def check(Bn, H, Hkv, T, E, seed):
+    """cuDNN's attention against the reference model's; -> ok."""
     rng = np.random.default_rng(seed)
-    q, k = 2 * rng.standard_normal((2, Bn, H, T, E))
-    v, dy = rng.standard_normal((2, Bn, H, T, E))
+    q, dy = 2 * rng.standard_normal((Bn, H, T, E)), rng.standard_normal((Bn, H, T, E))
+    k, v = 2 * rng.standard_normal((Bn, Hkv, T, E)), rng.standard_normal((Bn, Hkv, T, E))
     q, k, v, dy = (round_bf16(x.astype(np.float32)) for x in (q, k, v, dy))
     with cudnn_from_batch(1):
-        path = attention_path(Config(8, T, H * E, 1, H, 8), "bf16", Bn)
+        path = attention_path(Config(8, T, H * E, 1, H, 8, n_kv_head=Hkv), "bf16", Bn)
         got = step_attention("bf16", q, k, v, dy)
         again = step_attention("bf16", q, k, v, dy)
-    y, cache = attention_forward(q, k, v, "bf16")
-    want = (round_bf16(y), *attention_backward(dy, cache, "bf16"))
-    print(f"  B={Bn} H={H} T={T} E={E}: path {path.kind} {path.reason}")
+    y, dq, dk, dv = reference_attention(q, k, v, dy)
+    want = (round_bf16(y), dq, dk, dv)
+    print(f"  B={Bn} H={H} Hkv={Hkv} T={T} E={E}: path {path.kind} {path.reason}")
     ok = path.kind == "cudnn"
     for name, g, w, a in zip(("y", "dq", "dk", "dv"), got, want, again):
         err, worst, x1, x2 = relative_error(g, w)
@@ -82,9 +96,10 @@ def layer(config, B, path):
         alloc = Buffers(stream)
         ws = alloc((WORKSPACE_BYTES,), np.uint8)
         blas = Cublas(stream.ptr, ws.data.ptr, WORKSPACE_BYTES)
-        one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8)
+        one = Config(vocab=8, context=T, d_model=D, n_layer=1, n_head=config.n_head, d_ff=8,
+                     n_kv_head=config.kv_heads, rotary=config.rotary)
         P = alloc((registry(one).total,), np.float32)
-        cos, sin = (alloc.upload(t) for t in rope_tables(T, config.head_dim))
+        cos, sin = (alloc.upload(t) for t in rope_tables(T, one.rotary_dim))
         model = Model(one, "bf16", kernels_for("bf16"), blas, P, P, Gradient.flat(P, alloc), cos,
                       sin, None)
         acts = Activations(one, B, T, np.uint16, alloc, train=True)
@@ -92,7 +107,7 @@ def layer(config, B, path):
     rng = np.random.default_rng(B)
     bits = lambda shape: (round_bf16(rng.standard_normal(shape).astype(np.float32))  # noqa
                           .view(np.uint32) >> 16).astype(np.uint16)
-    acts.qkv[0].set(bits((B * T, 3 * D)), stream=stream)
+    acts.qkv[0].set(bits((B * T, layout(one).qkv_width)), stream=stream)
     acts.dy.set(bits((B * T, D)), stream=stream)
     return model, acts, stream, blas
 
@@ -150,7 +165,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     config = preset(args.preset)
-    H, E, T = config.n_head, config.head_dim, config.context
+    H, Hkv, E, T = config.n_head, config.kv_heads, config.head_dim, config.context
     scale = attention_scale(E)
     print(f"frontend: {cudnn_attention.versions() or cudnn_attention.import_error()}")
     print(f"torch imported: {'torch' in sys.modules}")
@@ -158,18 +173,20 @@ def main():
     ok = cudnn_attention.frontend() is not None
     for B in batches:
         start = time.perf_counter()
-        why = cudnn_attention.unavailable(B, T, H, E, scale, True)
+        why = cudnn_attention.unavailable(B, T, H, E, scale, True, kv_heads=Hkv)
         took = time.perf_counter() - start
         if why:
             print(f"graphs B={B}: {why} ({took:.2f} s)")
             ok = False
             continue
-        fwd = cudnn_attention.graph("forward", B, T, H, E, scale)
-        bwd = cudnn_attention.graph("backward", B, T, H, E, scale)
+        fwd = cudnn_attention.graph("forward", B, T, H, E, scale, kv_heads=Hkv)
+        bwd = cudnn_attention.graph("backward", B, T, H, E, scale, kv_heads=Hkv)
         print(f"graphs B={B}: built in {took:.2f} s; forward {fwd.launch()}, "
               f"backward {bwd.launch()}")
-    print("cuDNN against reference.layers.attention (bf16)")
-    shapes = [(1, H, T, E), (2, 3, 200, 32), (1, 2, 77, 16)]
+    print("cuDNN against the reference model's attention (bf16)")
+    # (B, H, Hkv, T, E): the preset's, then smaller ones, grouped and not
+    shapes = [(1, H, Hkv, T, E), (2, 3, 3, 200, 32), (1, 2, 2, 77, 16), (2, 4, 1, 130, 64),
+              (1, 12, 4, 256, 64)]
     for i, s in enumerate(shapes[:1] if args.quick else shapes):
         ok &= check(*s, seed=100 + i)
     if args.quick:
@@ -186,7 +203,7 @@ def main():
     times["cudnn nondet."] = [timed(config, B, "cudnn")[0] for B in batches]
     cudnn_attention.DETERMINISTIC = True
     print(f"\nattention forward + backward (rope backward included), one layer, {args.preset} "
-          f"(T={T}, H={H}, E={E}), bf16, ms (graph replay, median of 20)")
+          f"(T={T}, H={H}, Hkv={Hkv}, E={E}), bf16, ms (graph replay, median of 20)")
     print(f"{'path':<14}" + "".join(f"{f'B={B}':>9}" for B in batches))
     for path, row in times.items():
         print(f"{path:<14}" + "".join(f"{t:>9.3f}" for t in row))

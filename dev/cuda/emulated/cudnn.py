@@ -64,7 +64,11 @@ class FakeCudnnGraph:
     (forward with its statistics, or backward), bfloat16 operands, float32
     arithmetic. The forward's operand of p v is round(p) of the normalized
     p, as the reference's; the backward's row term is dO . O, as cuDNN's;
-    dq, dk, dv bfloat16, as the backend asks."""
+    dq, dk, dv bfloat16, as the backend asks. Grouped-query attention as
+    cuDNN's: k and v (and dk, dv) with Hkv heads where q has H, Hkv
+    dividing H; query head h reads key/value head h // (H / Hkv), and the
+    dk, dv of a key/value head are the float32 sums over its query heads,
+    rounded once."""
 
     def __init__(self, io_data_type=None, intermediate_data_type=None, compute_data_type=None,
                  handle=None):
@@ -95,6 +99,19 @@ class FakeCudnnGraph:
 
     def validate(self):
         assert all(t.output and t.dim and t.stride and t.data_type for t in self.node[3])
+        # dims: q (B, H, T, E); k, v (B, Hkv, T, E), Hkv dividing H; each
+        # output the dims of what it is of (o and dq: q's, dk: k's, dv: v's)
+        q, k, v = self.node[2][:3]
+        B, H, T, E = q.dim
+        assert k.dim == v.dim and k.dim[0] == B and k.dim[2:] == [T, E] and H % k.dim[1] == 0, \
+            (q.dim, k.dim, v.dim)
+        if self.node[0] == "forward":
+            o, stats = self.node[3]
+            assert o.dim == q.dim and stats.dim == [B, H, T, 1], (o.dim, stats.dim)
+        else:
+            o, dO, stats = self.node[2][3:]
+            assert o.dim == dO.dim == q.dim and stats.dim == [B, H, T, 1]
+            assert [t.dim for t in self.node[3]] == [q.dim, k.dim, v.dim], self.node[3]
 
     def build_operation_graph(self):
         pass
@@ -135,9 +152,12 @@ class FakeCudnnGraph:
 
     @staticmethod
     def _run_element(direction, scale, x):
-        """One batch element's (H, T, E) operands -> its outputs."""
+        """One batch element's (H, T, E) operands (k, v (Hkv, T, E)) -> its
+        outputs."""
         q, k, v = x[:3]
-        T = q.shape[-2]
+        H, T = q.shape[0], q.shape[-2]
+        Hkv = k.shape[0]
+        k, v = np.repeat(k, H // Hkv, axis=0), np.repeat(v, H // Hkv, axis=0)
         s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
         s[..., _causal(T)] = -np.inf
         if direction == "forward":
@@ -152,7 +172,15 @@ class FakeCudnnGraph:
         ds = p * (dp - (dO * o).sum(-1, keepdims=True)) * scale
         dq, dk = np.matmul(round_bf16(ds), k), np.matmul(np.swapaxes(round_bf16(ds), -1, -2), q)
         dv = np.matmul(np.swapaxes(round_bf16(p), -1, -2), dO)
-        return dq, dk, dv
+        # a key/value head's gradients: the sums over its query heads
+        return dq, _group_sum(dk, Hkv), _group_sum(dv, Hkv)
+
+
+def _group_sum(x, Hkv):
+    # (H, T, E) per query head -> (Hkv, T, E)
+    H, T, E = x.shape
+    return x.reshape(Hkv, H // Hkv, T, E).sum(axis=1)
+
 
 def round_bf16(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)

@@ -6,49 +6,47 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .common import _a, _store
+from .common import _a
 
 
-def _rope_split(x, H):
-    # (BT, D) -> (BT, H, E/2) x2
-    BT, D = x.shape
-    x = x.reshape(BT, H, D // H)
-    half = D // H // 2
-    return x[..., :half], x[..., half:]
-
-
-def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, D, H, vec):
-    D, H, T = int(D), int(H), int(T)
-    x = _a(qkv)
-    pos = np.arange(int(BT)) % T
-    c, s = _a(cos)[pos][:, None, :], _a(sin)[pos][:, None, :]
-    res = x.copy()
-    for part in (0, 1):
-        x1, x2 = _rope_split(x[:, part * D:(part + 1) * D], H)
-        res[:, part * D:(part + 1) * D] = np.concatenate(
-            [x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(-1, D)
-    _store(out, res, bf16)
-
-
-def k_rope_backward(bf16, dqk, dqkv, cos, sin, BT, T, D, H, vec):
-    D, H, T = int(D), int(H), int(T)
-    x = _a(dqk)
-    pos = np.arange(int(BT)) % T
-    c, s = _a(cos)[pos][:, None, :], _a(sin)[pos][:, None, :]
-    res = np.empty_like(x)
-    for part in (0, 1):
-        d1, d2 = _rope_split(x[:, part * D:(part + 1) * D], H)
-        res[:, part * D:(part + 1) * D] = np.concatenate(
-            [d1 * c + d2 * s, d2 * c - d1 * s], axis=-1).reshape(-1, D)
-    full_ = np.zeros((int(BT), 3 * D), dtype=np.float32)
-    full_[:, :2 * D] = res
-    if bf16:
-        _a(dqkv)[:, :2 * D] = res.astype(ml_dtypes.bfloat16).view(np.uint16)
+def _rope_rows(x, cos, sin, T, heads, E, R, inverse):
+    """x (BT, ldx) float32 -> (BT, ldx): of the first `heads` heads of E
+    columns the first R elements rotated (half-split pairs within R, by
+    theta or, inverse, by -theta: the float32 operations of
+    reference/layers/rope.py), every other column as it is."""
+    BT = x.shape[0]
+    pos = np.arange(BT) % T
+    c, s = _a(cos)[pos][:, None, :], _a(sin)[pos][:, None, :]  # (BT, 1, R/2)
+    out = x.copy()
+    h = out[:, :heads * E].reshape(BT, heads, E)  # a view of out's rotated heads
+    x1, x2 = np.split(x[:, :heads * E].reshape(BT, heads, E)[..., :R], 2, axis=-1)
+    if inverse:
+        h[..., :R // 2], h[..., R // 2:R] = x1 * c + x2 * s, x2 * c - x1 * s
     else:
-        _a(dqkv)[:, :2 * D] = res
+        h[..., :R // 2], h[..., R // 2:R] = x1 * c - x2 * s, x2 * c + x1 * s
+    return out
 
 
-def k_rope_backward_operand(bf16, dqk, dqkv, cos, sin, BT, T, D, H, vec):
+def _store_columns(out, values, bf16):
+    """values (BT, n) into out's first n columns, as operands."""
+    n = values.shape[1]
+    if bf16:
+        _a(out)[:, :n] = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    else:
+        _a(out)[:, :n] = values
+
+
+def k_rope_forward(bf16, qkv, out, cos, sin, BT, T, heads, E, R, W, vec):
+    x = _a(qkv).reshape(int(BT), int(W))
+    _store_columns(out, _rope_rows(x, cos, sin, int(T), int(heads), int(E), int(R), False), bf16)
+
+
+def k_rope_backward(bf16, dqk, dqkv, cos, sin, BT, T, heads, E, R, ldx, W, vec):
+    x = _a(dqk).reshape(int(BT), int(ldx))
+    _store_columns(dqkv, _rope_rows(x, cos, sin, int(T), int(heads), int(E), int(R), True), bf16)
+
+
+def k_rope_backward_operand(bf16, dqk, dqkv, cos, sin, BT, T, heads, E, R, ldx, W, vec):
     x = _a(dqk)
     widened = (x.astype(np.uint32) << 16).view(np.float32) if bf16 else x
-    k_rope_backward(bf16, widened, dqkv, cos, sin, BT, T, D, H, vec)
+    k_rope_backward(bf16, widened, dqkv, cos, sin, BT, T, heads, E, R, ldx, W, vec)
