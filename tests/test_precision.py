@@ -234,7 +234,8 @@ def torch_bf16_grads(config, P, tokens):
         if c.norm == "rmsnorm":
             return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w[n + ".weight"]
         mu = x.mean(-1, keepdim=True)
-        return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps) * w[n + ".weight"] + w[n + ".bias"]
+        rstd = 1 / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps)
+        return (x - mu) * rstd * w[n + ".weight"] + w[n + ".bias"]
 
     def lin(x, name):  # (T,in) -> (T,out)
         return mm(x, w[name].T)

@@ -7,9 +7,9 @@ reference.forward), never against another program: one step and a short
 trajectory within the SPEC 14 tolerances, bitwise reproducible replays,
 exact resume, capture without update, the replay/event interface and the
 refusals, on the `test` preset and (where the model matters) on each family
-preset of SPEC 21 (the `config` fixture). What only one backend has (MLX's single trace, CuPy's fused
-attention, each backend's replaced-state detection) stays in that backend's
-test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
+preset of SPEC 21 (the `config` fixture). What only one backend has (MLX's
+single trace, CuPy's fused attention, each backend's replaced-state
+detection) stays in that backend's test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
 of the CUDA backend, in this process (dev/cuda/emulated: the
 cuda_emulation fixture of conftest.py)."""
 
