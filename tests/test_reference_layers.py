@@ -244,7 +244,11 @@ def test_rmsnorm(B, T, D, scale, seed, near_zero_row, eps):
     dout = values(rng, (B, T, D), 1.0)
     dx, dw = rmsnorm_backward(dout, cache)
     assert dx.shape == x.shape and dw.shape == w.shape
-    assert_close("rmsnorm dx (Jacobian)", dx, rmsnorm_dx_by_jacobian(x, w, dout, eps), 1e-10)
+    # measured against the size of dx's terms, rstd |dout w|: with D = 1 they
+    # nearly cancel (xhat^2 = 1 - eps rstd^2) and dx is far smaller than each
+    terms = float((rstd[..., None] * np.abs(dout * w)).max())
+    assert_close("rmsnorm dx (Jacobian)", dx, rmsnorm_dx_by_jacobian(x, w, dout, eps), 1e-10,
+                 scale=terms)
     xhat = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
     assert_close("rmsnorm dw", dw, (dout * xhat).sum((0, 1)), 1e-10)
     vjp_check("rmsnorm", lambda x, w: rmsnorm_forward(x, w, eps)[0], [x, w], [dx, dw], dout, rng)
