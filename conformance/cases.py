@@ -1,5 +1,6 @@
-"""Inputs of the conformance checks: token windows, random states and the
-hypothesis strategies that draw small configurations.
+"""Inputs of the conformance checks: the presets checked by default, token
+windows, random states and the hypothesis strategies that draw small
+configurations (every member of the model family, SPEC 21).
 
 Fixed cases: the preset's fresh initialization (SPEC section 2) and token
 windows drawn from `numpy.random.default_rng(TOKEN_SEED)` as one
@@ -10,6 +11,8 @@ Or a real token stream: step s reads contexts c0 + s*B + b (SPEC section 9).
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 from ..reference.config import SEED, Config
@@ -17,6 +20,11 @@ from ..reference.params import initialize, registry
 from ..reference.state import State
 
 TOKEN_SEED = 20260925  # the project seed (SPEC section 1), reused for the token windows
+
+# What the suite checks when no preset or model file is named: the defaults'
+# model and a preset per family of SPEC 21, all of the test size (a few
+# seconds each on a CPU).
+PRESETS = ("test", "test-llama", "test-qwen", "test-stablelm")
 
 
 def random_windows(config: Config, batch: int, steps: int, seed: int = TOKEN_SEED) -> np.ndarray:
@@ -58,7 +66,10 @@ def random_state(config: Config, seed: int, scale: float = 1.0, t: int | None = 
 def strategies():
     """(configs, cases) hypothesis strategies.
 
-    configs(): a valid small Config (D % H == 0, E even).
+    configs(): a valid small Config (D % H == 0, E even) of any member of
+        the family (SPEC 21): either norm, grouped heads (n_kv_head dividing
+        n_head), tied or not, a rotated part R = rotary * E of any even size,
+        q/k/v biases or not, and other epsilons and rope bases.
     cases(precisions): (config, batch, tokens (B, T+1), state, precision)."""
     from hypothesis import strategies as st
 
@@ -69,9 +80,18 @@ def strategies():
         # features layernorm's gradient is nearly all cancellation and any two
         # float32 implementations differ by ~1e-4 from each other
         E = draw(st.sampled_from([4, 6, 8]) if H > 1 else st.just(8))
+        # each draw shrinks to the field's default, so a minimal failing case
+        # keeps only the fields it needs: R to E, the divisors from H down
+        R = E - 2 * draw(st.integers(0, E // 2 - 1))  # the rotated elements of a head, even
         return Config(vocab=draw(st.integers(2, 40)), context=draw(st.integers(1, 9)),
                       d_model=H * E, n_layer=draw(st.integers(1, 2)), n_head=H,
-                      d_ff=draw(st.integers(1, 20)))
+                      d_ff=draw(st.integers(1, 20)),
+                      norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
+                      norm_eps=draw(st.sampled_from([Fraction(1, 100000), Fraction(1, 1000000)])),
+                      n_kv_head=draw(st.sampled_from([d for d in range(H, 0, -1) if H % d == 0])),
+                      tied=not draw(st.booleans()),
+                      rope_base=draw(st.sampled_from([Fraction(10000), Fraction(500000)])),
+                      rotary=Fraction(R, E), qkv_bias=draw(st.booleans()))
 
     @st.composite
     def cases(draw, precisions=("fp32",)):

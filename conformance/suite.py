@@ -19,6 +19,10 @@ Checks, in order, each producing one row per tensor:
   learner      the same one step and trajectory under a cosine schedule
                (warm-up, decay and floor all inside the trajectory) with
                gradient clipping that clips (SPEC 7)
+
+A backend that refuses the model at capture (a family field of SPEC 21 it
+does not compute, named by its ConfigError) fails with one `capture` row
+that carries the refusal, and nothing else is run.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .. import accelerated
 from .. import reference  # the definition: reference.step, reference.forward
 from ..reference.config import Config, Hyper, check_precision
 from ..reference.config import preset as preset_config
+from ..reference.errors import ConfigError
 from ..reference.params import registry
 from ..reference.state import State
 from ..reference.step import check_accumulate
@@ -43,7 +48,7 @@ from .tolerances import passes, relative_error, tolerance
 
 @dataclass
 class Row:
-    check: str  # logits, loss, row_losses, gradient, P, M, V, t, trajectory, resume
+    check: str  # logits, loss, row_losses, gradient, P, M, V, t, trajectory, resume, capture
     tensor: str  # registry name, or what the tensor is
     error: float  # ||a - b|| / ||b|| (NaN: a non-finite value)
     tolerance: float
@@ -51,6 +56,22 @@ class Row:
     worst: tuple  # index of the worst element in the tensor
     got: float  # the backend's value there
     want: float  # the reference's value there
+
+
+def refusal_row(refusal: ConfigError) -> Row:
+    """The one row of a model the backend refused at capture: it fails, and
+    its tensor column is the refusal (the backend, the field and its value)."""
+    return Row("capture", f"refused: {refusal}", math.nan, 0.0, False, (), math.nan, math.nan)
+
+
+def capture_or_refusal(module, config: Config, hyper: Hyper, precision: str, batch: int,
+                       state: State, **options):
+    """(program, None), or (None, the refusal row) where the backend refuses
+    the model at capture with a ConfigError naming what it does not compute."""
+    try:
+        return module.capture(config, hyper, precision, batch, state, **options), None
+    except ConfigError as e:
+        return None, refusal_row(e)
 
 
 def compare(check: str, tensor: str, got, want, tol: float) -> Row:
@@ -92,6 +113,12 @@ class Report:
     def failures(self) -> list:
         return [r for r in self.rows if not r.passed]
 
+    @property
+    def refused(self) -> str | None:
+        """The backend's refusal of the model at capture, or None."""
+        row = next((r for r in self.rows if r.check == "capture"), None)
+        return row.tensor.removeprefix("refused: ") if row else None
+
     def row(self, check: str, tensor: str) -> Row:
         for r in self.rows:
             if r.check == check and r.tensor == tensor:
@@ -116,9 +143,12 @@ class Report:
     def summary(self) -> str:
         failed = len(self.failures)
         verdict = "PASS" if self.passed else "FAIL"
-        line = (f"conformance {self.backend} {self.precision} preset {self.preset} B={self.batch}"
-                f" ({self.inputs}): {len(self.rows)} checks, {len(self.rows) - failed} passed,"
-                f" {failed} failed: {verdict}")
+        head = (f"conformance {self.backend} {self.precision} preset {self.preset} B={self.batch}"
+                f" ({self.inputs}): ")
+        if self.refused:
+            return head + f"refused at capture ({self.refused}): FAIL"
+        line = head + (f"{len(self.rows)} checks, {len(self.rows) - failed} passed,"
+                       f" {failed} failed: {verdict}")
         if failed:
             first = self.failures[0]
             line += f" (first failure: {first.check} {first.tensor}, error {first.error:.3e})"
@@ -313,7 +343,10 @@ def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: i
     # P on a correct backend (seen on `tiny` fp32). After WARM_STEPS reference
     # updates, v holds history and the update is well conditioned.
     one = state0 if state is not None else warm_state(config, hyper, precision, state0, batch)
-    program = module.capture(config, hyper, precision, batch, one.copy())
+    program, refused = capture_or_refusal(module, config, hyper, precision, batch, one.copy())
+    if refused:
+        report.rows.append(refused)
+        return report
     report.rows += step_rows(program, config, hyper, precision, one, windows[0], report.notes)
     del program
 
@@ -438,9 +471,10 @@ def run_hypothesis(backend, examples: int, precision: str = "fp32", seed: int | 
     @given(case_strategy(precisions=(precision,)))
     def one(case):
         config, batch, tokens, state, prec = case
-        program = module.capture(config, Hyper(), prec, batch, state.copy())
+        program, refused = capture_or_refusal(module, config, Hyper(), prec, batch, state.copy())
         notes = []
-        rows = step_rows(program, config, Hyper(), prec, state, tokens, notes)
+        rows = [refused] if refused else step_rows(program, config, Hyper(), prec, state,
+                                                   tokens, notes)
         for r in rows:
             if r.check not in worst or not (r.error <= worst[r.check].error):
                 worst[r.check] = r

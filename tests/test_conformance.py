@@ -1,14 +1,17 @@
-"""The conformance suite: it passes on correct backends, and it FAILS, naming
-the right check and tensor, on backends broken on purpose."""
+"""The conformance suite: it passes on correct backends, on the defaults'
+model and on each family preset (SPEC 21), and it FAILS, naming the right
+check and tensor, on backends broken on purpose, and with one row naming
+the backend and the field where a backend refuses a model at capture."""
 
 import math
 import re
 import sys
 import types
+from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -18,7 +21,7 @@ from coppelius.conformance import cases, run_hypothesis, run_suite, suite
 from coppelius.conformance.tolerances import TOLERANCES, relative_error, tolerance
 from coppelius.reference import checkpoint
 from coppelius.reference.checkpoint import identities, write_checkpoint
-from coppelius.reference.config import Hyper
+from coppelius.reference.config import Hyper, check_implemented, config_from_identity
 from coppelius.reference.errors import CheckpointError
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
@@ -91,10 +94,32 @@ def test_suite_passes_on_the_reference(precision):
     assert report.row("trajectory", "mean loss, 20 steps")
 
 
+def test_the_default_presets_are_a_member_of_each_family():
+    """What the suite checks unless told (cases.PRESETS): the defaults' model
+    and presets that set every family field of SPEC 21 that has parameters
+    or a formula of its own, each at the test size."""
+    configs = [reference.preset(name) for name in cases.PRESETS]
+    assert configs[0] == TEST and all(c.d_model == TEST.d_model for c in configs)
+    away = {field for c in configs for field in c.non_default()}
+    assert away == {"norm", "n_kv_head", "tied", "rotary", "qkv_bias"}
+
+
+@pytest.mark.parametrize("name, precision", [("test-llama", "fp32"), ("test-qwen", "bf16"),
+                                             ("test-stablelm", "fp32")])
+def test_suite_passes_on_the_reference_for_each_family(name, precision):
+    report = run_suite("reference", name, precision, steps=4)
+    assert report.passed, report.table(report.failures)
+    names = {s.name for s in registry(reference.preset(name))}
+    for check in ("gradient", "P", "M", "V"):  # one row per parameter of the member
+        assert {r.tensor for r in report.rows if r.check == check} == names
+    assert all(r.error == 0.0 for r in report.rows)
+
+
 @pytest.mark.mlx
+@pytest.mark.parametrize("name", cases.PRESETS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_suite_passes_on_mlx(precision):
-    report = run_suite("mlx", "test", precision)
+def test_suite_passes_on_mlx(precision, name):
+    report = run_suite("mlx", name, precision, steps=20 if name == "test" else 6)
     assert report.passed, report.summary() + "\n" + report.table(report.failures)
     # an independent implementation is not bit-identical: the suite compared something
     assert any(r.error > 0 for r in report.rows if r.check == "gradient")
@@ -139,11 +164,12 @@ def test_cli_accumulate_must_divide_the_batch(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", cases.PRESETS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_suite_passes_on_cupy(precision):
+def test_suite_passes_on_cupy(precision, name):
     if "cupy" not in accelerated.available_backends():
         pytest.skip("the CuPy backend is not available here")
-    report = run_suite("cupy", "test", precision)
+    report = run_suite("cupy", name, precision)
     assert report.passed, report.summary() + "\n" + report.table(report.failures)
 
 
@@ -164,6 +190,9 @@ def broken_backend(fault: str, tensor: str = "layers.1.mlp.up.weight"):
     ref = accelerated.backend_module("reference")
 
     def capture(config, hyper, precision, batch, state):
+        if fault == "refuses_the_family":  # a backend of SPEC 1-5's model and two fields
+            check_implemented(config, ("norm_eps", "rope_base"), "broken:refuses_the_family")
+            return ref.capture(config, hyper, precision, batch, state)
         if fault == "no_weight_decay":
             return ref.capture(config, Hyper(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                              weight_decay=0, epsilon=hyper.epsilon),
@@ -228,6 +257,42 @@ def test_a_perturbed_gradient_fails_that_tensor_only(precision):
     table = report.table()
     assert any("layers.1.mlp.up.weight" in line and "FAIL" in line for line in table.splitlines())
     assert "FAIL" in report.summary() and "layers.1.mlp.up.weight" in report.summary()
+
+
+@pytest.mark.parametrize("name, tensor", [("test-qwen", "layers.0.attn.k.bias"),
+                                          ("test-llama", "lm_head.weight"),
+                                          ("test-stablelm", "layers.1.attn.v.weight")])
+def test_a_perturbed_gradient_of_a_family_tensor_fails_that_tensor_only(name, tensor):
+    report = run_suite(broken_backend("perturbs_gradient", tensor), name, "fp32", steps=3)
+    assert failing(report) == {("gradient", tensor), ("learner", f"gradient {tensor}")}
+    assert report.row("gradient", tensor).error == pytest.approx(0.1, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, field", [("test-llama", "norm='rmsnorm'"),
+                                         ("test-stablelm", "n_kv_head=1")])
+def test_a_refused_capture_is_one_failing_row_naming_backend_and_field(name, field):
+    report = run_suite(broken_backend("refuses_the_family"), name, "fp32", steps=3)
+    assert not report.passed and len(report.rows) == 1
+    row = report.rows[0]
+    assert row.check == "capture" and not row.passed
+    refusal = f"broken:refuses_the_family: config field {field} (SPEC 21) is not implemented"
+    assert row.tensor.startswith(f"refused: {refusal}") and report.refused.startswith(refusal)
+    summary = report.summary()
+    assert "\n" not in summary and summary.endswith("): FAIL")
+    assert f"preset {name}" in summary and f"refused at capture ({refusal}" in summary
+    assert refusal in report.table()
+    assert run_suite(broken_backend("refuses_the_family"), "test", "fp32", steps=2).passed
+
+
+def test_the_hypothesis_runner_shrinks_a_refusal_to_one_field():
+    report = run_hypothesis(broken_backend("refuses_the_family"), examples=10)
+    assert not report.passed and [r.check for r in report.rows] == ["capture"]
+    assert "broken:refuses_the_family: config field" in report.refused
+    minimal = report.notes[0]
+    assert minimal.startswith("minimal failing case: ")
+    # shrunk to the defaults but for the one field refused
+    config = config_from_identity(minimal.split(": ", 1)[1].split(" B=")[0])
+    assert len(config.non_default()) == 1 and config.non_default()[0] in report.refused
 
 
 def test_skipped_weight_decay_fails_P_of_every_matrix_and_nothing_else_of_the_step():
@@ -312,6 +377,16 @@ def test_random_small_cases_pass_on_the_reference_program(case):
     rows = suite.step_rows(program, config, Hyper(), precision, state, tokens)
     assert all(r.passed for r in rows), [r for r in rows if not r.passed]
     assert len(rows) == 3 + 4 * len(registry(config).specs) + 1 + 3  # + norm and 2 eval rows
+
+
+def test_random_configs_draw_every_family_field():
+    configs, _ = cases.strategies()
+    found = settings(database=None, phases=[Phase.generate])  # found, not shrunk
+    for field, value in [("norm", "rmsnorm"), ("tied", False), ("qkv_bias", True),
+                         ("norm_eps", Fraction(1, 10**6)), ("rope_base", Fraction(500000))]:
+        find(configs(), lambda c: getattr(c, field) == value, settings=found)
+    find(configs(), lambda c: c.kv_heads < c.n_head, settings=found)
+    find(configs(), lambda c: c.rotary < 1, settings=found)
 
 
 @given(case_strategy())
@@ -549,6 +624,16 @@ def test_activations_name_the_first_diverging_layer_and_tensor(capsys, broken_re
               if line.startswith(("forward", "backward")) and " FAIL " in line]
     assert failed[0] == "layers.1.mlp.h" and "layers.0.mlp.h" not in failed
     assert {"layers.1.out", "logits", "layers.0.dmid"} <= set(failed)  # all after it inherit it
+
+
+@pytest.mark.parametrize("name", ["test-qwen", "test-stablelm"])
+def test_activations_of_a_family_preset_pass_on_the_reference(capsys, name):
+    from coppelius.reference.semantic import activation_names
+
+    status, out, _ = cli(["conformance", "--activations", "--backend", "reference",
+                          "--precision", "bf16", "--preset", name], capsys)
+    n = len(activation_names(reference.preset(name)))
+    assert status == 0 and "no divergence" in out and f"{n} checks, {n} passed" in out
 
 
 def test_activations_from_a_checkpoint_and_a_stream(tmp_path, capsys):

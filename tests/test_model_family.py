@@ -1,7 +1,8 @@
 """The model family's fields (SPEC 21) as configuration: validation, the
 model identity they render, identities and model files read back, the
 registry and the layouts derived from them, and the refusal of a backend
-that does not compute a field yet."""
+that does not compute a field (the reference computes all of them; the
+refusal is checked with a smaller IMPLEMENTED)."""
 
 from fractions import Fraction
 
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coppelius.reference.config import (PRESETS, Config, check_implemented, config_from_identity,
-                                        config_from_toml, parameter_count, tensor_count)
+from coppelius.reference.config import (FAMILY_FIELDS, PRESETS, Config, check_implemented,
+                                        config_from_identity, config_from_toml, parameter_count,
+                                        tensor_count)
 from coppelius.reference.errors import ConfigError
 from coppelius.reference.layout import layout
 from coppelius.reference.model import model_forward
@@ -192,14 +194,49 @@ def test_a_bias_between_fused_weights_is_refused_by_name():
         layout(Config(**SHAPE, qkv_bias=True))
 
 
-@pytest.mark.parametrize("fields", [dict(norm="rmsnorm"), dict(n_kv_head=1), dict(tied=False),
-                                    dict(rotary="1/2"), dict(qkv_bias=True)])
-def test_a_field_a_backend_does_not_compute_is_refused_by_name(fields):
+# each field away from its default, and how a refusal shows its value
+FIELD_VALUES = [(dict(norm="rmsnorm"), "norm='rmsnorm'"), (dict(n_kv_head=1), "n_kv_head=1"),
+                (dict(tied=False), "tied=False"), (dict(rotary="1/2"), "rotary=5/10"),
+                (dict(qkv_bias=True), "qkv_bias=True"), (dict(norm_eps="1e-6"), "norm_eps=1/1000000"),
+                (dict(rope_base=500000), "rope_base=500000")]
+
+
+def test_the_reference_computes_every_field():
+    from coppelius.reference import model, program
+
+    assert set(model.IMPLEMENTED) == set(FAMILY_FIELDS) == set(program.IMPLEMENTED)
+
+
+@pytest.mark.parametrize("fields, shown", FIELD_VALUES)
+def test_a_field_a_backend_does_not_compute_is_refused_by_name(fields, shown, monkeypatch):
+    """check_implemented refuses, naming the field and its value, a field
+    missing from what a backend declares; the reference's forward refuses
+    through its own IMPLEMENTED, here monkeypatched without the field."""
+    from coppelius.reference import model
+
     config = Config(**SHAPE, **fields)
     name = next(iter(fields))
-    with pytest.raises(ConfigError, match=f"reference: config field {name}=.*not implemented"):
-        model_forward(config, initialize(config), np.zeros((1, 4), np.int64), "fp32")
+    others = tuple(f for f in FAMILY_FIELDS if f != name)
+    with pytest.raises(ConfigError) as info:
+        check_implemented(config, others, "a backend")
+    assert str(info.value) == (f"a backend: config field {shown} (SPEC 21) is not implemented "
+                               f"here yet")
     check_implemented(config, (name,), "a backend that computes it")  # no refusal
+    check_implemented(Config(**SHAPE), (), "a backend of the defaults alone")
+    tokens = np.zeros((1, 4), np.int64)
+    assert np.isfinite(model_forward(config, initialize(config), tokens, "fp32")[0]).all()
+    monkeypatch.setattr(model, "IMPLEMENTED", others)
+    with pytest.raises(ConfigError, match=f"reference: config field {shown} .*not implemented"):
+        model_forward(config, initialize(config), tokens, "fp32")
+    model_forward(TEST, initialize(TEST), tokens, "fp32")  # the defaults: refused by no one
+
+
+def test_a_refusal_names_the_first_field_in_spec_21s_order():
+    config = PRESETS["test-qwen"]  # norm, n_kv_head, tied, qkv_bias away from their defaults
+    with pytest.raises(ConfigError, match="b: config field n_kv_head=1 "):
+        check_implemented(config, ("norm",), "b")
+    with pytest.raises(ConfigError, match="b: config field qkv_bias=True "):
+        check_implemented(config, ("norm", "n_kv_head", "tied"), "b")
 
 
 def test_norm_eps_and_rope_base_reach_the_forward():
@@ -243,14 +280,25 @@ def test_a_hugging_face_export_of_a_member_it_cannot_write_is_refused(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_run_of_a_field_the_backend_does_not_compute_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("how, shown", [
+    (["--preset", "test", "--model", "m.toml"], "norm='rmsnorm'"),
+    (["--preset", "test-stablelm"], "rotary=5/10"),
+])
+def test_a_run_of_a_field_the_backend_does_not_compute_writes_nothing(tmp_path, capsys,
+                                                                       monkeypatch, how, shown):
+    """`coppelius train` asks the backend's module what it computes (its
+    IMPLEMENTED) and refuses before it writes anything: one line, status 2.
+    The reference computes every field, so it is given a smaller IMPLEMENTED."""
     from coppelius.cli import main
+    from coppelius.reference import program
 
-    model = tmp_path / "m.toml"
-    model.write_text('vocab = 300\nnorm = "rmsnorm"\n')
-    status = main(["train", "--preset", "test", "--model", str(model), "--backend", "reference",
-                   "--steps", "2", "--no-sample", "--run-dir", str(tmp_path / "R")])
+    monkeypatch.setattr(program, "IMPLEMENTED", ("norm_eps", "rope_base", "n_kv_head", "tied"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.toml").write_text('vocab = 300\nnorm = "rmsnorm"\n')
+    status = main(["train", *how, "--backend", "reference", "--steps", "2", "--no-sample",
+                   "--run-dir", str(tmp_path / "R")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
-    assert "reference: config field norm='rmsnorm' (SPEC 21) is not implemented" in err[0]
+    assert f"reference: config field {shown} (SPEC 21) is not implemented" in err[0]
     assert not (tmp_path / "R").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.toml"]  # nothing written anywhere

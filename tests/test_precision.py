@@ -7,11 +7,13 @@ subnormals, the overflow boundary, infinities, NaNs and arbitrary bit
 patterns. The bf16 policy is checked against the SPEC forward written out in
 float64 (test_reference_model.naive_forward) with every matmul operand
 rounded to bfloat16, and its gradients against PyTorch float64 autograd
-through a matmul that rounds its operands and its incoming gradient.
+through a matmul that rounds its operands and its incoming gradient, on the
+`test` preset and on family presets (SPEC 21).
 """
 
 import math
 import struct
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -153,20 +155,27 @@ AGREE_TOL = 1e-5  # relative to the largest magnitude in the context (observed ~
 POLICY_GAP = 1e-4  # fp32 against bf16 differs by ~1e-3 or more in every context
 
 
-def policy_inputs(seed=20260925):
+def policy_inputs(config=CONFIG, seed=20260925):
     rng = np.random.default_rng(seed)
-    P = reference.initialize(CONFIG)
-    P = (P + rng.normal(0.0, 0.05, P.shape)).astype(np.float32)
-    tokens = rng.integers(0, CONFIG.vocab, (N_CONTEXTS, CONFIG.context + 1))
+    P = reference.initialize(config)
+    P = (P + rng.normal(0.0, 0.05, P.shape)).astype(np.float32)  # biases and norms moved too
+    tokens = rng.integers(0, config.vocab, (N_CONTEXTS, config.context + 1))
     return P, tokens
 
 
-def test_bf16_forward_rounds_every_matmul_operand():
-    P, tokens = policy_inputs()
-    want = naive_forward(CONFIG, P, tokens[:, :-1], rnd=bf16_operand)  # (N,T,V)
+# the defaults' model and the family presets (SPEC 21): RMSNorm, grouped
+# heads, an untied head and q/k/v biases (test-qwen), partial rotary (test-stablelm)
+MEMBERS = ["test", "test-qwen", "test-stablelm"]
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_bf16_forward_rounds_every_matmul_operand(member):
+    config = reference.preset(member)
+    P, tokens = policy_inputs(config)
+    want = naive_forward(config, P, tokens[:, :-1], rnd=bf16_operand)  # (N,T,V)
     errors = {}
     for policy in ("bf16", "fp32"):
-        got = reference.forward(CONFIG, P, tokens[:, :-1], policy)
+        got = reference.forward(config, P, tokens[:, :-1], policy)
         assert got.dtype == np.float32
         errors[policy] = [float(np.abs(got[c] - want[c]).max() / np.abs(want[c]).max())
                           for c in range(N_CONTEXTS)]
@@ -185,11 +194,14 @@ def test_bf16_step_keeps_master_weights_and_moments_float32():
     assert result.grads.dtype == np.float32 and result.row_losses.dtype == np.float32
 
 
-def torch_bf16_grads(P, tokens):
+def torch_bf16_grads(config, P, tokens):
     """The mean loss's gradient under the bf16 policy by PyTorch float64
     autograd: every product rounds its operands, and its backward rounds the
     incoming gradient and the saved operands (SPEC 6: every product of the
-    backward pass)."""
+    backward pass). Any member of the family (SPEC 21): the norm, grouped
+    key/value heads (repeat_interleave: query head h uses h // g), q/k/v
+    biases added after the product, the first R elements rotated, the
+    untied head."""
     torch = pytest.importorskip("torch")
 
     def bf(a):
@@ -209,52 +221,64 @@ def torch_bf16_grads(P, tokens):
             return g @ b.transpose(-1, -2), a.transpose(-1, -2) @ g
 
     mm = Matmul.apply
-    c = CONFIG
+    c = config
     H, E, D, T = c.n_head, c.head_dim, c.d_model, tokens.shape[1] - 1
+    Hkv = H if c.n_kv_head is None else c.n_kv_head
+    R, base, eps = int(Fraction(c.rotary) * E), float(c.rope_base), float(c.norm_eps)
     flat = torch.tensor(P.astype(np.float64), requires_grad=True)
     w = {s.name: flat[s.slice].view(s.shape) for s in reference.registry(c).specs}
-    theta = torch.tensor([[t * 10000.0 ** (-2 * j / E) for j in range(E // 2)] for t in range(T)])
+    theta = torch.tensor([[t * base ** (-2 * j / R) for j in range(R // 2)] for t in range(T)])
     cos, sin = (f(theta).to(torch.float32).to(torch.float64) for f in (torch.cos, torch.sin))
 
-    def ln(x, n):
+    def norm(x, n):
+        if c.norm == "rmsnorm":
+            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w[n + ".weight"]
         mu = x.mean(-1, keepdim=True)
-        return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * w[n + ".weight"] + w[n + ".bias"]
+        rstd = 1 / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps)
+        return (x - mu) * rstd * w[n + ".weight"] + w[n + ".bias"]
 
     def lin(x, name):  # (T,in) -> (T,out)
         return mm(x, w[name].T)
 
-    def rope(x):  # (H,T,E)
-        x1, x2 = x[..., :E // 2], x[..., E // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    def project(x, name, heads):  # -> (heads,T,E)
+        y = lin(x, name + ".weight") + (w[name + ".bias"] if c.qkv_bias else 0)
+        return y.view(T, heads, E).transpose(0, 1)
+
+    def rope(x):  # (heads,T,E): the first R elements rotated, half-split within them
+        x1, x2, rest = x[..., :R // 2], x[..., R // 2:R], x[..., R:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
 
     ids = torch.as_tensor(tokens[0])
     x = w["tok_embedding.weight"][ids[:-1]]
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     for l in range(c.n_layer):
         p = f"layers.{l}."
-        h = ln(x, p + "attn_norm")
-        q, k, v = (lin(h, p + f"attn.{n}.weight").view(T, H, E).transpose(0, 1) for n in "qkv")
+        h = norm(x, p + "attn_norm")
+        q = project(h, p + "attn.q", H)
+        k, v = (project(h, p + f"attn.{n}", Hkv).repeat_interleave(H // Hkv, 0) for n in "kv")
         s = mm(rope(q), rope(k).transpose(-1, -2)) / math.sqrt(E)
         y = mm(torch.softmax(s.masked_fill(mask, -math.inf), -1), v)
         x = x + lin(y.transpose(0, 1).reshape(T, D), p + "attn.o.weight")
-        h = ln(x, p + "mlp_norm")
+        h = norm(x, p + "mlp_norm")
         g, u = lin(h, p + "mlp.gate.weight"), lin(h, p + "mlp.up.weight")
         x = x + lin(g * torch.sigmoid(g) * u, p + "mlp.down.weight")
-    logits = lin(ln(x, "final_norm"), "tok_embedding.weight")
+    logits = lin(norm(x, "final_norm"), "tok_embedding.weight" if c.tied else "lm_head.weight")
     torch.nn.functional.cross_entropy(logits, ids[1:]).backward()
     return flat.grad.numpy()
 
 
-def test_bf16_gradients_round_every_product_of_the_backward():
+@pytest.mark.parametrize("member", MEMBERS)
+def test_bf16_gradients_round_every_product_of_the_backward(member):
     pytest.importorskip("torch")
-    P, tokens = policy_inputs()
-    reg = reference.registry(CONFIG)
+    config = reference.preset(member)
+    P, tokens = policy_inputs(config)
+    reg = reference.registry(config)
     agree = {"bf16": 0, "fp32": 0}
     worst = {"bf16": [], "fp32": []}
     for c in range(N_CONTEXTS):
-        want = torch_bf16_grads(P, tokens[c:c + 1])
+        want = torch_bf16_grads(config, P, tokens[c:c + 1])
         for policy in agree:
-            _, G = reference.loss_and_grads(CONFIG, P, tokens[c:c + 1], policy)
+            _, G = reference.loss_and_grads(config, P, tokens[c:c + 1], policy)
             # per tensor, |G - want| / |want| (2-norms); a context agrees when every tensor does
             errs = {s.name: float(np.linalg.norm(G[s.slice] - want[s.slice]) / np.linalg.norm(want[s.slice]))
                     for s in reg.specs}

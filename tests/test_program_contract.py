@@ -6,9 +6,10 @@ and checks it against the reference's *functions* (reference.step,
 reference.forward), never against another program: one step and a short
 trajectory within the SPEC 14 tolerances, bitwise reproducible replays,
 exact resume, capture without update, the replay/event interface and the
-refusals. What only one backend has (MLX's single trace, CuPy's fused
-attention, each backend's replaced-state detection) stays in that backend's
-test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
+refusals, on the `test` preset and (where the model matters) on each family
+preset of SPEC 21 (the `config` fixture). What only one backend has (MLX's
+single trace, CuPy's fused attention, each backend's replaced-state
+detection) stays in that backend's test file. The CuPy rows run on a GPU, and elsewhere on the CPU stand-ins
 of the CUDA backend, in this process (dev/cuda/emulated: the
 cuda_emulation fixture of conftest.py)."""
 
@@ -28,7 +29,7 @@ from coppelius.reference.config import Config, Hyper, preset
 from coppelius.reference.contract import (MissingCapability, ProgramReset, ReplayError,
                                           ReplayEvent, TrainingProgram)
 from coppelius.reference.errors import CoppeliusError
-from coppelius.reference.semantic import activation_names, semantic_graph
+from coppelius.reference.semantic import activation_names, partitions, semantic_graph
 from coppelius.reference.state import State
 from coppelius.reference.step import step_activations
 
@@ -40,6 +41,9 @@ BACKENDS = [
 PRECISIONS = ["fp32", "bf16"]
 CONFIG = preset("test")
 B = 2
+# the family presets (SPEC 21): every backend computes every member, so the
+# contract's checks against the reference run on each of them as on `test`
+FAMILY = ["test-llama", "test-qwen", "test-stablelm"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -49,6 +53,12 @@ def backend(request):
     if request.param == "cupy":
         request.getfixturevalue("cuda_emulation")
     return accelerated.backend_module(request.param)
+
+
+@pytest.fixture(params=["test"] + FAMILY)
+def config(request):
+    """The model under test: the defaults' `test` preset, then each family preset."""
+    return preset(request.param)
 
 
 def fresh(config=CONFIG) -> State:
@@ -92,13 +102,13 @@ def failures(rows):
 
 # ------------------------------------------------------------------ the interface
 
-def test_program_satisfies_the_protocol(backend):
-    program = backend.capture(CONFIG, Hyper(), "fp32", B, fresh())
+def test_program_satisfies_the_protocol(backend, config):
+    program = backend.capture(config, Hyper(), "fp32", B, fresh(config))
     assert isinstance(program, TrainingProgram)
-    assert (program.config, program.precision, program.batch) == (CONFIG, "fp32", B)
+    assert (program.config, program.precision, program.batch) == (config, "fp32", B)
     assert program.backend in accelerated.BACKENDS
     assert accelerated.backend_module(program.backend) is backend
-    program.upload_input(windows(1)[0])
+    program.upload_input(windows(1, config=config)[0])
     event = program.replay()
     assert isinstance(event, ReplayEvent)
     event.wait()
@@ -108,18 +118,28 @@ def test_program_satisfies_the_protocol(backend):
 # ------------------------------------------------------------------ against the reference
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_one_step_matches_the_reference(backend, precision):
+def test_one_step_matches_the_reference(backend, config, precision):
     """Logits, loss, row losses, every gradient, P, M, V and t against
-    reference.step, from a state in the middle of a run."""
-    state = random_state(CONFIG, seed=3, t=41)
-    program = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
-    rows = step_rows(program, CONFIG, Hyper(), precision, state, windows(1, seed=4)[0])
+    reference.step, from a state in the middle of a run (norm weights and
+    biases away from their initial ones and zeros)."""
+    state = random_state(config, seed=3, t=41)
+    program = backend.capture(config, Hyper(), precision, B, state.copy())
+    rows = step_rows(program, config, Hyper(), precision, state,
+                     windows(1, seed=4, config=config)[0])
     assert not failures(rows), failures(rows)
 
 
-def test_one_step_of_an_odd_shape_matches_the_reference(backend):
-    """No dimension a multiple of 32 (or even, where it may be odd), B = 3."""
-    config = Config(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13)
+ODD = dict(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13)
+
+
+@pytest.mark.parametrize("fields", [{}, dict(norm="rmsnorm", n_kv_head=1, tied=False,
+                                             rotary="1/3", qkv_bias=True, rope_base=500000)],
+                         ids=["defaults", "family"])
+def test_one_step_of_an_odd_shape_matches_the_reference(backend, fields):
+    """No dimension a multiple of 32 (or even, where it may be odd), B = 3;
+    and a member with every family field away from its default (E = 6,
+    R = 2 of it rotated, 3 query heads on one key/value head)."""
+    config = Config(**ODD, **fields)
     state = random_state(config, seed=16, t=7)
     for precision in PRECISIONS:
         program = backend.capture(config, Hyper(), precision, 3, state.copy())
@@ -129,13 +149,13 @@ def test_one_step_of_an_odd_shape_matches_the_reference(backend):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_trajectory_matches_the_reference(backend, precision):
-    state = fresh()
-    program = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
-    for tokens in windows(8, seed=5):
+def test_trajectory_matches_the_reference(backend, config, precision):
+    state = fresh(config)
+    program = backend.capture(config, Hyper(), precision, B, state.copy())
+    for tokens in windows(8, seed=5, config=config):
         program.upload_input(tokens)
         loss = program.replay_and_wait()
-        want = reference.step(CONFIG, state, tokens, precision)
+        want = reference.step(config, state, tokens, precision)
         state = want.state
         assert relative_error(np.float32(loss), np.float32(want.loss)) <= tolerance(
             "trajectory", precision)
@@ -146,31 +166,31 @@ def test_trajectory_matches_the_reference(backend, precision):
     assert relative_error(got.P, state.P) <= 10 * tolerance("update", precision)
 
 
-def test_logits_of_a_prefix_and_of_another_batch_use_the_current_parameters(backend):
-    state = random_state(CONFIG, seed=8, t=3)
-    program = backend.capture(CONFIG, Hyper(), "fp32", B, state.copy())
-    for shape in [(1, CONFIG.context), (3, 5), (B, CONFIG.context)]:
-        tokens = np.random.default_rng(9).integers(0, CONFIG.vocab, shape)
+def test_logits_of_a_prefix_and_of_another_batch_use_the_current_parameters(backend, config):
+    state = random_state(config, seed=8, t=3)
+    program = backend.capture(config, Hyper(), "fp32", B, state.copy())
+    for shape in [(1, config.context), (3, 5), (B, config.context)]:
+        tokens = np.random.default_rng(9).integers(0, config.vocab, shape)
         got = program.logits(tokens)
-        assert got.shape == (*shape, CONFIG.vocab) and got.dtype == np.float32
-        assert relative_error(got, reference.forward(CONFIG, state.P, tokens, "fp32")) <= 1e-5
-    program.upload_input(windows(1)[0])
+        assert got.shape == (*shape, config.vocab) and got.dtype == np.float32
+        assert relative_error(got, reference.forward(config, state.P, tokens, "fp32")) <= 1e-5
+    program.upload_input(windows(1, config=config)[0])
     program.replay_and_wait()
-    tokens = windows(1)[0][:, :-1]
-    want = reference.forward(CONFIG, program.state().P, tokens, "fp32")
-    assert not np.array_equal(want, reference.forward(CONFIG, state.P, tokens, "fp32"))
+    tokens = windows(1, config=config)[0][:, :-1]
+    want = reference.forward(config, program.state().P, tokens, "fp32")
+    assert not np.array_equal(want, reference.forward(config, state.P, tokens, "fp32"))
     assert relative_error(program.logits(tokens), want) <= 1e-5
 
 
 # ------------------------------------------------------------------ capture and replay
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_capture_performs_no_update_and_replays_are_bit_reproducible(backend, precision):
-    state = random_state(CONFIG, seed=11, t=5)
-    one = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
+def test_capture_performs_no_update_and_replays_are_bit_reproducible(backend, config, precision):
+    state = random_state(config, seed=11, t=5)
+    one = backend.capture(config, Hyper(), precision, B, state.copy())
     check_same_state(one.state(), state)  # whatever warm-up capture ran was undone
-    two = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
-    inputs = windows(3, seed=12)
+    two = backend.capture(config, Hyper(), precision, B, state.copy())
+    inputs = windows(3, seed=12, config=config)
     rows1, s1 = run(one, inputs)
     rows2, s2 = run(two, inputs)
     assert np.array_equal(bits(rows1), bits(rows2))
@@ -189,13 +209,13 @@ def test_program_owns_its_buffers(backend):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_exact_resume(backend, precision):
+def test_exact_resume(backend, config, precision):
     """S1 steps, state(), a new capture from it, S2 steps: the same bits as
     S1 + S2 steps of one program (SPEC section 9)."""
-    inputs = windows(5, seed=13)
-    rows, whole = run(backend.capture(CONFIG, Hyper(), precision, B, fresh()), inputs)
-    rows1, middle = run(backend.capture(CONFIG, Hyper(), precision, B, fresh()), inputs[:2])
-    rows2, resumed = run(backend.capture(CONFIG, Hyper(), precision, B, middle), inputs[2:])
+    inputs = windows(5, seed=13, config=config)
+    rows, whole = run(backend.capture(config, Hyper(), precision, B, fresh(config)), inputs)
+    rows1, middle = run(backend.capture(config, Hyper(), precision, B, fresh(config)), inputs[:2])
+    rows2, resumed = run(backend.capture(config, Hyper(), precision, B, middle), inputs[2:])
     assert np.array_equal(bits(np.concatenate([rows1, rows2])), bits(rows))
     check_same_state(resumed, whole)
 
@@ -214,6 +234,17 @@ def test_accumulated_step_matches_the_unaccumulated_reference(backend, precision
     assert program.capture_refused is None  # the k passes inside the one captured step
     rows = step_rows(program, CONFIG, Hyper(), precision, state, windows(1, seed=4, batch=4)[0])
     assert not failures(rows), failures(rows)
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_an_accumulated_step_of_a_family_preset_matches_the_reference(backend, name):
+    config = preset(name)
+    state = random_state(config, seed=3, t=41)
+    for precision in PRECISIONS:
+        program = backend.capture(config, Hyper(), precision, 4, state.copy(), accumulate=2)
+        rows = step_rows(program, config, Hyper(), precision, state,
+                         windows(1, seed=4, config=config, batch=4)[0])
+        assert not failures(rows), (precision, failures(rows))
 
 
 def test_accumulated_steps_are_bit_reproducible_and_clip_the_sum(backend):
@@ -302,12 +333,12 @@ def test_submitted_steps_keep_their_records_while_later_ones_run(backend, k):
     assert program.replay_count() == 5
 
 
-def test_no_capture_switch_runs_the_same_step_eagerly(backend, monkeypatch):
-    state = random_state(CONFIG, seed=14, t=2)
-    inputs = windows(2, seed=15)
-    rows, captured = run(backend.capture(CONFIG, Hyper(), "bf16", B, state.copy()), inputs)
+def test_no_capture_switch_runs_the_same_step_eagerly(backend, config, monkeypatch):
+    state = random_state(config, seed=14, t=2)
+    inputs = windows(2, seed=15, config=config)
+    rows, captured = run(backend.capture(config, Hyper(), "bf16", B, state.copy()), inputs)
     monkeypatch.setenv("COPPELIUS_NO_CAPTURE", "1")
-    program = backend.capture(CONFIG, Hyper(), "bf16", B, state.copy())
+    program = backend.capture(config, Hyper(), "bf16", B, state.copy())
     rows_eager, eager = run(program, inputs)
     assert np.array_equal(bits(rows_eager), bits(rows))
     check_same_state(eager, captured)
@@ -480,18 +511,20 @@ def test_replay_timed_has_a_device_clock_or_refuses_before_submitting(backend):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_semantic_graph_is_the_backend_independent_step(backend, precision):
-    program = backend.capture(CONFIG, Hyper(), precision, B, fresh())
+def test_semantic_graph_is_the_backend_independent_step(backend, config, precision):
+    program = backend.capture(config, Hyper(), precision, B, fresh(config))
     text = program.semantic_debug_report_json("step")
-    assert text == semantic_graph(CONFIG, B, precision).debug_report_json("step")
+    assert text == semantic_graph(config, B, precision).debug_report_json("step")
     assert text == program.semantic_debug_report_json("step")  # deterministic
     doc = json.loads(text)
     assert doc["schema"] == "coppelius.semantic_graph.v1" and doc["batch"] == B
-    L = CONFIG.n_layer
-    assert doc["operation_count"] == len(doc["operations"]) == 13 + 32 * L
+    L = config.n_layer
+    # untied, the embedding's gradient is the gather's alone: no sum with the head's
+    assert doc["operation_count"] == len(doc["operations"]) == 13 + 32 * L - (not config.tied)
     shapes = {t["tensor"]: t["shape"] for t in doc["tensors"]}
-    assert shapes["layers.1.attn.q"] == [B, CONFIG.context, CONFIG.d_model]
-    assert shapes["logits"] == [B, CONFIG.context, CONFIG.vocab]
+    assert shapes["layers.1.attn.q"] == [B, config.context, config.d_model]
+    assert shapes["layers.1.attn.k"] == [B, config.context, config.kv_dim]
+    assert shapes["logits"] == [B, config.context, config.vocab]
     # every input is produced before it is read, or is an input, parameter or state
     made = {t["tensor"] for t in doc["tensors"] if t["role"] in ("input", "parameter", "state")}
     made.add("G")  # the gradient vector; its parameter views are written by the backward
@@ -499,13 +532,13 @@ def test_semantic_graph_is_the_backend_independent_step(backend, precision):
         missing = [name for name in op["inputs"] if name not in made]
         assert not missing, (op["name"], missing)
         made.update(op["outputs"])
-    assert {name for name, _ in activation_names(CONFIG)} <= made
+    assert {name for name, _ in activation_names(config)} <= made
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_compilation_debug_report(backend, precision):
-    program = backend.capture(CONFIG, Hyper(), precision, B, fresh())
-    program.upload_input(windows(1, seed=23)[0])
+def test_compilation_debug_report(backend, config, precision):
+    program = backend.capture(config, Hyper(), precision, B, fresh(config))
+    program.upload_input(windows(1, seed=23, config=config)[0])
     program.replay_and_wait()
     text = program.compilation_debug_report_json("step")
     assert text == program.compilation_debug_report_json("step")  # deterministic
@@ -520,8 +553,10 @@ def test_compilation_debug_report(backend, precision):
     assert doc["capture"] == {"state": "captured", "reason": ""}
 
     plan = doc["dnn_plan"]
-    assert plan["graph_hash"] == semantic_graph(CONFIG, B, precision).graph_hash()
-    assert plan["partition_count"] == len(plan["partitions"]) == 5 * CONFIG.n_layer + 1
+    assert plan["graph_hash"] == semantic_graph(config, B, precision).graph_hash()
+    assert plan["partition_count"] == len(plan["partitions"]) == len(partitions(config))
+    if not config.qkv_bias:  # q, k, v of one input, each layer's; biased, they are linear_bias
+        assert plan["partition_count"] == 5 * config.n_layer + 1
     assert plan["applied_partition_count"] + plan["inherited_partition_count"] + \
         plan["fallback_partition_count"] == plan["partition_count"]
     for row in plan["partitions"]:
@@ -580,22 +615,22 @@ def test_a_refused_capture_runs_the_same_step_uncaptured(backend, monkeypatch, c
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_activations_match_the_reference_under_one_naming_scheme(backend, precision):
+def test_activations_match_the_reference_under_one_naming_scheme(backend, config, precision):
     from coppelius.conformance.activations import activation_rows
 
-    state = random_state(CONFIG, seed=26, t=6)
-    program = backend.capture(CONFIG, Hyper(), precision, B, state.copy())
-    program.upload_input(windows(1, seed=27)[0])
+    state = random_state(config, seed=26, t=6)
+    program = backend.capture(config, Hyper(), precision, B, state.copy())
+    program.upload_input(windows(1, seed=27, config=config)[0])
     program.replay_and_wait()
     kept = program.row_losses()
-    tokens = windows(1, seed=28)[0]
+    tokens = windows(1, seed=28, config=config)[0]
     got = program.activations(tokens)
-    assert list(got) == [name for name, _ in activation_names(CONFIG)]
+    assert list(got) == [name for name, _ in activation_names(config)]
     P = program.state().P
-    want = step_activations(CONFIG, P, tokens, precision)
+    want = step_activations(config, P, tokens, precision)
     for name in got:
         assert got[name].shape == want[name].shape and got[name].dtype == np.float32, name
-    rows = activation_rows(CONFIG, got, want, precision)
+    rows = activation_rows(config, got, want, precision)
     assert all(r.passed for r in rows), failures(rows)
     assert np.array_equal(program.row_losses(), kept)  # the last replay's results are kept
     assert program.state().t == 7

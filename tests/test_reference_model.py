@@ -1,23 +1,31 @@
 """The whole reference model: logits, loss and every parameter's gradient
-(SPEC sections 3, 4, 5) on the `test` preset.
+(SPEC sections 3, 4, 5) on the `test` preset and on every member of the
+family (SPEC 21): the family presets, two members no preset is, and
+hypothesis-drawn small ones.
 
 - The forward against `naive_forward`, the SPEC text written out again in
   float64 with per-context and per-head loops, an explicit causal mask and
-  rope as a complex rotation (test_precision.py reuses it for bf16).
+  rope as a complex rotation of the first R elements of each head
+  (test_precision.py reuses it for bf16).
 - Every parameter tensor's gradient (reference.loss_and_grads in float64)
   against float64 central finite differences of the mean loss, on sampled
   elements of every tensor and on embedding rows used as inputs, used only
   as targets, and not used (the tied embedding's gradient is the sum of its
-  gather and unembedding parts; a difference quotient sees both).
-"""
+  gather and unembedding parts, an untied one's its gather part alone; a
+  difference quotient sees both)."""
 
+import dataclasses
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coppelius import reference
-from coppelius.reference.config import LAYERNORM_EPS, ROPE_BASE
+from coppelius.reference.config import FAMILY_FIELDS, ROPE_BASE, Config
+from tests.test_model_family import family_configs  # a small member of any kind
 
 CONFIG = reference.preset("test")
 
@@ -38,55 +46,81 @@ FD_H, FD_RTOL, FD_ATOL = 1e-5, 1e-5, 1e-9
 
 
 # ---------------------------------------------------------------- the SPEC forward, again
-def rope_tables_f32(T, E):
-    theta = np.array([[t * ROPE_BASE ** (-2.0 * j / E) for j in range(E // 2)] for t in range(T)])
-    cos = np.vectorize(math.cos)(theta).astype(np.float32).astype(np.float64)
-    sin = np.vectorize(math.sin)(theta).astype(np.float32).astype(np.float64)
+def rope_tables_f32(T, R, base=ROPE_BASE):
+    """cos, sin (T, R/2) of theta = t * base^(-2j/R), j < R/2 (SPEC 3, 21),
+    by the math module in float64, rounded to float32 as SPEC 3 says."""
+    theta = np.array([[t * float(base) ** (-2.0 * j / R) for j in range(R // 2)]
+                      for t in range(T)]).reshape(T, R // 2)
+    cos = np.vectorize(math.cos, otypes=[float])(theta).astype(np.float32).astype(np.float64)
+    sin = np.vectorize(math.sin, otypes=[float])(theta).astype(np.float32).astype(np.float64)
     return cos, sin
 
 
 def naive_forward(config, P, tokens, rnd=None):
-    """tokens (B,T) -> logits (B,T,V) in float64. `rnd` rounds each operand
-    of each matrix product (None: exact); under bf16 that is bfloat16."""
+    """tokens (B,T) -> logits (B,T,V) in float64, for any member of the
+    family (SPEC 3 and 21). `rnd` rounds each operand of each matrix product
+    (None: exact); under bf16 that is bfloat16. Each field is read from the
+    config here and its formula written out: the norm (layernorm, or rmsnorm
+    without a bias) with norm_eps; k and v of n_kv_head heads, query head h
+    using key/value head h // (H / Hkv); q, k, v biases added after the
+    product; the first R = rotary * E elements of a head rotated by
+    theta = t * rope_base^(-2j/R), the rest passed through; the logits of
+    lm_head.weight where untied."""
     rnd = rnd or (lambda a: a)
     mm = lambda a, b: rnd(a) @ rnd(b)  # noqa: E731
     w = reference.registry(config).views(np.asarray(P, np.float64))
-    H, E = config.n_head, config.head_dim
-    eps = float(LAYERNORM_EPS)
+    H, D = config.n_head, config.d_model
+    E = D // H
+    Hkv = H if config.n_kv_head is None else config.n_kv_head
+    group = H // Hkv
+    R = Fraction(config.rotary) * E
+    assert R.denominator == 1
+    R = int(R)
+    eps = float(Fraction(config.norm_eps))
     tokens = np.asarray(tokens)
     T = tokens.shape[1]
-    cos, sin = rope_tables_f32(T, E)
+    cos, sin = rope_tables_f32(T, R, Fraction(config.rope_base))
 
-    def layernorm(x, n):
+    def norm(x, n):
+        if config.norm == "rmsnorm":  # no mean, no bias (SPEC 21)
+            return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w[n + ".weight"]
+        assert config.norm == "layernorm"
         mu = x.mean(-1, keepdims=True)
         var = ((x - mu) ** 2).mean(-1, keepdims=True)
         return (x - mu) / np.sqrt(var + eps) * w[n + ".weight"] + w[n + ".bias"]
 
-    def rope(x):  # (T,E): z_j = x_j + i x_{j+E/2}, rotated by t * base^(-2j/E)
-        z = (x[:, :E // 2] + 1j * x[:, E // 2:]) * (cos + 1j * sin)
-        return np.concatenate([z.real, z.imag], axis=-1)
+    def project(h, name):  # h @ W.T, and + b where the config has q/k/v biases
+        y = mm(h, w[name + ".weight"].T)
+        return y + w[name + ".bias"] if config.qkv_bias else y
 
+    def rope(x):  # (T,E): z_j = x_j + i x_{j+R/2} for j < R/2 rotated; x[R:] as it is
+        z = (x[:, :R // 2] + 1j * x[:, R // 2:R]) * (cos + 1j * sin)
+        return np.concatenate([z.real, z.imag, x[:, R:]], axis=-1)
+
+    head = w["tok_embedding.weight"] if config.tied else w["lm_head.weight"]
     out = []
     for ids in tokens:  # batch elements never interact
         x = w["tok_embedding.weight"][ids]  # (T,D)
         for l in range(config.n_layer):
             p = f"layers.{l}."
-            h = layernorm(x, p + "attn_norm")
-            q, k, v = (mm(h, w[p + f"attn.{n}.weight"].T) for n in "qkv")
+            h = norm(x, p + "attn_norm")
+            q, k, v = (project(h, p + f"attn.{n}") for n in "qkv")  # (T,D), (T,Hkv E) x2
+            assert k.shape == v.shape == (T, Hkv * E)
             heads = []
             for hd in range(H):
-                cols = slice(hd * E, (hd + 1) * E)
-                qh, kh, vh = rope(q[:, cols]), rope(k[:, cols]), v[:, cols]
+                kv = hd // group  # Hugging Face's repeat_kv order
+                qh = rope(q[:, hd * E:(hd + 1) * E])
+                kh, vh = rope(k[:, kv * E:(kv + 1) * E]), v[:, kv * E:(kv + 1) * E]
                 s = mm(qh, kh.T) / math.sqrt(E)  # (T,T)
                 for i in range(T):
                     s[i, i + 1:] = -np.inf  # causal: key j > query i is masked
                 e = np.exp(s - s.max(-1, keepdims=True))
                 heads.append(mm(e / e.sum(-1, keepdims=True), vh))
             x = x + mm(np.concatenate(heads, axis=-1), w[p + "attn.o.weight"].T)
-            h = layernorm(x, p + "mlp_norm")
+            h = norm(x, p + "mlp_norm")
             g, u = mm(h, w[p + "mlp.gate.weight"].T), mm(h, w[p + "mlp.up.weight"].T)
             x = x + mm(g / (1.0 + np.exp(-g)) * u, w[p + "mlp.down.weight"].T)
-        out.append(mm(layernorm(x, "final_norm"), w["tok_embedding.weight"].T))  # tied
+        out.append(mm(norm(x, "final_norm"), head.T))
     return np.stack(out)
 
 
@@ -94,6 +128,28 @@ def naive_row_losses(logits, targets):
     m = logits.max(-1, keepdims=True)
     lse = m[..., 0] + np.log(np.exp(logits - m).sum(-1))
     return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+# ---------------------------------------------------------------- the members checked
+SHAPE = dict(vocab=64, context=16, d_model=32, n_layer=2, n_head=2, d_ff=96)
+# every family preset (SPEC 21), and members no preset is: each field away
+# from its default at least once beside every other field's both values
+MEMBERS = {name: reference.preset(name) for name in ("test", "test-llama", "test-qwen",
+                                                     "test-stablelm")}
+MEMBERS["mixed-layernorm"] = Config(**{**SHAPE, "n_head": 4}, n_kv_head=2, qkv_bias=True,
+                                    rotary=Fraction(1, 2), norm_eps=Fraction(1, 1000),
+                                    rope_base=500000)  # tied; 2 of 4 kv heads, E = 8, R = 4
+MEMBERS["mixed-rmsnorm"] = Config(**SHAPE, norm="rmsnorm", qkv_bias=True, rotary=Fraction(1, 4),
+                                  norm_eps=Fraction(1, 10**6),
+                                  rope_base=Fraction(10001, 2))  # tied, ungrouped, E = 16, R = 4
+UNTIED = [name for name, c in MEMBERS.items() if not c.tied]
+TIED = [name for name, c in MEMBERS.items() if c.tied]
+
+
+def test_the_members_cover_every_field_away_from_its_default():
+    assert {field for c in MEMBERS.values() for field in c.non_default()} == set(FAMILY_FIELDS)
+    assert {c.norm for c in MEMBERS.values()} == {"layernorm", "rmsnorm"}
+    assert any(1 < c.kv_heads < c.n_head for c in MEMBERS.values())  # grouped, several kv heads
 
 
 # ---------------------------------------------------------------- inputs
@@ -107,42 +163,73 @@ def tokens_with_every_kind_of_row(seed=20260925):
     return tokens
 
 
-def rough_parameters(seed=1):
-    """Initialized parameters plus noise: norms away from 1 and 0, attention
-    away from uniform, so every path of the backward carries weight."""
-    P = reference.initialize(CONFIG).astype(np.float64)
+def rough_parameters(config=CONFIG, seed=1):
+    """Initialized parameters plus noise: norms away from 1, biases away from
+    0, attention away from uniform, so every path of the backward carries weight."""
+    P = reference.initialize(config).astype(np.float64)
     return P + np.random.default_rng(seed).normal(0.0, 0.1, P.shape)
 
 
-def mean_loss(P, tokens):
-    ce, _ = reference.loss_and_grads(CONFIG, P, tokens)
+def parameters(config, point):
+    return reference.initialize(config).astype(np.float64) if point == "initialized" \
+        else rough_parameters(config)
+
+
+def mean_loss(config, P, tokens):
+    ce, _ = reference.loss_and_grads(config, P, tokens)
     return math.fsum(ce.ravel()) / ce.size
 
 
 # ---------------------------------------------------------------- forward and loss
-@pytest.mark.parametrize("point", ["initialized", "rough"])
-def test_logits_and_loss_match_the_spec_written_out(point):
-    tokens = tokens_with_every_kind_of_row()
-    P64 = reference.initialize(CONFIG).astype(np.float64) if point == "initialized" else rough_parameters()
+def check_logits_and_loss(config, P64, tokens):
     P32 = P64.astype(np.float32)
-    want = naive_forward(CONFIG, P32, tokens[:, :-1])
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    want = naive_forward(config, P32, tokens[:, :-1])
     scale = np.abs(want).max()
 
-    got32 = reference.forward(CONFIG, P32, tokens[:, :-1], "fp32")
-    assert got32.dtype == np.float32 and got32.shape == (2, CONFIG.context, CONFIG.vocab)
+    got32 = reference.forward(config, P32, tokens[:, :-1], "fp32")
+    assert got32.dtype == np.float32 and got32.shape == (B, T, config.vocab)
     err = np.abs(got32 - want).max() / scale
     assert err <= TOL["logits_f32"], f"logits (float32): error {err:.3e} of max |logit| {scale:.3e}"
-    got64 = reference.forward(CONFIG, P32.astype(np.float64), tokens[:, :-1], "fp32")
+    got64 = reference.forward(config, P32.astype(np.float64), tokens[:, :-1], "fp32")
     err = np.abs(got64 - want).max() / scale
     assert err <= TOL["logits_f64"], f"logits (float64): error {err:.3e}"
 
-    result = reference.step(CONFIG, reference.State.fresh(P32), tokens, "fp32")
+    result = reference.step(config, reference.State.fresh(P32), tokens, "fp32")
     ce = naive_row_losses(want, tokens[:, 1:])
-    assert result.row_losses.dtype == np.float32 and result.row_losses.shape == (2, CONFIG.context)
+    assert result.row_losses.dtype == np.float32 and result.row_losses.shape == (B, T)
     assert np.abs(result.row_losses - ce).max() <= 1e-5 * np.abs(ce).max()
     assert isinstance(result.loss, np.float32)
     assert abs(float(result.loss) - ce.mean()) <= 1e-5 * ce.mean()
     assert result.loss == np.float32(result.row_losses.mean(dtype=np.float32))  # the mean of the rows
+
+
+@pytest.mark.parametrize("point", ["initialized", "rough"])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_logits_and_loss_match_the_spec_written_out(member, point):
+    config = MEMBERS[member]
+    check_logits_and_loss(config, parameters(config, point), tokens_with_every_kind_of_row())
+
+
+@settings(max_examples=8)
+@given(config=family_configs(), seed=st.integers(0, 2**32 - 1))
+def test_logits_of_a_drawn_member_match_the_spec_written_out(config, seed):
+    tokens = np.random.default_rng(seed).integers(0, config.vocab, (2, config.context + 1))
+    check_logits_and_loss(config, rough_parameters(config, seed), tokens)
+
+
+def test_each_field_changes_the_logits():
+    """Each member's written-out forward differs from the one of its
+    defaults (on the same parameters where the shapes agree): no field is
+    ignored by both this file and the reference alike."""
+    tokens = tokens_with_every_kind_of_row()[:, :-1]
+    base = MEMBERS["test"]
+    P = rough_parameters(base)
+    for fields in (dict(norm_eps=Fraction(1, 10)), dict(rope_base=500000), dict(rotary="1/2")):
+        other = dataclasses.replace(base, **fields)
+        a, b = naive_forward(base, P, tokens), naive_forward(other, P, tokens)
+        assert np.abs(a - b).max() > 1e-3 * np.abs(a).max(), fields
+        assert np.abs(reference.forward(other, P, tokens, "fp32") - b).max() <= 1e-6 * np.abs(b).max()
 
 
 def test_batch_elements_never_interact():
@@ -158,22 +245,22 @@ def test_fresh_uniform_model_starts_near_log_vocab():
     """A sanity anchor: with std-0.02 weights the logits are near zero, so the
     first loss is close to ln V."""
     tokens = tokens_with_every_kind_of_row()
-    result = reference.step(CONFIG, reference.State.fresh(reference.initialize(CONFIG)), tokens)
-    assert abs(float(result.loss) - math.log(CONFIG.vocab)) < 0.1
+    for name, config in MEMBERS.items():
+        result = reference.step(config, reference.State.fresh(reference.initialize(config)), tokens)
+        assert abs(float(result.loss) - math.log(config.vocab)) < 0.1, name
 
 
 # ---------------------------------------------------------------- gradients
-def fd_check(P, tokens, name, flat_indices, G):
+def fd_check(config, P, tokens, name, flat_indices, G):
     """Central differences of the mean loss at P[flat_indices]; -> failures."""
     bad = []
-    reg = reference.registry(CONFIG)
-    spec = reg.by_name[name]
+    spec = reference.registry(config).by_name[name]
     for i in flat_indices:
         j = spec.offset + int(i)
         plus, minus = P.copy(), P.copy()
         plus[j] += FD_H
         minus[j] -= FD_H
-        fd = (mean_loss(plus, tokens) - mean_loss(minus, tokens)) / (2 * FD_H)
+        fd = (mean_loss(config, plus, tokens) - mean_loss(config, minus, tokens)) / (2 * FD_H)
         if not abs(fd - G[j]) <= FD_RTOL * abs(G[j]) + FD_ATOL:
             where = np.unravel_index(int(i), spec.shape)
             bad.append(f"{name}{list(where)}: gradient {G[j]!r}, finite difference {fd!r}, "
@@ -181,27 +268,43 @@ def fd_check(P, tokens, name, flat_indices, G):
     return bad
 
 
-@pytest.mark.parametrize("point", ["initialized", "rough"])
-def test_every_parameter_gradient_against_finite_differences(point):
-    tokens = tokens_with_every_kind_of_row()
-    P = reference.initialize(CONFIG).astype(np.float64) if point == "initialized" else rough_parameters()
-    _, G = reference.loss_and_grads(CONFIG, P, tokens, "fp32")
+def check_every_gradient(config, P, tokens, per_tensor, seed=2):
+    _, G = reference.loss_and_grads(config, P, tokens, "fp32")
     assert G.dtype == np.float64 and G.shape == P.shape
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     bad = []
-    for spec in reference.registry(CONFIG).specs:  # every tensor, 6 random elements of each
-        bad += fd_check(P, tokens, spec.name, rng.choice(spec.size, 6, replace=False), G)
+    for spec in reference.registry(config).specs:  # every tensor, a few random elements of each
+        n = min(per_tensor, spec.size)
+        bad += fd_check(config, P, tokens, spec.name, rng.choice(spec.size, n, replace=False), G)
     assert not bad, "\n".join(bad)
 
 
+# the initialized point only for `test`: a family member's biases are zeros
+# and its norm weights ones there, which a wrong gradient of them can hide behind
+@pytest.mark.parametrize("member, point", [("test", "initialized")] +
+                         [(name, "rough") for name in MEMBERS])
+def test_every_parameter_gradient_against_finite_differences(member, point):
+    config = MEMBERS[member]
+    check_every_gradient(config, parameters(config, point), tokens_with_every_kind_of_row(), 6)
+
+
+@settings(max_examples=4)
+@given(config=family_configs(), seed=st.integers(0, 2**32 - 1))
+def test_every_gradient_of_a_drawn_member_against_finite_differences(config, seed):
+    tokens = np.random.default_rng(seed).integers(0, config.vocab, (2, config.context + 1))
+    check_every_gradient(config, rough_parameters(config, seed), tokens, 2, seed)
+
+
 @pytest.mark.parametrize("point", ["initialized", "rough"])
-def test_tied_embedding_gradient_is_gather_plus_unembedding(point):
+@pytest.mark.parametrize("member", TIED)
+def test_tied_embedding_gradient_is_gather_plus_unembedding(member, point):
     """Rows used as inputs get both parts, rows used only as targets and
     unused rows only the unembedding part: each kind against differences."""
+    config = MEMBERS[member]
     tokens = tokens_with_every_kind_of_row()
-    P = reference.initialize(CONFIG).astype(np.float64) if point == "initialized" else rough_parameters()
-    _, G = reference.loss_and_grads(CONFIG, P, tokens, "fp32")
-    D = CONFIG.d_model
+    P = parameters(config, point)
+    _, G = reference.loss_and_grads(config, P, tokens, "fp32")
+    D = config.d_model
     inputs = set(tokens[:, :-1].ravel().tolist())
     rows = {"repeated input": [7], "input": sorted(inputs - {7})[:3],
             "target only": [60, 61], "unused": [48, 59, 63]}
@@ -212,23 +315,51 @@ def test_tied_embedding_gradient_is_gather_plus_unembedding(point):
         for v in ids:
             cols = rng.choice(D, 3, replace=False)
             bad += [f"({kind}) " + b for b in
-                    fd_check(P, tokens, "tok_embedding.weight", v * D + cols, G)]
+                    fd_check(config, P, tokens, "tok_embedding.weight", v * D + cols, G)]
     assert not bad, "\n".join(bad)
     # the gather part is real: an input row's gradient is not the gradient it
     # would get as an unembedding row alone (rows 7 and 48 differ in kind)
-    emb = G[:CONFIG.vocab * D].reshape(CONFIG.vocab, D)
+    emb = G[:config.vocab * D].reshape(config.vocab, D)
     assert np.abs(emb[7]).max() > 3 * np.abs(emb[48]).max()
 
 
-def test_float32_gradients_follow_the_float64_gradients():
+@pytest.mark.parametrize("member", UNTIED)
+def test_untied_embedding_gets_its_gather_gradient_only(member):
+    """Untied (SPEC 21): a row never used as an input has a zero embedding
+    gradient, exactly, and its lm_head row carries the unembedding gradient;
+    input rows and lm_head rows of each kind against differences."""
+    config = MEMBERS[member]
+    tokens = tokens_with_every_kind_of_row()
+    P = rough_parameters(config)
+    _, G = reference.loss_and_grads(config, P, tokens, "fp32")
+    reg = reference.registry(config)
+    D = config.d_model
+    emb = G[reg["tok_embedding.weight"].slice].reshape(config.vocab, D)
+    head = G[reg["lm_head.weight"].slice].reshape(config.vocab, D)
+    inputs = sorted(set(tokens[:, :-1].ravel().tolist()))
+    others = [v for v in range(config.vocab) if v not in inputs]
+    assert not emb[others].any()  # 60, 61 (targets only) and the unused rows
+    assert np.abs(emb[inputs]).min(axis=1).max() > 0 and np.abs(head[[60, 61, 48]]).max() > 0
+    rng = np.random.default_rng(4)
+    bad = []
+    for name, ids in (("tok_embedding.weight", [7] + inputs[:3] + [60, 48]),
+                      ("lm_head.weight", [7, 60, 61, 48, 63])):
+        for v in ids:
+            bad += fd_check(config, P, tokens, name, v * D + rng.choice(D, 3, replace=False), G)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_float32_gradients_follow_the_float64_gradients(member):
     """The production path (float32 P) computes the same gradient as the
     float64 one, tensor by tensor, and stays float32 throughout."""
+    config = MEMBERS[member]
     tokens = tokens_with_every_kind_of_row()
-    P32 = rough_parameters().astype(np.float32)
-    ce32, G32 = reference.loss_and_grads(CONFIG, P32, tokens, "fp32")
+    P32 = rough_parameters(config).astype(np.float32)
+    ce32, G32 = reference.loss_and_grads(config, P32, tokens, "fp32")
     assert G32.dtype == np.float32 and ce32.dtype == np.float32
-    _, G64 = reference.loss_and_grads(CONFIG, P32.astype(np.float64), tokens, "fp32")
-    for spec in reference.registry(CONFIG).specs:
+    _, G64 = reference.loss_and_grads(config, P32.astype(np.float64), tokens, "fp32")
+    for spec in reference.registry(config).specs:
         got, want = G32[spec.slice], G64[spec.slice]
         err = np.abs(got - want)
         i = int(np.argmax(err))
@@ -255,10 +386,12 @@ def test_gradients_are_fresh_and_step_does_not_touch_its_input_state():
 
 # ---------------------------------------------------------------- the program's plan and intermediates
 
-def test_the_reference_programs_plan_is_the_calls_it_makes(monkeypatch):
+@pytest.mark.parametrize("member", ["test", "test-qwen", "mixed-layernorm"])
+def test_the_reference_programs_plan_is_the_calls_it_makes(monkeypatch, member):
     """debug_report_json's nodes, one per semantic operation, name the
     functions a replay calls, in the order it calls them (numpy's own adds
     and mean aside)."""
+    config = MEMBERS[member]
     import json
     import sys
 
@@ -267,14 +400,16 @@ def test_the_reference_programs_plan_is_the_calls_it_makes(monkeypatch):
 
     step = sys.modules["coppelius.reference.step"]  # the package's `step` is the function
 
-    program = capture(CONFIG, reference.Hyper(), "fp32", 2, reference.State.fresh(
-        reference.initialize(CONFIG)))
+    program = capture(config, reference.Hyper(), "fp32", 2, reference.State.fresh(
+        reference.initialize(config)))
     called = []
     for module, prefix, names in (
-            (model, "layers.", ["embedding_forward", "layernorm_forward", "linear_forward",
+            (model, "layers.", ["embedding_forward", "layernorm_forward", "rmsnorm_forward",
+                                "linear_forward", "linear_bias_forward",
                                 "rope_forward", "attention_forward", "swiglu_forward",
                                 "crossentropy_forward", "crossentropy_backward",
-                                "linear_backward", "layernorm_backward", "rope_backward",
+                                "linear_backward", "linear_bias_backward",
+                                "layernorm_backward", "rmsnorm_backward", "rope_backward",
                                 "attention_backward", "swiglu_backward", "embedding_backward"]),
             (step, "adamw.", ["gradient_norm", "clip_scale", "adamw_update"])):
         for name in names:
@@ -287,35 +422,46 @@ def test_the_reference_programs_plan_is_the_calls_it_makes(monkeypatch):
                 return _function(*args, **kwargs)
 
             monkeypatch.setattr(module, name, spy)
-    program.upload_input(np.random.default_rng(0).integers(0, CONFIG.vocab,
-                                                           (2, CONFIG.context + 1)))
+    program.upload_input(np.random.default_rng(0).integers(0, config.vocab,
+                                                           (2, config.context + 1)))
     program.replay_and_wait()
     nodes = json.loads(program.debug_report_json("step"))["nodes"]
     planned = [n["function"] for n in nodes if not n["function"].startswith("numpy.")]
     assert called == planned
+    norm = "rmsnorm" if config.norm == "rmsnorm" else "layernorm"
+    assert f"layers.{norm}.{norm}_forward" in called
+    assert ("layers.linear.linear_bias_forward" in called) == config.qkv_bias
 
 
-def test_named_intermediates_are_the_step_itself():
+@pytest.mark.parametrize("member", ["test", "test-llama"])
+def test_named_intermediates_are_the_step_itself(member):
     """step_activations records what the step computes: its logits, row
     losses and the gradient at the embedding give the step's own logits,
-    row losses and the embedding's gather gradient."""
+    row losses and the embedding's gather gradient (plus, tied, the
+    unembedding part; untied, that part is lm_head's gradient)."""
     from coppelius.reference.layers.embedding import embedding_backward
     from coppelius.reference.semantic import activation_names
     from coppelius.reference.step import step_activations
 
-    P = reference.initialize(CONFIG)
-    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab, (2, CONFIG.context + 1))
-    acts = step_activations(CONFIG, P, tokens, "fp32")
-    assert list(acts) == [name for name, _ in activation_names(CONFIG)]
-    assert np.array_equal(acts["logits"], reference.forward(CONFIG, P, tokens[:, :-1]))
-    rows, G = reference.loss_and_grads(CONFIG, P, tokens)
+    config = MEMBERS[member]
+    P = reference.initialize(config)
+    tokens = np.random.default_rng(1).integers(0, config.vocab, (2, config.context + 1))
+    acts = step_activations(config, P, tokens, "fp32")
+    assert list(acts) == [name for name, _ in activation_names(config)]
+    assert np.array_equal(acts["logits"], reference.forward(config, P, tokens[:, :-1]))
+    rows, G = reference.loss_and_grads(config, P, tokens)
     assert np.array_equal(acts["row_losses"], rows)
-    spec = reference.registry(CONFIG)["tok_embedding.weight"]
-    # the tied embedding's gradient: the unembedding part plus the gather of embedding.dout
-    d_head = acts["dlogits"].reshape(-1, CONFIG.vocab).T @ acts["final_norm.out"].reshape(
-        -1, CONFIG.d_model)
-    gather = embedding_backward(acts["embedding.dout"], tokens[:, :-1], CONFIG.vocab)
-    assert np.allclose(d_head + gather, G[spec.slice].reshape(spec.shape), rtol=1e-5, atol=1e-7)
+    reg = reference.registry(config)
+    embedding = G[reg["tok_embedding.weight"].slice].reshape(config.vocab, config.d_model)
+    d_head = acts["dlogits"].reshape(-1, config.vocab).T @ acts["final_norm.out"].reshape(
+        -1, config.d_model)
+    gather = embedding_backward(acts["embedding.dout"], tokens[:, :-1], config.vocab)
+    if config.tied:  # the unembedding part plus the gather of embedding.dout
+        assert np.allclose(d_head + gather, embedding, rtol=1e-5, atol=1e-7)
+    else:
+        assert np.allclose(gather, embedding, rtol=1e-5, atol=1e-7)
+        head = G[reg["lm_head.weight"].slice].reshape(config.vocab, config.d_model)
+        assert np.allclose(d_head, head, rtol=1e-5, atol=1e-7)
 
 
 def test_accumulated_gradient_is_the_sum_of_micro_batch_gradients():

@@ -1,8 +1,9 @@
 """The semantic graph (SPEC 13) is traced from the reference's own forward
 and backward (reference/tape.py, reference/semantic.py): the operations it
 lists are the calls a step makes, its tensors are the values a step
-computes (each of the graph's shape), and the names and fusion candidates
-read off it stay what they were when they were written out by hand."""
+computes (each of the graph's shape), on the defaults' model and on every
+family preset (SPEC 21), and the names and fusion candidates read off it
+stay what they were when they were written out by hand."""
 
 import dataclasses
 
@@ -17,6 +18,13 @@ from coppelius.reference.tape import Tape
 
 CONFIG = reference.preset("test")
 ODD = Config(vocab=37, context=9, d_model=18, n_layer=2, n_head=3, d_ff=13)
+# the family presets (SPEC 21) and a member none of them is: layernorm, 2 of 4
+# key/value heads, q/k/v biases, half of each head rotated, tied
+MIXED = Config(vocab=37, context=9, d_model=32, n_layer=2, n_head=4, d_ff=13, n_kv_head=2,
+               qkv_bias=True, rotary="1/2")
+FAMILY = [reference.preset(name) for name in ("test-llama", "test-qwen", "test-stablelm")] + [MIXED]
+CASES = [(CONFIG, 2, "fp32"), (ODD, 3, "bf16")] + [
+    (config, 1 + i % 2, ("fp32", "bf16")[i % 2]) for i, config in enumerate(FAMILY)]
 
 
 class Calls(Tape):
@@ -45,7 +53,7 @@ def run_step(config, batch, precision):
     return tape, record
 
 
-@pytest.mark.parametrize("config, batch, precision", [(CONFIG, 2, "fp32"), (ODD, 3, "bf16")])
+@pytest.mark.parametrize("config, batch, precision", CASES)
 def test_every_computed_tensor_is_in_the_graph_with_its_shape(config, batch, precision):
     graph = semantic_graph(config, batch, precision)
     _, record = run_step(config, batch, precision)
@@ -56,7 +64,7 @@ def test_every_computed_tensor_is_in_the_graph_with_its_shape(config, batch, pre
         assert record[name].dtype == np.float32, name
 
 
-@pytest.mark.parametrize("config, batch, precision", [(CONFIG, 2, "fp32"), (ODD, 3, "bf16")])
+@pytest.mark.parametrize("config, batch, precision", CASES)
 def test_the_graphs_operations_are_the_calls_a_step_makes(config, batch, precision):
     """Name, kind and order of every operation of the forward, loss and
     backward (the mean and the update are step()'s, outside the tape), and
@@ -111,7 +119,47 @@ def test_exposed_names_and_partitions_stay_as_they_were_written():
     assert got == want
 
 
-def test_a_family_field_the_model_does_not_compute_has_no_graph():
-    """The graph is the model's: a configuration the reference refuses has none."""
-    with pytest.raises(ConfigError, match="norm"):
-        semantic_graph(dataclasses.replace(CONFIG, norm="rmsnorm"), 1, "fp32")
+@pytest.mark.parametrize("config", [CONFIG] + FAMILY)
+def test_each_member_has_its_operation_kinds_and_shapes(config):
+    """The norm's kind (layernorm or rmsnorm), the q/k/v products' (linear,
+    or linear_bias with qkv_bias) and their backwards', once per use; k and
+    v (Hkv * E) wide; an untied head is lm_head.weight's own product."""
+    B = 2
+    graph = semantic_graph(config, B, "fp32")
+    kinds = [o.kind for o in graph.operations]
+    norm = "rmsnorm" if config.norm == "rmsnorm" else "layernorm"
+    other = "layernorm" if norm == "rmsnorm" else "rmsnorm"
+    L = config.n_layer
+    assert kinds.count(norm) == kinds.count(norm + "_backward") == 2 * L + 1
+    assert other not in kinds and other + "_backward" not in kinds
+    biased = 3 * L if config.qkv_bias else 0
+    assert kinds.count("linear_bias") == kinds.count("linear_bias_backward") == biased
+    assert kinds.count("linear") == kinds.count("linear_backward") == 7 * L + 1 - biased
+    shape = {t.name: t.shape for t in graph.tensors}
+    E, T = config.d_model // config.n_head, config.context
+    kv = (config.n_kv_head or config.n_head) * E
+    for l in range(L):
+        assert shape[f"layers.{l}.attn.q"] == (B, T, config.d_model)
+        assert shape[f"layers.{l}.attn.k"] == shape[f"layers.{l}.attn.v"] == (B, T, kv)
+        assert shape[f"layers.{l}.attn.dk"] == (B, T, kv)
+        for part in "qkv":
+            op = graph.operation(f"layers.{l}.attn.{part}")
+            assert (f"layers.{l}.attn.{part}.bias" in op.inputs) == config.qkv_bias
+    # tied: the embedding's gradient is the gather's plus the unembedding's
+    ops = {o.name for o in graph.operations}
+    assert ("tok_embedding.dweight_sum" in ops) == config.tied
+    gather = graph.operation("embedding.backward").outputs
+    assert gather == (("tok_embedding.dweight_gather",) if config.tied else ("tok_embedding.dweight",))
+
+
+def test_a_family_field_the_model_does_not_compute_has_no_graph(monkeypatch):
+    """The graph is the model's: a configuration the reference refuses (here
+    with its IMPLEMENTED made smaller) has none."""
+    from coppelius.reference import model
+
+    config = dataclasses.replace(CONFIG, norm="rmsnorm", vocab=61)  # traced nowhere else
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "IMPLEMENTED", ("norm_eps", "rope_base"))
+        with pytest.raises(ConfigError, match="reference: config field norm='rmsnorm'"):
+            semantic_graph(config, 1, "fp32")
+    assert semantic_graph(config, 1, "fp32").operation("final_norm").kind == "rmsnorm"

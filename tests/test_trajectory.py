@@ -1,5 +1,6 @@
-"""A 20-step training trajectory of the `test` preset under each policy, and
-the reference's training program (SPEC section 13) replaying it.
+"""A 20-step training trajectory of the `test` preset under each policy (and
+of each family preset, SPEC 21), and the reference's training program (SPEC
+section 13) replaying it.
 
 fixtures/trajectory_test.json keeps the 20 mean losses of each policy, to
 catch any change of the numbers. They are compared within 1e-6 relative,
@@ -32,17 +33,20 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "fixtures", "trajectory_test.json")
 
 
+FAMILY = ["test-llama", "test-qwen", "test-stablelm"]  # SPEC 21's presets, at the test size
+
+
 def fixed_tokens():
     """One fixed (B, T+1) batch, trained on at every step: the losses must fall."""
     return np.random.default_rng(SEED).integers(0, CONFIG.vocab, (BATCH, CONFIG.context + 1))
 
 
-def trajectory(policy):
-    state = reference.State.fresh(reference.initialize(CONFIG))
+def trajectory(policy, config=CONFIG):
+    state = reference.State.fresh(reference.initialize(config))
     tokens = fixed_tokens()
     losses = []
     for _ in range(STEPS):
-        result = reference.step(CONFIG, state, tokens, policy)
+        result = reference.step(config, state, tokens, policy)
         losses.append(result.loss)
         state = result.state
     return np.array(losses, dtype=np.float32), state
@@ -81,6 +85,20 @@ def test_losses_fall_and_match_the_fixture(policy, fixture):
     assert err[i] <= REL_TOL[policy], f"{policy}: step {i + 1} loss {losses[i]!r}, fixture {want[i]!r}"
 
 
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", FAMILY)
+def test_a_family_member_learns_a_fixed_batch(name, policy):
+    """No fixture of the family's numbers (the reference would be its own
+    witness; the whole-step tests check them): its losses fall as the
+    defaults' do, and the policies differ."""
+    losses, state = trajectory(policy, reference.preset(name))
+    assert state.t == STEPS and np.isfinite(losses).all()
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert (np.diff(losses) < 0).sum() >= STEPS - 3, losses
+    other = trajectory("bf16" if policy == "fp32" else "fp32", reference.preset(name))[0]
+    assert 4 * REL_TOL["bf16"] < (np.abs(losses - other) / losses).max() < 1e-3
+
+
 def test_policies_give_different_trajectories(fixture):
     fp32 = np.array([float(x) for x in fixture["losses"]["fp32"]])
     bf16 = np.array([float(x) for x in fixture["losses"]["bf16"]])
@@ -96,16 +114,18 @@ def batches(n):
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
-def test_replay_equals_the_reference_step(policy):
-    state = reference.State.fresh(reference.initialize(CONFIG))
-    program = capture(CONFIG, Hyper(), policy, BATCH, state)
+@pytest.mark.parametrize("name", ["test"] + FAMILY)
+def test_replay_equals_the_reference_step(policy, name):
+    config = reference.preset(name)
+    state = reference.State.fresh(reference.initialize(config))
+    program = capture(config, Hyper(), policy, BATCH, state)
     assert (program.backend, program.config, program.precision, program.batch) == (
-        "reference", CONFIG, policy, BATCH)
+        "reference", config, policy, BATCH)
     # capture performs no training update
     s0 = program.state()
     assert s0.t == 0 and np.array_equal(s0.P, state.P) and not s0.M.any() and not s0.V.any()
     for tokens in batches(3):
-        want = reference.step(CONFIG, state, tokens, policy, Hyper(), grads=True)
+        want = reference.step(config, state, tokens, policy, Hyper(), grads=True)
         program.upload_input(tokens)
         loss = program.replay_and_wait()
         assert isinstance(loss, float) and loss == float(want.loss)
@@ -117,5 +137,5 @@ def test_replay_equals_the_reference_step(policy):
         assert got.t == want.state.t
         state = want.state
     np.testing.assert_array_equal(program.logits(batches(1)[0][:, :-1]),
-                                  reference.forward(CONFIG, state.P, batches(1)[0][:, :-1], policy))
+                                  reference.forward(config, state.P, batches(1)[0][:, :-1], policy))
     assert program.state().t == 3
