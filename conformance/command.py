@@ -3,7 +3,8 @@
 
     --backend NAME      (repeatable) default: every available backend but the
                         reference (the reference against itself is a smoke check)
-    --preset NAME       test (default) or tiny, coppelius; with --checkpoint it
+    --preset NAME       a preset (default: conformance.cases.PRESETS, test and
+                        a preset per family of SPEC 21); with --checkpoint it
                         must name the checkpoint's model (it is otherwise taken
                         from the checkpoint)
     --model FILE.toml   a model configuration file (SPEC 17), over --preset's
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"backend to check ({', '.join(accelerated.BACKENDS)}); repeatable; "
                              "default: every available one except the reference")
     parser.add_argument("--preset", default=None,
-                        help="model preset: test (default), tiny or coppelius; with "
+                        help=f"model preset (default: {', '.join(cases.PRESETS)}); with "
                              "--checkpoint it must be the checkpoint's model")
     parser.add_argument("--model", metavar="FILE.toml",
                         help="model configuration file (SPEC §17); with --preset it overrides "
@@ -138,7 +139,30 @@ def run(args) -> int:
     if args.checkpoint:
         return debug_checkpoint(args, backends)
 
-    preset_name = args.preset or "test"
+    # one preset or model file when named; else cases.PRESETS, the defaults'
+    # model and a preset per family (SPEC 21). Every plan is checked before any work.
+    names = [args.preset or "test"] if args.preset or args.model else list(cases.PRESETS)
+    plans = [_suite_plan(args, name) for name in names]
+    if any(accelerated.capabilities(name).defines for name in backends):
+        print("note: the reference program replays the definition itself: checking it is a "
+              "smoke check of the suite, not a conformance result\n")
+    status = 0
+    for name in backends:
+        for precision in args.precision or list(PRECISIONS):
+            for preset_name, batch, windows, inputs in plans:
+                report = run_suite(name, preset_name, precision, batch=batch, steps=args.steps,
+                                   windows=windows, inputs=inputs, accumulate=args.accumulate)
+                _print(report, args.failures_only)
+                status = status or (0 if report.passed else FAILED)
+            if args.hypothesis:
+                report = run_hypothesis(name, args.hypothesis, precision)
+                _print(report, args.failures_only)
+                status = status or (0 if report.passed else FAILED)
+    return status
+
+
+def _suite_plan(args, preset_name: str) -> tuple:
+    """(preset name or Config, B, windows or None, inputs) of one suite run."""
     config = preset_config(preset_name)
     if args.model:  # run_suite takes the Config itself (reported as "custom")
         config, defaults = config_from_toml(args.model, config if args.preset else None)
@@ -148,7 +172,6 @@ def run(args) -> int:
     if args.accumulate < 1 or batch % args.accumulate:
         raise ConfigError(f"--accumulate={args.accumulate}: must be a positive integer dividing "
                           f"--batch={batch}")
-    precisions = args.precision or list(PRECISIONS)
     check_plan(config, batch, args.steps)
     windows, inputs = None, None
     if args.stream:
@@ -162,21 +185,7 @@ def run(args) -> int:
                            f"holds {K}")
         windows = cases.stream_windows(stream, config, batch, args.steps, c0=args.context)
         inputs = f"stream {args.stream}, contexts from {args.context}"
-    if any(accelerated.capabilities(name).defines for name in backends):
-        print("note: the reference program replays the definition itself: checking it is a "
-              "smoke check of the suite, not a conformance result\n")
-    status = 0
-    for name in backends:
-        for precision in precisions:
-            report = run_suite(name, preset_name, precision, batch=batch, steps=args.steps,
-                               windows=windows, inputs=inputs, accumulate=args.accumulate)
-            _print(report, args.failures_only)
-            status = status or (0 if report.passed else FAILED)
-            if args.hypothesis:
-                report = run_hypothesis(name, args.hypothesis, precision)
-                _print(report, args.failures_only)
-                status = status or (0 if report.passed else FAILED)
-    return status
+    return preset_name, batch, windows, inputs
 
 
 # ------------------------------------------------------------------ reference debugging

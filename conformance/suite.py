@@ -236,10 +236,52 @@ def step_rows(program, config: Config, hyper: Hyper, precision: str, state: Stat
     rows.append(compare("eval", "held-out row losses after the update", program.evaluate(held_out),
                         reference.row_losses(config, want.state.P, held_out, precision),
                         tol("eval")))
-    if notes is not None:
-        notes += update_diagnosis(config, hyper, precision, state, G, got,
-                                  [r for r in update if not r.passed and r.check in ("P", "M", "V")])
+    failed = [r for r in update if not r.passed and r.check in ("P", "M", "V")]
+    if failed:
+        gradient_passed = {r.tensor for r in rows if r.check == "gradient" and r.passed}
+        own = own_gradient_update(config, hyper, state, G)
+        explained = []
+        failed = [r for r in failed
+                  if not _explained(config, r, own, got, gradient_passed, explained)]
+        if notes is not None:
+            notes += explained
+            notes += update_diagnosis(config, hyper, precision, state, G, got, failed)
     return rows
+
+
+def own_gradient_update(config: Config, hyper: Hyper, state: State, G: np.ndarray) -> dict:
+    """The reference's update (SPEC 7: clipping, schedule, AdamW) of `state`
+    applied to a backend's own gradient G: {"P": .., "M": .., "V": ..}."""
+    from ..reference.adamw import adamw_update, clip_scale, gradient_norm
+
+    scale = clip_scale(hyper, gradient_norm(G))
+    update = G if scale is None else G * scale
+    P, M, V = adamw_update(state.P, state.M, state.V, update, registry(config).decay_mask(),
+                           hyper, state.t + 1)
+    return {"P": P, "M": M, "V": V}
+
+
+def _explained(config: Config, row: Row, own: dict, got: State, gradient_passed: set,
+               notes: list) -> bool:
+    """Whether a P, M or V row that misses the update tolerance is the
+    reference's update of a gradient that passed (docs/SPEC.md, 14): the
+    tensor's gradient within the gradient row, and the backend's P, M or V
+    within the update row of the reference AdamW applied to that gradient.
+    The difference is then the gradient's, amplified where AdamW's update is
+    ill-conditioned (|g| near rounding noise: the first update from fresh
+    moments, a key bias past the rotated elements, whose exact gradient is
+    0). The row then passes, and a note says so."""
+    if row.tensor not in gradient_passed:
+        return False
+    part = registry(config).by_name[row.tensor].slice
+    error, *_ = relative_error(getattr(got, row.check)[part], own[row.check][part])
+    if not error <= row.tolerance:
+        return False
+    row.passed = True
+    notes.append(f"{row.check} {row.tensor}: error {row.error:.1e} against the reference's, "
+                 f"{error:.1e} against the reference update of the backend's own gradient "
+                 f"(which passes): the gradient's difference, amplified by AdamW; passes")
+    return True
 
 
 def update_diagnosis(config: Config, hyper: Hyper, precision: str, state: State, G: np.ndarray,
@@ -252,13 +294,10 @@ def update_diagnosis(config: Config, hyper: Hyper, precision: str, state: State,
     lr * g / (|g| + epsilon), nearly lr * sign(g): where |g| is near epsilon
     a gradient difference far inside the gradient tolerance moves P by up to
     lr, so a correct fp32 backend can miss the P tolerance there."""
-    from ..reference.adamw import adamw_update
-
     if not failed:
         return []
     reg = registry(config)
-    P, M, V = adamw_update(state.P, state.M, state.V, G, reg.decay_mask(), hyper, state.t + 1)
-    own = {"P": P, "M": M, "V": V}
+    own = own_gradient_update(config, hyper, state, G)
     notes = []
     for row in failed:
         spec = reg.by_name[row.tensor]

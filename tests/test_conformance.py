@@ -643,3 +643,13 @@ def test_activations_from_a_checkpoint_and_a_stream(tmp_path, capsys):
     assert status == 2 and "--stream" in err and err.count("\n") == 1
     status, out, _ = cli(base + ["--stream", str(stream), "--context", "2"], capsys)
     assert status == 0 and "step 3" in out and "context 2" in out and "fp32" in out
+
+
+def test_cli_checks_every_default_preset(capsys):
+    """Without --preset or --model: the defaults' model and a preset per
+    family (cases.PRESETS), each its own report."""
+    status, out, _ = cli(["conformance", "--backend", "reference", "--precision", "fp32",
+                          "--steps", "2"], capsys)
+    assert status == 0
+    summaries = [line for line in out.splitlines() if line.startswith("conformance ")]
+    assert [line.split(" preset ")[1].split(" ")[0] for line in summaries] == list(cases.PRESETS)
