@@ -364,6 +364,53 @@ def test_update_diagnosis_tells_an_amplified_gradient_from_a_wrong_update():
     assert notes and all("the update is wrong" in n for n in notes)
 
 
+def test_an_update_amplifying_a_passing_gradient_passes_and_a_wrong_update_fails():
+    """SPEC 14's reading (docs/SPEC.md): with q/k/v bias and partial rotary, a
+    key bias's elements past the rotated ones have exact gradient 0 (they add
+    a constant to each row of scores); both sides' float32 gradients there
+    are rounding noise, and AdamW's update turns any noise into +-lr. A
+    backend whose gradient there is other noise passes its gradient row, and
+    its P row passes because its update is the reference's of that gradient;
+    the same gradient with a wrong learning rate fails."""
+    import dataclasses
+
+    from coppelius.reference.adamw import adamw_update
+
+    config = dataclasses.replace(TEST, rotary=Fraction(1, 2), qkv_bias=True)
+    state = cases.fresh_state(config)
+    tokens = cases.random_windows(config, 1, 1)[0]
+    spec = registry(config).by_name["layers.0.attn.k.bias"]
+    E, R = config.head_dim, config.rotary_dim
+    passthrough = np.array([i for i in range(spec.size) if i % E >= R]) + spec.offset
+    G_ref = reference.step(config, state.copy(), tokens, grads=True).grads
+    # rounding noise: about 1e-7 of the tensor's largest (rotated) element
+    assert np.abs(G_ref[passthrough]).max() < 1e-6 * np.abs(G_ref[spec.slice]).max()
+    G_backend = G_ref.copy()
+    G_backend[passthrough] = np.float32(3e-11) * np.sign(np.arange(len(passthrough)) % 2 - 0.5)
+
+    def program(hyper):
+        inner = accelerated.backend_module("reference").capture(config, Hyper(), "fp32", 1,
+                                                                state.copy())
+        fake = Wrapped(inner)
+        fake.gradients = lambda: G_backend.copy()
+        fake.state = lambda: State(*adamw_update(state.P, state.M, state.V, G_backend,
+                                                 registry(config).decay_mask(), hyper, 1), t=1)
+        return fake
+
+    notes = []
+    rows = suite.step_rows(program(Hyper()), config, Hyper(), "fp32", state, tokens, notes)
+    row = next(r for r in rows if (r.check, r.tensor) == ("P", spec.name))
+    assert row.error > row.tolerance and row.passed  # the direct error, and why it passes
+    assert all(r.passed for r in rows), [(r.check, r.tensor) for r in rows if not r.passed]
+    assert any(n.startswith(f"P {spec.name}: error") and "passes" in n for n in notes)
+    notes = []
+    rows = suite.step_rows(program(Hyper(lr=Fraction(6, 10000))), config, Hyper(), "fp32",
+                           state, tokens, notes)
+    failed = {(r.check, r.tensor) for r in rows if not r.passed}
+    assert ("P", spec.name) in failed and all(c == "P" for c, _ in failed)
+    assert any("the update is wrong" in n for n in notes)
+
+
 # ------------------------------------------------------------------ random cases
 
 _, case_strategy = cases.strategies()
