@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from coppelius import accelerated
-from coppelius.reference.config import PRECISIONS, Hyper, preset
+from coppelius.reference.config import PRECISIONS, PRESETS, Hyper, preset
 from coppelius.reference.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def register(sub) -> None:
                    help=f"backend ({', '.join(accelerated.BACKENDS)}; default: the best "
                         "available)")
     p.add_argument("--preset", required=True, metavar="NAME",
-                   help="model preset: test, tiny or coppelius")
+                   help=f"model preset ({', '.join(PRESETS)})")
     p.add_argument("--batch", type=int, default=1, metavar="B",
                    help="contexts per step (default: 1)")
     p.add_argument("--precision", choices=PRECISIONS,

@@ -28,7 +28,7 @@ class Model:
         self.k, self.blas = kernels, blas
         self.P, self.Pop = P, Pop  # Pop: the parameters as operands (Pb or P)
         self.G = G  # Gradient
-        self.cos, self.sin = cos, sin  # (T, E/2)
+        self.cos, self.sin = cos, sin  # (T, R/2): R = config.rotary_dim, E unless rotary < 1
         self.op = "bfloat16" if precision == "bf16" else "float32"  # cuBLAS type of operands
         # the fused q/k/v and gate/up columns and the parameters' offsets
         # (reference/layout.py, buffers.step_layout): every width and column

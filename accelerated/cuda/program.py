@@ -36,7 +36,8 @@ from .report import _memory_analysis, _partition_outcomes, _report
 from .step import kernels_for, memory_plan, run_step, step_gradients
 
 BACKEND = "cupy"
-# The family's fields (SPEC 21) this backend computes; the others are refused at capture
+# The family's fields (SPEC 21) this backend computes (all of them; a field
+# outside this tuple would be refused at capture by name)
 IMPLEMENTED = ("norm", "norm_eps", "n_kv_head", "tied", "rope_base", "rotary", "qkv_bias")
 
 
