@@ -21,18 +21,13 @@ __device__ __forceinline__ float layernorm_out(float xhat, float w, float b) {
     return __fadd_rn(__fmul_rn(xhat, w), b);
 }
 
+// The first loads of a norm's rows (layernorm's and rmsnorm's): lane
+// `lane`'s chunks of row offset `o`, zeros past D.
+// Forward: x_prev, plus add when given (the residual add, stored to x_out).
 template <int NC>
-__device__ __forceinline__ void layernorm_forward_row(
-        const float* __restrict__ x_prev, const float* __restrict__ add, float* __restrict__ x_out,
-        floatX* __restrict__ h, float* __restrict__ mean, float* __restrict__ rstd,
-        const float* __restrict__ w, const float* __restrict__ b, int rows, int D, float eps,
-        bool vec) {
-    int lane = threadIdx.x & 31;
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    long long o = (long long)row * D;
-    float v[NC][4];
-    float sum = 0.0f;
+__device__ __forceinline__ void load_residual_row(
+        float (&v)[NC][4], const float* __restrict__ x_prev, const float* __restrict__ add,
+        float* __restrict__ x_out, long long o, int lane, int D, bool vec) {
 #pragma unroll
     for (int k = 0; k < NC; k++) {
         int c = lane + 32 * k;
@@ -45,6 +40,43 @@ __device__ __forceinline__ void layernorm_forward_row(
                 for (int i = 0; i < 4; i++) v[k][i] = __fadd_rn(v[k][i], a[i]);
                 store_chunk(x_out + o, c, D, vec, v[k]);
             }
+        }
+    }
+}
+
+// Backward: x, dout and dres (when given) at once, so the loads are in flight together.
+template <int NC>
+__device__ __forceinline__ void load_backward_row(
+        float (&xh)[NC][4], float (&dxh)[NC][4], float (&r)[NC][4], const float* __restrict__ x,
+        const float* __restrict__ dout, const float* dres, long long o, int lane, int D,
+        bool vec) {
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int c = lane + 32 * k;
+        if (4 * c < D) {
+            load_chunk(xh[k], x + o, c, D, vec, 0.0f);
+            load_chunk(dxh[k], dout + o, c, D, vec, 0.0f);
+            if (dres != 0) load_chunk(r[k], dres + o, c, D, vec, 0.0f);
+        }
+    }
+}
+
+template <int NC>
+__device__ __forceinline__ void layernorm_forward_row(
+        const float* __restrict__ x_prev, const float* __restrict__ add, float* __restrict__ x_out,
+        floatX* __restrict__ h, float* __restrict__ mean, float* __restrict__ rstd,
+        const float* __restrict__ w, const float* __restrict__ b, int rows, int D, float eps,
+        bool vec) {
+    int lane = threadIdx.x & 31;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    long long o = (long long)row * D;
+    float v[NC][4];
+    load_residual_row<NC>(v, x_prev, add, x_out, o, lane, D, vec);
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        if (4 * (lane + 32 * k) < D) {
 #pragma unroll
             for (int i = 0; i < 4; i++) sum += v[k][i];  // zero past D
         }
@@ -139,15 +171,7 @@ __device__ __forceinline__ void layernorm_backward_rows(
         // every load of the row first (x, dout and dres), so they are in
         // flight together; x becomes xhat and dout dxhat in place
         float xh[NC][4], dxh[NC][4], r[NC][4];
-#pragma unroll
-        for (int k = 0; k < NC; k++) {
-            int c = lane + 32 * k;
-            if (4 * c < D) {
-                load_chunk(xh[k], x + o, c, D, vec, 0.0f);
-                load_chunk(dxh[k], dout + o, c, D, vec, 0.0f);
-                if (dres != 0) load_chunk(r[k], dres + o, c, D, vec, 0.0f);
-            }
-        }
+        load_backward_row<NC>(xh, dxh, r, x, dout, dres, o, lane, D, vec);
         float mu = mean[row], rs = rstd[row];
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll

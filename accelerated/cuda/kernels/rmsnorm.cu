@@ -25,19 +25,11 @@ __device__ __forceinline__ void rmsnorm_forward_row(
     if (row >= rows) return;
     long long o = (long long)row * D;
     float v[NC][4];
+    load_residual_row<NC>(v, x_prev, add, x_out, o, lane, D, vec);
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < NC; k++) {
-        int c = lane + 32 * k;
-        if (4 * c < D) {
-            load_chunk(v[k], x_prev + o, c, D, vec, 0.0f);
-            if (add != 0) {
-                float a[4];
-                load_chunk(a, add + o, c, D, vec, 0.0f);
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[k][i] = __fadd_rn(v[k][i], a[i]);
-                store_chunk(x_out + o, c, D, vec, v[k]);
-            }
+        if (4 * (lane + 32 * k) < D) {
 #pragma unroll
             for (int i = 0; i < 4; i++) ss += v[k][i] * v[k][i];  // zero past D
         }
@@ -89,15 +81,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
         // every load of the row first (x, dout and dres), so they are in
         // flight together; x becomes xhat and dout dxhat in place
         float xh[NC][4], dxh[NC][4], r[NC][4];
-#pragma unroll
-        for (int k = 0; k < NC; k++) {
-            int c = lane + 32 * k;
-            if (4 * c < D) {
-                load_chunk(xh[k], x + o, c, D, vec, 0.0f);
-                load_chunk(dxh[k], dout + o, c, D, vec, 0.0f);
-                if (dres != 0) load_chunk(r[k], dres + o, c, D, vec, 0.0f);
-            }
-        }
+        load_backward_row<NC>(xh, dxh, r, x, dout, dres, o, lane, D, vec);
         float rs = rstd[row];
         float s2 = 0.0f;
 #pragma unroll
