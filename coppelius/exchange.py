@@ -67,6 +67,7 @@ import hashlib
 import math
 import os
 import re
+import stat
 
 import ml_dtypes
 import numpy as np
@@ -178,6 +179,19 @@ def _refuse_existing(path: str, force: bool, what: str = "output") -> None:
     output_target(path, what)
     if os.path.lexists(path) and not force:
         raise ExchangeError(f"{path}: exists (pass --force to replace it)")
+
+
+def _refuse_read_only(path: str) -> None:
+    """--force replaces a checkpoint, never a read-only one: a file without
+    write permission (for anyone, so root too, whom no permission stops) is
+    kept as its owner made it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not st.st_mode & 0o222 or not os.access(path, os.W_OK):
+        raise ExchangeError(f"{path}: is read-only (mode {stat.S_IMODE(st.st_mode):04o}); "
+                            f"--force never replaces a read-only file")
 
 
 # ---------------------------------------------------------------------- export
@@ -295,6 +309,7 @@ def import_safetensors(source_path, checkpoint, preset_name: str | None = None,
     (config, moment tensors dropped)."""
     source_path, checkpoint = os.fspath(source_path), os.fspath(checkpoint)
     _refuse_existing(checkpoint, force, "checkpoint")
+    _refuse_read_only(checkpoint)
     if same_file(source_path, checkpoint):
         raise ExchangeError(f"{checkpoint}: is the file being imported")
     with SafetensorsSource(source_path) as source:
@@ -318,6 +333,7 @@ def import_hf(directory, checkpoint, preset_name: str | None = None,
     (config, 0)."""
     directory, checkpoint = os.fspath(directory), os.fspath(checkpoint)
     _refuse_existing(checkpoint, force, "checkpoint")
+    _refuse_read_only(checkpoint)
     if any(same_file(os.path.join(directory, name), checkpoint) for name in hf.EXPORT_FILES):
         raise ExchangeError(f"{checkpoint}: is a file of the directory being imported")
     config = hf.read_config(directory)  # another architecture is refused before any tensor

@@ -51,7 +51,8 @@ def register(subparsers) -> None:
                         f"{RUN_PLOT} in it; a file's: none); an existing PNG is replaced, "
                         f"nothing else is")
     p.add_argument("--csv", metavar="FILE", type=path_argument,
-                   help="write one row per step: " + ", ".join(CSV_COLUMNS))
+                   help="write one row per step: " + ", ".join(CSV_COLUMNS) + "; an existing "
+                        "CSV of this command is replaced, nothing else is")
     p.set_defaults(func=report_command)
 
 
@@ -191,11 +192,24 @@ def check_plot_path(path, inputs=()) -> None:
 
 def check_csv_path(path, inputs=()) -> None:
     """The --csv path: a regular file or absent, none of the command's
-    `inputs` (its result files, its plot)."""
+    `inputs` (its result files, its plot), and if it exists, a CSV this
+    command wrote (its first line the CSV_COLUMNS header): any other file
+    is not this command's to replace."""
     output_target(path, "csv")
     for other in inputs:
         if same_file(path, other):
             raise OutputError(f"csv {path}: is {other}, an input or output of this command")
+    header = (",".join(CSV_COLUMNS) + "\n").encode()
+    try:
+        with open_regular(path) as f:
+            start = f.read(len(header))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"csv {path}: cannot read what is there ({e.strerror or e})") from None
+    if start != header:
+        raise OutputError(f"csv {path}: exists and is not a CSV of `coppelius report`; refusing "
+                          f"to replace it (give --csv another path)")
 
 
 def report_command(args) -> int:
@@ -237,6 +251,9 @@ def report_command(args) -> int:
     for key, text in run.notes:
         _line(key, text)
     for key in ("first", "last", "min"):
+        if s[key] is None:  # min: every loss is non-finite (a run stopped at its first step)
+            _line(f"{key} loss", "none finite")
+            continue
         step, loss = s[key]
         _line(f"{key} loss", f"{loss:.6f} at step {step}")
     if s["eval_last"]:
@@ -302,7 +319,8 @@ def _plot_summary(run: Run) -> list:
     out = [f"steps {run.steps[0]}..{run.steps[-1]}: {s['steps']} read"
            + (f" from {files} files" if files > 1 else ""),
            f"training loss  {s['last'][1]:.4f} at step {s['last'][0]}",
-           f"  (EMA {ema(run.loss[_segments(run.steps)[-1]])[-1]:.4f}, min {s['min'][1]:.4f})"]
+           f"  (EMA {ema(run.loss[_segments(run.steps)[-1]])[-1]:.4f}, "
+           + (f"min {s['min'][1]:.4f})" if s["min"] else "none finite)")]
     if s["eval_last"]:
         out.append(f"held-out loss  {s['eval_last'][1]:.4f} after {s['eval_last'][0]}")
         if s["eval_best"]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 from coppelius.reference import fsutil
 from coppelius.reference.errors import RunError
@@ -23,27 +22,110 @@ REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "pr
               "final_step")
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
+RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file
+RUN_FILE_DEPTH = 4  # the file nests 2 deep; a little more, so a wrong type is named as one
+MAX_COUNT = 2**62  # the command line's bound on steps, batches and intervals (plan.MAX_STEP)
+
+# What each remembered option must be, checked before any is used (the
+# command line's own types and ranges, so that a hand-edited file cannot
+# pass what `coppelius train` would refuse).
+PATHS = ("source", "stream", "tokenizer", "model", "checkpoint")  # absolute paths
+POSITIVE = ("batch", "accumulate", "gpus", "interval", "total")
+NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
+SWITCHES = ("recompute", "repeat_data")
+RATIONALS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor", "clip")
+
+
+def _choices() -> dict:
+    from coppelius import accelerated
+    from coppelius.reference.config import PRECISIONS, PRESETS, SCHEDULES
+
+    return {"preset": sorted(PRESETS), "backend": sorted(accelerated.BACKENDS),
+            "precision": list(PRECISIONS), "schedule": list(SCHEDULES)}
+
+
+def _learner_check(key: str, q):
+    """The range the learner puts on a rational option (Hyper's own checks)."""
+    from coppelius.reference.config import Hyper
+
+    if key == "floor":
+        return Hyper(schedule="cosine", total=1, floor=q)
+    return Hyper(**{key: q})
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_option(key: str, value) -> str | None:
+    """Why `value` cannot be the remembered option `key` (None: it can)."""
+    from coppelius.reference.config import parse_rational
+    from coppelius.reference.errors import ConfigError
+
+    if key in PATHS:
+        if not isinstance(value, str) or not os.path.isabs(value) or "\0" in value:
+            return "must be an absolute path (a string)"
+    elif key in POSITIVE:
+        if not _integer(value) or not 0 < value < MAX_COUNT:
+            return "must be a positive integer below 2^62"
+    elif key in NONNEGATIVE:
+        if not _integer(value) or not 0 <= value < MAX_COUNT:
+            return "must be an integer >= 0 below 2^62"
+    elif key == "seed":
+        if not _integer(value) or not 0 <= value < 2**64:
+            return "must be an integer in [0, 2^64)"
+    elif key in SWITCHES:
+        if not isinstance(value, bool):
+            return "must be true or false"
+    elif key in RATIONALS:
+        if not isinstance(value, str):
+            return 'must be a string of an exact rational or decimal ("3/10000", "3e-4")'
+        try:
+            _learner_check(key, parse_rational(value, key))
+        except ConfigError as e:
+            return f"refused ({e})"
+    else:  # a name among choices
+        choices = _choices()[key]
+        if value not in choices:
+            return f"must be one of {', '.join(choices)}"
+    return None
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def read_run_file(run_dir) -> dict:
-    """The options run.json in `run_dir` remembers ({} when there is none)."""
+    """The options run.json in `run_dir` remembers ({} when there is none),
+    each checked against its type and range before any is used. A refusal
+    is one RunError naming the file and the field; nothing is written."""
     path = os.path.join(run_dir, RUN_FILE)
     if not os.path.lexists(path):
         return {}
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise RunError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(1 << 20).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raw = fsutil.read_bounded(path, RUN_FILE_BYTES)
+    except OSError as e:
+        raise RunError(f"{path}: cannot read the run file ({e.strerror or e})") from None
+    if len(raw) > RUN_FILE_BYTES:
+        raise RunError(f"{path}: larger than {RUN_FILE_BYTES} bytes, not a run file")
+    try:
+        doc = fsutil.parse_json(raw, RUN_FILE_DEPTH)
+    except fsutil.DocumentError as e:
         raise RunError(f"{path}: not a run file this version reads ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT or not isinstance(
-            doc.get("options"), dict):
+            doc.get("options"), dict) or set(doc) != {"format", "options"}:
         raise RunError(f"{path}: not a run file this version reads (format {RUN_FORMAT})")
-    unknown = sorted(set(doc["options"]) - set(REMEMBERED))
+    options = doc["options"]
+    unknown = sorted(set(options) - set(REMEMBERED))
     if unknown:
         raise RunError(f"{path}: unknown option {unknown[0]!r}")
-    return doc["options"]
+    for key in REMEMBERED:
+        if key in options:
+            why = check_option(key, options[key])
+            if why:
+                raise RunError(f"{path}: option {key} = {_shown(options[key])}: {why}")
+    return options
 
 
 def write_run_file(run_dir, options: dict) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import stat
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, NotRegularFile
+from .fsutil import read_bounded
 
 LAYERNORM_EPS = Fraction(1, 100000)  # the default norm_eps (SPEC 3, 21)
 ROPE_BASE = 10000  # the default rope_base (SPEC 3, 21)
@@ -279,7 +279,50 @@ def _identity_fields(model: str) -> dict:
 RUN_KEYS = ("steps", "interval", "batch")
 MODEL_FILE_KEYS = MODEL_FIELDS + FAMILY_FIELDS + RUN_KEYS
 MODEL_FILE_BYTES = 1 << 20  # a model file is a few lines; anything larger is not one
+MODEL_FILE_DEPTH = 8  # a model file's values are scalars; arrays or tables deeper than this
+MODEL_FILE_DIGITS = 40  # characters of one number: every field is far shorter
 FIELD_LIMIT = 1 << 31  # every field is an int32 somewhere (token ids, kernel indices)
+
+# TOML's strings and comments, blanked before brackets and numbers are
+# counted (the leftmost match wins, so a '#' inside a string stays a string)
+_TOML_OPAQUE = re.compile(r'"""(?:[^\\]|\\.)*?"""|\'\'\'.*?\'\'\'|"(?:[^"\\\n]|\\.)*"'
+                          r"|'[^'\n]*'|#[^\n]*", re.DOTALL)
+_TOML_NUMBER = re.compile(r"[+-]?\b[0-9][0-9A-Za-z_.+-]*")
+_TOML_KEY = re.compile(r"\s*([^=\s]+)\s*=")
+
+
+def _toml_bounds(where: str, text: str) -> None:
+    """Refuse, before parsing, what would make the TOML parser recurse
+    without bound (arrays or inline tables nested deeply) or convert a number
+    of thousands of digits: the refusal names the line and its key."""
+    bare = _TOML_OPAQUE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)  # same offsets
+
+    def line_of(offset: int) -> str:
+        line = text.count("\n", 0, offset) + 1
+        key = _TOML_KEY.match(text.split("\n")[line - 1])
+        return f"line {line}" + (f": {key.group(1)}" if key else "")
+
+    depth = 0
+    for m in re.finditer(r"[][{}]", bare):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MODEL_FILE_DEPTH:
+            raise ConfigError(f"{where}: {line_of(m.start())}: arrays or tables nested more than "
+                              f"{MODEL_FILE_DEPTH} deep; a model file's values are numbers, "
+                              f"strings and booleans")
+    for m in _TOML_NUMBER.finditer(bare):
+        if len(m.group()) > MODEL_FILE_DIGITS:
+            raise ConfigError(f"{where}: {line_of(m.start())}: a number of {len(m.group())} "
+                              f"characters; at most {MODEL_FILE_DIGITS} are read")
+
+
+def _toml_shown(value) -> str:
+    """A TOML value in a refusal, kept short."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def config_from_toml(path, base: Config | None = None) -> tuple:
@@ -288,7 +331,10 @@ def config_from_toml(path, base: Config | None = None) -> tuple:
     `base` (a preset, from --preset) gives every field the file does not
     set; without it the file must set all of MODEL_FIELDS. Run defaults:
     {"batch": B} when the file sets batch, else {}. A refusal is one
-    ConfigError naming the file, and the key or the TOML line."""
+    ConfigError naming the file, and the key or the TOML line. The file is
+    read with a bound (at most MODEL_FILE_BYTES + 1 bytes, never waiting on
+    a file that does not end) and checked for depth and number sizes before
+    it is parsed."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -297,21 +343,23 @@ def config_from_toml(path, base: Config | None = None) -> tuple:
     path = os.fspath(path)
     where = f"model file {path}"
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
-            raise ConfigError(f"{where}: not a regular file")
-        with open(path, "rb") as f:
-            raw = f.read(MODEL_FILE_BYTES + 1)
+        raw = read_bounded(path, MODEL_FILE_BYTES)  # a FIFO is never opened
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file") from None
+    except (NotRegularFile, IsADirectoryError):
+        raise ConfigError(f"{where}: not a regular file") from None
     except OSError as e:
         raise ConfigError(f"{where}: cannot read ({e.strerror or e})") from None
     if len(raw) > MODEL_FILE_BYTES:
         raise ConfigError(f"{where}: larger than {MODEL_FILE_BYTES} bytes, not a model file")
     try:
-        doc = tomllib.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ConfigError(f"{where}: line {line}: not UTF-8 (byte offset {e.start})") from None
+    _toml_bounds(where, text)
+    try:
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
         raise ConfigError(f"{where}: not valid TOML: {e}") from None
     for key, value in doc.items():
@@ -320,8 +368,7 @@ def config_from_toml(path, base: Config | None = None) -> tuple:
                               f"{', '.join(MODEL_FILE_KEYS)})")
         if key not in FAMILY_FIELDS and (isinstance(value, bool) or not isinstance(value, int)
                                          or not 0 < value < FIELD_LIMIT):
-            shown = "a table" if isinstance(value, dict) else repr(value)
-            raise ConfigError(f"{where}: {key} = {shown}: must be a positive integer "
+            raise ConfigError(f"{where}: {key} = {_toml_shown(value)}: must be a positive integer "
                               f"below 2^31")
     if base is None:
         missing = [k for k in MODEL_FIELDS if k not in doc]
@@ -346,7 +393,7 @@ def _family_value(where: str, key: str, value):
     kinds = {"norm": (str,), "tied": (bool,), "qkv_bias": (bool,), "n_kv_head": (int,)}
     allowed = kinds.get(key, (int, float, str))
     if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
-        shown = "a table" if isinstance(value, dict) else repr(value)
+        shown = _toml_shown(value)
         want = {"norm": "a string", "tied": "true or false", "qkv_bias": "true or false",
                 "n_kv_head": "an integer"}.get(key, 'a number or a string like "1/2"')
         raise ConfigError(f"{where}: {key} = {shown}: must be {want}")

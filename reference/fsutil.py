@@ -34,6 +34,7 @@ import argparse
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import re
 import stat
@@ -114,6 +115,94 @@ def open_regular(path):
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_bounded(path, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of the regular file `path` (a caller that
+    gets more than `limit` knows the file is too large without reading it
+    all). Read without blocking: a "regular" file that waits for data that
+    may never come (/proc/kmsg) is an OSError (EAGAIN), not a hang. The
+    errors are open_regular's."""
+    path = os.fspath(path)
+    if regular_or_absent(path) is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        pieces, got = [], 0
+        while got <= limit:
+            try:
+                piece = os.read(fd, min(limit + 1 - got, 1 << 20))
+            except BlockingIOError:
+                raise BlockingIOError(errno.EAGAIN, "it would wait for data that may never "
+                                                    "come; not an ordinary file", path) from None
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ small documents
+
+class DocumentError(ValueError):
+    """A small JSON document this project reads is not one it accepts (the
+    message says why; the caller names the file)."""
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of the JSON `text` nest (its strings
+    left out), counted without parsing: a parser recurses once per level."""
+    brackets = re.sub(r"[^][{}]", "", re.sub(r'"(?:[^"\\]|\\.)*"', "", text))
+    depth = deepest = 0
+    for c in brackets:
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def parse_json(raw: bytes, max_depth: int, max_digits: int = 40):
+    """The JSON document `raw` (UTF-8), refused (DocumentError) when it nests
+    deeper than `max_depth`, repeats a key of an object, holds NaN or an
+    infinity, or a number of more than `max_digits` characters."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DocumentError(f"not UTF-8 (byte offset {e.start})") from None
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise DocumentError(f"nested {depth} levels deep; at most {max_depth} are read")
+
+    def number(kind):
+        def parse(token):
+            if len(token) > max_digits:
+                raise DocumentError(f"a number of {len(token)} characters; at most "
+                                    f"{max_digits} are read")
+            return kind(token)
+        return parse
+
+    def constant(name):
+        raise DocumentError(f"{name} is not a JSON number")
+
+    def unique(pairs):
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise DocumentError(f"key {key!r} appears twice")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=unique, parse_int=number(int),
+                          parse_float=number(float), parse_constant=constant)
+    except DocumentError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise DocumentError(f"not JSON ({e})") from None
 
 
 def path_argument(text: str) -> str:

@@ -208,6 +208,9 @@ def open_stream(path, vocab: int) -> Stream:
     try:
         mtime_ns, size = _header(path, f)
         file_bytes = os.fstat(f.fileno()).st_size
+        if file_bytes < HEADER_BYTES:  # yet a header was read: the size is not the length
+            raise StreamError(f"{path}: its size is {file_bytes} bytes yet it reads more (a file "
+                              f"made as it is read, like those in /proc): not a token stream")
         body_bytes = file_bytes - HEADER_BYTES
         stray = body_bytes % TOKEN_BYTES
         if stray:

@@ -945,3 +945,156 @@ def test_output_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, trained):
     status, stdout, err = run_cli("inspect", odd)
     assert status == 0 and "Traceback" not in err, err
     assert "\\udcff.bin" in stdout
+
+
+# ------------------------------------------------------------------ run files, model files, /proc
+
+def rewrite_run_file(run, change):
+    """run/run.json (copied from `trained_once`) naming the copy's checkpoint
+    and stream, its options then changed by `change(options)` (or, when
+    `change` is bytes, those bytes instead)."""
+    path = run / "run.json"
+    if isinstance(change, bytes):
+        path.write_bytes(change)
+        return
+    doc = json.loads(path.read_text())
+    doc["options"].update(checkpoint=str(run / "ck.bin"), stream=str(run.parent / "s.tokens"))
+    change(doc["options"])
+    path.write_text(json.dumps(doc))
+
+
+RUN_FILE_CASES = [
+    (lambda o: o.update(batch="4"), "option batch = \"4\""),
+    (lambda o: o.update(repeat_data="no"), "option repeat_data = \"no\""),
+    (lambda o: o.update(seed=1.5), "option seed = 1.5"),
+    (lambda o: o.update(seed=2**64), "option seed"),
+    (lambda o: o.update(batch=True), "option batch = true"),
+    (lambda o: o.update(lr="-3e-4"), "option lr"),
+    (lambda o: o.update(backend=["reference"]), "option backend"),
+    (lambda o: o.update(stream="relative/s.tokens"), "absolute path"),
+    (b'{"format": "coppelius-run-v1", "options": {"batch": 2, "batch": 3}}',
+     "key 'batch' appears twice"),
+    (b'{"format": "coppelius-run-v1", "options": {"batch": ' + b"[" * 100000 + b"]" * 100000
+     + b"}}", "nested 100002 levels deep"),
+    (b'{"format": "coppelius-run-v1", "options": {"seed": 1' + b"0" * 5000 + b"}}",
+     "a number of 5001 characters"),
+    (b" " * ((1 << 20) + 1), "larger than"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("change, words", RUN_FILE_CASES)
+def test_a_hostile_run_file_is_refused_naming_the_field_and_changes_nothing(
+        tmp_path, trained, command, change, words):
+    run = trained.parent
+    rewrite_run_file(run, change)
+    argv = {"train": ["train", "--run-dir", run, "--steps", "1", "--no-sample"],
+            "eval": ["eval", trained]}[command]
+    before = tree(tmp_path)
+    status, _, err = cli(*argv, seconds=30)
+    one_line_error(status, err, "run.json", words)
+    assert tree(tmp_path) == before  # no run.json rewritten, no result file made
+
+
+def test_a_well_formed_run_file_still_continues_the_run(tmp_path, trained):
+    rewrite_run_file(trained.parent, lambda options: None)
+    status, _, err = cli("train", "--run-dir", trained.parent, "--steps", "1", "--no-sample")
+    assert status == 0, err
+    assert validate(trained).header["step"] == 3
+
+
+MODEL = "vocab = 64\ncontext = 16\nd_model = 32\nn_layer = 2\nn_head = 2\nd_ff = 96\n"
+
+
+@pytest.mark.parametrize("text, words", [
+    (MODEL + "norm = " + "[" * 1000 + "]" * 1000 + "\n", ["line 7: norm", "nested more than"]),
+    (MODEL + "norm = {a = " * 1000 + "1" + "}" * 1000 + "\n", ["line 7: norm", "nested more than"]),
+    (MODEL.replace("n_layer = 2", "n_layer = " + "9" * 5000),
+     ["line 4: n_layer", "a number of 5000 characters"]),
+    (MODEL.replace("n_layer = 2", "n_layer = 0x" + "f" * 4000),
+     ["line 4: n_layer", "a number of 4002 characters"]),
+])
+def test_a_model_file_nested_deeply_or_with_a_huge_number_is_refused_by_name(tmp_path, stream,
+                                                                            text, words):
+    model = tmp_path / "m.toml"
+    model.write_text(text)
+    before = tree(tmp_path)
+    status, _, err = cli(*train_argv(stream, tmp_path / "r", tmp_path / "r" / "ck", "--model",
+                                     model, "--steps", "1"), seconds=30)
+    one_line_error(status, err, model, *words)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.skipif(not os.access("/proc/kmsg", os.R_OK) or os.geteuid() != 0,
+                    reason="/proc/kmsg is readable by root only")
+def test_a_model_file_that_never_ends_is_refused_not_waited_on(tmp_path, stream):
+    # /proc/kmsg is a "regular" file whose read blocks until the kernel logs more
+    argv = train_argv(stream, tmp_path / "r", tmp_path / "r" / "ck", "--model", "/proc/kmsg")
+    status, _, err = run_cli(*argv, timeout=60)
+    one_line_error(status, err, "/proc/kmsg", "may never come")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="no /proc")
+@pytest.mark.parametrize("path", ["/proc/self/status", "/proc/self/environ", "/proc/version"])
+@pytest.mark.parametrize("command", ["train", "eval", "conformance"])
+def test_a_proc_file_of_size_zero_is_refused_as_a_stream(tmp_path, trained, path, command):
+    argv = {"train": train_argv(path, tmp_path / "r", tmp_path / "r" / "ck", "--steps", "1"),
+            "eval": ["eval", trained, "--stream", path],
+            "conformance": ["conformance", "--backend", "reference", "--stream", path]}[command]
+    before = tree(tmp_path)
+    status, _, err = cli(*argv)
+    one_line_error(status, err, path, "its size is 0 bytes yet it reads more", "not a token stream")
+    assert tree(tmp_path) == before
+
+
+def test_report_csv_never_replaces_a_file_that_is_not_its_csv(tmp_path, trained):
+    run = trained.parent
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for target in (trained, notes, run / "run.json"):
+        before = tree(tmp_path)
+        status, _, err = cli("report", run, "--csv", target)
+        one_line_error(status, err, target, "not a CSV of `coppelius report`; refusing to replace it")
+        assert tree(tmp_path) == before  # the run's plot is not drawn either
+    validate(trained)
+    out = tmp_path / "steps.csv"  # a CSV report wrote: replaced by the next report
+    assert cli("report", run, "--csv", out)[0] == 0
+    first = out.read_text()
+    lines = first.splitlines()
+    assert lines[0] == ("step,train_loss,grad_norm,learning_rate,heldout_loss,host_seconds,"
+                        "device_seconds")
+    assert [row.split(",")[0] for row in lines[1:]] == ["0", "1", "2"]  # 2: the evaluation
+    status, _, err = cli("report", run, "--csv", out)
+    assert status == 0, err
+    assert out.read_text() == first
+
+
+def test_import_force_never_replaces_a_read_only_checkpoint(tmp_path, trained):
+    src = safetensors_of(trained, tmp_path / "x.safetensors")
+    kept = tmp_path / "kept.ck"
+    kept.write_bytes(trained.read_bytes())
+    kept.chmod(0o444)
+    before = tree(tmp_path)
+    status, _, err = cli("import", src, kept, "--force")
+    one_line_error(status, err, kept, "read-only (mode 0444)")
+    assert tree(tmp_path) == before and stat.S_IMODE(kept.stat().st_mode) == 0o444
+    kept.chmod(0o644)  # writable: --force replaces it
+    status, _, err = cli("import", src, kept, "--force")
+    assert status == 0, err
+
+
+def test_report_of_a_run_stopped_by_a_non_finite_first_step(tmp_path, stream, trained):
+    data, hn, start = result_records(trained)  # a checkpoint's payload starts where a record would
+    payload = np.frombuffer(data[start:len(data) - 48], dtype="<f4").copy()
+    payload[:N] = 3e38  # finite parameters whose first forward overflows
+    huge = build_checkpoint(tmp_path / "huge.ck", raw=data[16:16 + hn], payload=payload.tobytes())
+    res = tmp_path / "r.bin"
+    status, _, err = cli(*train_argv(stream, tmp_path / "r", huge, "--steps", "1",
+                                     "--results", res))
+    assert status == 3, err
+    status, out, err = cli("report", res, "--plot", tmp_path / "r.png", "--csv", tmp_path / "r.csv")
+    assert status == 0 and err == "", err
+    assert "min loss        none finite" in out and "first loss      nan at step 2" in out
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "r.csv").read_text().splitlines()[1].startswith("2,nan,")

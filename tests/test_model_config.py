@@ -96,6 +96,34 @@ def test_unreadable_files_are_one_line(tmp_path):
             config_from_toml(tmp_path / "pipe.toml")
 
 
+def test_brackets_and_digits_in_strings_and_comments_are_not_counted(tmp_path):
+    """The depth and number bounds read values only: a comment or a string
+    of brackets and digits (any of TOML's four string kinds) is not counted."""
+    noise = "[" * 20 + "{" * 20 + "9" * 60
+    extra = f'norm = "rmsnorm" # {noise} \'\n# {noise} "\n'
+    path = toml_file(tmp_path / "m.toml", SMALL, extra)
+    assert config_from_toml(path)[0].norm == "rmsnorm"
+    for quoted in (f'"{noise}"', f"'{noise}'", f'"""\n{noise}"""', f"'''{noise}\n'''"):
+        path = toml_file(tmp_path / "s.toml", SMALL, f"norm = {quoted}\n")
+        with pytest.raises(ConfigError, match="must be one of layernorm, rmsnorm"):
+            config_from_toml(path)  # the string reached the field's own check
+    # an array 8 deep is parsed and refused by its type; 9 deep before parsing
+    path = toml_file(tmp_path / "a.toml", SMALL, "norm = " + "[" * 8 + "]" * 8 + "\n")
+    with pytest.raises(ConfigError, match="norm = an array: must be a string"):
+        config_from_toml(path)
+    path = toml_file(tmp_path / "a.toml", SMALL, "norm = " + "[" * 9 + "]" * 9 + "\n")
+    with pytest.raises(ConfigError, match="line 7: norm: arrays or tables nested more than 8"):
+        config_from_toml(path)
+
+
+def test_a_sparse_model_file_is_refused_after_reading_its_bound(tmp_path):
+    path = tmp_path / "big.toml"
+    with open(path, "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB of holes: reading it all would take hours
+    with pytest.raises(ConfigError, match=r"big\.toml: larger than 1048576 bytes"):
+        config_from_toml(path)
+
+
 # ---------------------------------------------------------------------------
 # coppelius train --model
 
