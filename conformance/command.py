@@ -13,6 +13,7 @@
     --batch B --steps S the step shape and the trajectory length (default 1, 20)
     --stream S          token windows from a stream (contexts c0 + s*B + b,
                         c0 = --context) instead of seeded random windows
+    --schedule K        the learner rows' schedule: cosine (default) or wsd
     --hypothesis N      also N random small cases per backend and policy
     --checkpoint CK     reference debugging: one step from a real checkpoint
                         on context --context of --stream, every tensor's
@@ -40,7 +41,7 @@ from ..reference.fsutil import path_argument
 from ..reference.limits import ID, check_fits, step_bytes
 
 from . import cases
-from .suite import Report, run_hypothesis, run_suite, step_rows
+from .suite import LEARNER_SCHEDULES, Report, run_hypothesis, run_suite, step_rows
 
 FAILED = 1  # exit status when a check fails (2 is bad input, as everywhere)
 
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="first context of --stream to use (default: 0)")
     parser.add_argument("--checkpoint", metavar="CK", type=path_argument,
                         help="debug one step from this checkpoint (needs --stream)")
+    parser.add_argument("--schedule", choices=LEARNER_SCHEDULES, default="cosine",
+                        help="the schedule of the learner rows (one step and a trajectory "
+                             "with clipping, SPEC §7; default: cosine)")
     parser.add_argument("--hypothesis", type=int, default=0, metavar="N",
                         help="also run N hypothesis-drawn small cases per backend and policy")
     parser.add_argument("--failures-only", action="store_true",
@@ -151,7 +155,8 @@ def run(args) -> int:
         for precision in args.precision or list(PRECISIONS):
             for preset_name, batch, windows, inputs in plans:
                 report = run_suite(name, preset_name, precision, batch=batch, steps=args.steps,
-                                   windows=windows, inputs=inputs, accumulate=args.accumulate)
+                                   windows=windows, inputs=inputs, accumulate=args.accumulate,
+                                   schedule=args.schedule)
                 _print(report, args.failures_only)
                 status = status or (0 if report.passed else FAILED)
             if args.hypothesis:

@@ -17,8 +17,8 @@ Checks, in order, each producing one row per tensor:
                row losses of every step and the final P, M, V and t must be
                bitwise equal to the S1 + S2 steps of one program (SPEC 9)
   learner      the same one step and trajectory under a cosine schedule
-               (warm-up, decay and floor all inside the trajectory) with
-               gradient clipping that clips (SPEC 7)
+               (or wsd: `schedule`), its warm-up, decay and floor all inside
+               the trajectory, with gradient clipping that clips (SPEC 7)
 
 A backend that refuses the model at capture (a family field of SPEC 21 it
 does not compute, named by its ConfigError) fails with one `capture` row
@@ -349,14 +349,16 @@ def warm_state(config: Config, hyper: Hyper, precision: str, state: State, batch
 def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: int = 20,
               resume_at: int | None = None, windows: np.ndarray | None = None,
               hyper: Hyper | None = None, state: State | None = None,
-              inputs: str | None = None, accumulate: int = 1) -> Report:
+              inputs: str | None = None, accumulate: int = 1,
+              schedule: str = "cosine") -> Report:
     """Every check of the module docstring for one backend, preset and policy.
 
     windows: (steps, B, T+1) token ids; by default `cases.random_windows`
     (seed cases.TOKEN_SEED). state: the starting state; by default the
     preset's fresh initialization. resume_at: S1 of the resume check (by
     default steps // 3, so the split is not at a checkpoint interval).
-    accumulate: k > 1 adds the `accumulate` rows (accumulate_rows, SPEC 19)."""
+    accumulate: k > 1 adds the `accumulate` rows (accumulate_rows, SPEC 19).
+    schedule: the learner rows' schedule, "cosine" or "wsd" (production_learner)."""
     check_precision(precision)
     name, module = _backend(backend)
     preset_name, config = _config(preset)
@@ -412,7 +414,8 @@ def run_suite(backend, preset="test", precision="fp32", batch: int = 1, steps: i
     report.rows.append(compare_bitwise("resume", f"row losses, {split}",
                                        np.concatenate([rows1, rows2]), row_losses))
     report.rows += resume_rows(config, resumed, final)
-    report.rows += learner_rows(module, config, precision, batch, state0, one, windows, report)
+    report.rows += learner_rows(module, config, precision, batch, state0, one, windows, report,
+                                schedule)
     if accumulate > 1:
         report.rows += accumulate_rows(module, config, hyper, precision, batch, accumulate,
                                        state0, one, windows, S1, report)
@@ -456,34 +459,49 @@ def accumulate_rows(module, config: Config, hyper: Hyper, precision: str, batch:
     return rows
 
 
-def production_learner(config: Config, precision: str, state: State, tokens, steps: int) -> Hyper:
-    """A cosine schedule whose warm-up, decay and floor all fall inside
-    `steps` updates from `state`, and a clip at half of the gradient norm at
-    `state`, so that the first step clips (SPEC 7)."""
+LEARNER_SCHEDULES = ("cosine", "wsd")
+
+
+def production_learner(config: Config, precision: str, state: State, tokens, steps: int,
+                       schedule: str = "cosine") -> Hyper:
+    """A cosine or wsd schedule whose warm-up, decay and floor (and wsd's
+    stable phase, from 4 steps on) all fall inside `steps` updates from
+    `state`, and a clip at half of the gradient norm at `state`, so that the
+    first step clips (SPEC 7)."""
+    if schedule not in LEARNER_SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}: the suite's learner rows take one of "
+                          f"{', '.join(LEARNER_SCHEDULES)}")
     norm = reference.step(config, state.copy(), tokens, precision).grad_norm
     W = max(1, steps // 4)
-    return Hyper(schedule="cosine", warmup=state.t + W, total=state.t + max(W + 1, steps - 2),
+    N = max(W + 1, steps - 2)
+    extra = dict(decay=max(1, (N - W) // 2)) if schedule == "wsd" else {}
+    return Hyper(schedule=schedule, warmup=state.t + W, total=state.t + N, **extra,
                  floor=Fraction(1, 10), clip=Fraction(float(norm)) / 2)
 
 
 def learner_rows(module, config: Config, precision: str, batch: int, state0: State, one: State,
-                 windows: np.ndarray, report) -> list:
-    """One step and a trajectory under a cosine schedule with clipping."""
+                 windows: np.ndarray, report, schedule: str = "cosine") -> list:
+    """One step and a trajectory under a cosine (or wsd) schedule with clipping.
+    The cosine's one step is in its warm-up; wsd's in its decay, halfway
+    (the stable phase's rate is lr, the main rows' rate)."""
     rows = []
     steps = len(windows)
-    hyper = production_learner(config, precision, one, windows[0], steps)
+    hyper = production_learner(config, precision, one, windows[0], steps, schedule)
+    if schedule == "wsd":  # update t = one.t + 1: s = f + (1 - f) * 1/2
+        hyper = replace(hyper, warmup=0, total=one.t + 2, decay=2)
     program = module.capture(config, hyper, precision, batch, one.copy())
     for r in step_rows(program, config, hyper, precision, one, windows[0], report.notes):
         rows.append(Row("learner", f"{r.check} {r.tensor}", r.error, r.tolerance, r.passed,
                         r.worst, r.got, r.want))
     del program
-    hyper = production_learner(config, precision, state0, windows[0], steps)
+    hyper = production_learner(config, precision, state0, windows[0], steps, schedule)
     program = module.capture(config, hyper, precision, batch, state0.copy())
     losses, _ = trajectory(program, windows)
     del program
     want = reference_trajectory(config, hyper, precision, state0, windows)
-    rows.append(compare("learner", f"mean loss, {steps} steps, cosine W={hyper.warmup} "
-                                   f"N={hyper.total}, clip", losses, want,
+    decay = f" D={hyper.decay}" if schedule == "wsd" else ""
+    rows.append(compare("learner", f"mean loss, {steps} steps, {schedule} W={hyper.warmup} "
+                                   f"N={hyper.total}{decay}, clip", losses, want,
                         tolerance("trajectory", precision)))
     return rows
 

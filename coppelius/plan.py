@@ -93,11 +93,14 @@ def resolve_options(args) -> tuple:
             options[key] = given
         elif key in remembered:
             options[key] = remembered[key]
-    # the constant schedule has no warm-up, total or floor to remember
+    # the constant schedule has no warm-up, total or floor to remember, and
+    # only wsd has a decay
     if args.schedule == "constant":
         for key in ("warmup", "total", "floor"):
             if getattr(args, key) is None:
                 options.pop(key, None)
+    if args.schedule is not None and args.schedule != "wsd" and args.decay is None:
+        options.pop("decay", None)
     # a new source replaces a remembered stream, and the other way round
     if args.source is not None:
         options.pop("stream", None)
@@ -123,17 +126,28 @@ def choose_model(options: dict, ckpt: str, name: str) -> tuple:
     return preset(name), {}, name
 
 
+def default_decay(warmup: int, total: int) -> int:
+    """--decay's default under wsd: the last fifth of the updates after the
+    warm-up, at least one."""
+    return max(1, (total - warmup) // 5)
+
+
 def make_learner(options: dict, final_step: int) -> Hyper:
     kwargs = {k: parse_rational(options[k], k.replace("_", "-"))
               for k in LEARNER_OPTIONS if k in options}
     schedule = options.get("schedule", "constant")
-    if schedule == "cosine":
-        kwargs.update(schedule="cosine", warmup=_nonnegative(options.get("warmup", 0), "warmup"),
+    if schedule in ("cosine", "wsd"):
+        kwargs.update(schedule=schedule, warmup=_nonnegative(options.get("warmup", 0), "warmup"),
                       total=_positive(options.get("total", final_step), "total"),
                       floor=parse_rational(options.get("floor", "0"), "floor"))
     elif any(k in options for k in ("warmup", "total", "floor")):
-        raise RunError("--warmup, --total and --floor belong to the cosine schedule "
-                       "(add --schedule cosine)")
+        raise RunError("--warmup, --total and --floor belong to the cosine and wsd schedules "
+                       "(add --schedule cosine or --schedule wsd)")
+    if schedule == "wsd":
+        kwargs["decay"] = _positive(options.get("decay", default_decay(kwargs["warmup"],
+                                                                        kwargs["total"])), "decay")
+    elif "decay" in options:
+        raise RunError("--decay belongs to the wsd schedule (add --schedule wsd)")
     if options.get("clip") is not None:
         kwargs["clip"] = parse_rational(options["clip"], "clip")
     if options.get("accumulate") is not None:
@@ -246,11 +260,14 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     else:
         final_step = options.get("final_step", config.steps)
     options["final_step"] = final_step
-    if options.get("schedule") == "cosine":
+    if options.get("schedule") in ("cosine", "wsd"):
         # the schedule's end is part of the learner: fixed when the run starts,
         # remembered, and not moved by a later --until (that needs --new-learner)
         options.setdefault("total", final_step)
     hyper = make_learner(options, final_step)
+    if hyper.schedule == "wsd":
+        # and so is wsd's decay length: a later --total moves the decay, keeping its length
+        options.setdefault("decay", hyper.decay)
     ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
                                 stream.sha256, seed, heldout)
     if checkpoint.is_fresh(ckpt):
@@ -394,9 +411,11 @@ def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
 def _schedule_options(value) -> str:
     if value is None:
         return "--schedule constant"
-    inside = dict(p.partition("=")[::2] for p in value[len("cosine("):-1].split(","))
-    return (f"--schedule cosine --warmup {inside.get('warmup')} --total {inside.get('total')} "
-            f"--floor {inside.get('floor')}")
+    kind, _, rest = value.partition("(")
+    inside = dict(p.partition("=")[::2] for p in rest[:-1].split(","))
+    decay = f"--decay {inside.get('decay')} " if kind == "wsd" else ""
+    return (f"--schedule {kind} --warmup {inside.get('warmup')} --total {inside.get('total')} "
+            f"{decay}--floor {inside.get('floor')}")
 
 
 def print_safely(text: str, file=None) -> None:

@@ -165,8 +165,10 @@ def _schedule_text(learner: str) -> str:
         hyper, _ = learner_from_identity(learner)
     except CoppeliusError:
         return "learner not understood"
+    decay = f", decay {hyper.decay}" if hyper.schedule == "wsd" else ""
     text = "constant" if hyper.schedule == "constant" else (
-        f"cosine: warmup {hyper.warmup}, total {hyper.total}, floor {rational_text(hyper.floor)}")
+        f"{hyper.schedule}: warmup {hyper.warmup}, total {hyper.total}{decay}, "
+        f"floor {rational_text(hyper.floor)}")
     return text + (f"; clip {rational_text(hyper.clip)}" if hyper.clip is not None else "")
 
 

@@ -18,8 +18,8 @@ from coppelius.reference.errors import RunError
 REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "precision", "batch", "accumulate",
               "gpus", "recompute", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
-              "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint", "repeat_data",
-              "final_step")
+              "decay", "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint",
+              "repeat_data", "final_step")
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
 RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file

@@ -106,12 +106,16 @@ def register(sub) -> None:
                             f"(default {rational_text(getattr(hyper, name))})")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="learning-rate schedule (default constant; SPEC §7)")
-    p.add_argument("--warmup", type=int, metavar="W", help="cosine: warm-up updates (default 0)")
+    p.add_argument("--warmup", type=int, metavar="W",
+                   help="cosine, wsd: warm-up updates (default 0)")
     p.add_argument("--total", type=int, metavar="N",
-                   help="cosine: the update at which the rate reaches the floor "
+                   help="cosine, wsd: the update at which the rate reaches the floor "
                         "(default: the run's final step)")
-    p.add_argument("--floor", metavar="F", help="cosine: the final rate as a fraction of --lr "
-                                                "(default 0)")
+    p.add_argument("--decay", type=int, metavar="D",
+                   help="wsd: the updates of the linear decay that ends at --total, after the "
+                        "stable phase (default: a fifth of total - warmup, at least 1)")
+    p.add_argument("--floor", metavar="F", help="cosine, wsd: the final rate as a fraction of "
+                                                "--lr (default 0)")
     p.add_argument("--clip", metavar="C", help="clip the gradient norm to C (default: off)")
     p.add_argument("--eval-contexts", type=int, metavar="K",
                    help=f"hold out the stream's last K contexts for evaluation (default "
@@ -677,8 +681,12 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         return 0
     if leader:
         write_run_file(plan.run_dir, plan.remembered)
-        schedule = ("" if plan.hyper.schedule == "constant" else
-                    f", cosine schedule (warm-up {plan.hyper.warmup}, total {plan.hyper.total})")
+        h = plan.hyper
+        schedule = ("" if h.schedule == "constant" else
+                    f", cosine schedule (warm-up {h.warmup}, total {h.total})"
+                    if h.schedule == "cosine" else
+                    f", wsd schedule (warm-up {h.warmup}, stable to {h.total - h.decay}, "
+                    f"total {h.total})")
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"

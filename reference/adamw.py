@@ -10,7 +10,7 @@ computed in float64, then rounded.
 The schedule (SPEC 7) replaces lr and lr * weight_decay by a_t and b_t for
 update t. Under "constant" they are float32(lr) and float32(lr *
 weight_decay), the exact rationals rounded once, as above; under "cosine"
-they are float32(float(lr) * s(t)) and float32(float(lr) *
+and "wsd" they are float32(float(lr) * s(t)) and float32(float(lr) *
 float(weight_decay) * s(t)), with s(t) evaluated in float64 exactly as the
 SPEC's Python. A backend reads them from `schedule_table`, computed here
 once: s is constant beyond `total`, so the table is finite and the captured
@@ -76,18 +76,41 @@ def schedule_factor(t: int, warmup: int, total: int, floor) -> float:
     return f + (1 - f) * 0.5 * (1.0 + math.cos(math.pi * (t - W) / (N - W)))
 
 
+def wsd_factor(t: int, warmup: int, total: int, decay: int, floor) -> float:
+    """s(t) of SPEC 7 for the wsd schedule (warm-up, stable, decay), float64,
+    written as the SPEC writes it: linear up to 1 over the warm-up, 1 until
+    update total - decay, linear down to the floor at update total."""
+    W, N, D, f = warmup, total, decay, float(floor)
+    if t <= W:  # W > 0 here: updates are numbered from 1
+        return t / W
+    if t <= N - D:
+        return 1.0
+    if t <= N:
+        return f + (1 - f) * (N - t) / D
+    return f
+
+
+def factor(hyper: Hyper, t: int) -> float:
+    """s(t) of the learner's schedule (1.0 under "constant")."""
+    if hyper.schedule == "cosine":
+        return schedule_factor(t, hyper.warmup, hyper.total, hyper.floor)
+    if hyper.schedule == "wsd":
+        return wsd_factor(t, hyper.warmup, hyper.total, hyper.decay, hyper.floor)
+    return 1.0
+
+
 def learning_rates(hyper: Hyper, t: int) -> tuple:
     """(a_t, b_t) float32: what replaces lr and lr * weight_decay in update t."""
     if hyper.schedule == "constant":
         return float32_of(hyper.lr), float32_of(hyper.lr * hyper.weight_decay)
-    s = schedule_factor(t, hyper.warmup, hyper.total, hyper.floor)
+    s = factor(hyper, t)
     return f32(float(hyper.lr) * s), f32(float(hyper.lr) * float(hyper.weight_decay) * s)
 
 
 def schedule_table(hyper: Hyper) -> np.ndarray:
     """(R, 2) float32 rows (a_t, b_t); update t reads row min(t, R - 1). One
-    row under "constant"; rows 0..total+1 under "cosine" (row 0 is never
-    read: t >= 1; row total+1 holds the floor, for every later t)."""
+    row under "constant"; rows 0..total+1 under "cosine" and "wsd" (row 0 is
+    never read: t >= 1; row total+1 holds the floor, for every later t)."""
     if hyper.schedule == "constant":
         return np.array([learning_rates(hyper, 1)], dtype=np.float32)
     return np.array([learning_rates(hyper, t) if t else (0.0, 0.0)

@@ -437,7 +437,7 @@ def _show(q: Fraction) -> str:
     return text if len(text) <= 64 else f"{float(q):.6g}" if abs(q) < 2**1000 else "(huge)"
 
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "wsd")
 MAX_SCHEDULE_TOTAL = 10_000_000  # the host table of a_t, b_t has total + 2 rows (SPEC 7)
 RATIONAL_FIELDS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor")
 
@@ -449,6 +449,8 @@ class Hyper:
 
     schedule "constant" uses lr for every update; "cosine" warms up linearly
     over `warmup` updates, decays to `floor * lr` at update `total`, and stays
+    there; "wsd" warms up the same way, holds lr, then decays linearly over
+    the last `decay` updates to `floor * lr` at update `total`, and stays
     there. `clip` (None: off) bounds the gradient's L2 norm."""
 
     lr: Fraction = Fraction(3, 10000)
@@ -457,9 +459,10 @@ class Hyper:
     weight_decay: Fraction = Fraction(1, 10)
     epsilon: Fraction = Fraction(1, 100000000)
     schedule: str = "constant"
-    warmup: int = 0  # W, cosine only
-    total: int | None = None  # N, cosine only (the run loop's default: the run's final step)
-    floor: Fraction = Fraction(0)  # f in [0, 1], cosine only
+    warmup: int = 0  # W, cosine and wsd only
+    total: int | None = None  # N, cosine and wsd only (the run loop's default: the run's final step)
+    floor: Fraction = Fraction(0)  # f in [0, 1], cosine and wsd only
+    decay: int | None = None  # D in [1, N - W], wsd only
     clip: Fraction | None = None  # c > 0, or None
     accumulate: int = 1  # k micro-batches per step (SPEC 19); k must divide the batch
 
@@ -515,8 +518,12 @@ class Hyper:
             raise ConfigError(f"schedule={self.schedule!r}: must be one of {', '.join(SCHEDULES)}")
         if self.schedule == "constant":
             if self.warmup != 0 or self.total is not None or self.floor != 0:
-                raise ConfigError("warmup, total and floor belong to the cosine schedule "
-                                  "(add --schedule cosine)")
+                raise ConfigError("warmup, total and floor belong to the cosine and wsd "
+                                  "schedules (add --schedule cosine or --schedule wsd)")
+        if self.schedule != "wsd" and self.decay is not None:
+            raise ConfigError(f"decay={self.decay!r}: belongs to the wsd schedule "
+                              f"(add --schedule wsd)")
+        if self.schedule == "constant":
             return
         for name in ("warmup", "total"):
             value = getattr(self, name)
@@ -528,6 +535,11 @@ class Hyper:
             raise ConfigError(f"total={self.total}: at most {MAX_SCHEDULE_TOTAL} updates")
         if not 0 <= self.floor <= 1:
             raise ConfigError(f"floor={_show(self.floor)}: must be in [0, 1]")
+        if self.schedule == "wsd":
+            D, span = self.decay, self.total - self.warmup
+            if isinstance(D, bool) or not isinstance(D, int) or not 1 <= D <= span:
+                raise ConfigError(f"decay={D!r}: must be an integer in [1, total - warmup] "
+                                  f"= [1, {span}]")
 
     def identity(self, precision: str) -> str:
         """The learner identity of SPEC section 10 (with SPEC 7's schedule and
@@ -540,6 +552,9 @@ class Hyper:
         if self.schedule == "cosine":
             text += (f"|schedule=cosine(warmup={self.warmup},total={self.total},"
                      f"floor={rational_text(self.floor)})")
+        elif self.schedule == "wsd":
+            text += (f"|schedule=wsd(warmup={self.warmup},total={self.total},"
+                     f"decay={self.decay},floor={rational_text(self.floor)})")
         if self.clip is not None:
             text += f"|clip={rational_text(self.clip)}"
         if self.accumulate > 1:  # resume exactness needs the same k (SPEC 19)

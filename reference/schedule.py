@@ -1,9 +1,10 @@
 """The learning rate of each step, from a learner identity (SPEC sections 7, 10).
 
 A result file's header carries the learner identity, and with it everything
-the schedule depends on (`|schedule=cosine(warmup=W,total=N,floor=f)`), so a
-report can draw the learning rate of a finished run from the file alone.
-The schedule itself is `adamw.schedule_factor` and `adamw.learning_rates`;
+the schedule depends on (`|schedule=cosine(warmup=W,total=N,floor=f)`,
+`|schedule=wsd(warmup=W,total=N,decay=D,floor=f)`), so a report can draw
+the learning rate of a finished run from the file alone. The schedule
+itself is `adamw.schedule_factor`, `adamw.wsd_factor` and `adamw.learning_rates`;
 this module only turns the identity back into the learner that wrote it.
 """
 
@@ -19,6 +20,7 @@ from .config import Hyper, parse_rational
 from .errors import ConfigError
 
 COSINE = re.compile(r"cosine\(warmup=(\d{1,12}),total=(\d{1,12}),floor=([0-9/]{1,64})\)")
+WSD = re.compile(r"wsd\(warmup=(\d{1,12}),total=(\d{1,12}),decay=(\d{1,12}),floor=([0-9/]{1,64})\)")
 
 
 def learner_from_identity(learner: str, where: str = "result file") -> tuple:
@@ -38,10 +40,15 @@ def learner_from_identity(learner: str, where: str = "result file") -> tuple:
             kwargs[name] = parse_rational(parts[name], name)
         if "schedule" in parts:
             match = COSINE.fullmatch(parts["schedule"])
-            if match is None:
+            wsd = WSD.fullmatch(parts["schedule"])
+            if match is not None:
+                kwargs.update(schedule="cosine", warmup=int(match[1]), total=int(match[2]),
+                              floor=parse_rational(match[3], "floor"))
+            elif wsd is not None:  # a non-canonical number fails `same` below
+                kwargs.update(schedule="wsd", warmup=int(wsd[1]), total=int(wsd[2]),
+                              decay=int(wsd[3]), floor=parse_rational(wsd[4], "floor"))
+            else:
                 raise refuse()
-            kwargs.update(schedule="cosine", warmup=int(match[1]), total=int(match[2]),
-                          floor=parse_rational(match[3], "floor"))
         if "clip" in parts:
             kwargs["clip"] = parse_rational(parts["clip"], "clip")
         if "accumulate" in parts:
@@ -60,7 +67,8 @@ def learner_from_identity(learner: str, where: str = "result file") -> tuple:
 
 
 def parse_schedule(learner: str, where: str = "result file") -> tuple:
-    """-> (kind, W, N, f): ("constant", 0, None, Fraction(0)) or ("cosine", W, N, f)."""
+    """-> (kind, W, N, f): ("constant", 0, None, Fraction(0)), ("cosine", W, N, f)
+    or ("wsd", W, N, f) (the wsd decay D is the learner's: learner_from_identity)."""
     hyper, _ = learner_from_identity(learner, where)
     return hyper.schedule, hyper.warmup, hyper.total, Fraction(hyper.floor)
 

@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import types
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -202,10 +203,12 @@ def broken_backend(fault: str, tensor: str = "layers.1.mlp.up.weight"):
                         weight_decay=hyper.weight_decay, epsilon=hyper.epsilon)
             if fault == "ignores_schedule":
                 keep["clip"] = hyper.clip
-            elif hyper.schedule == "cosine":
-                keep.update(schedule="cosine", warmup=hyper.warmup, total=hyper.total,
-                            floor=hyper.floor)
+            elif hyper.schedule != "constant":
+                keep.update(schedule=hyper.schedule, warmup=hyper.warmup, total=hyper.total,
+                            decay=hyper.decay, floor=hyper.floor)
             return ref.capture(config, Hyper(**keep), precision, batch, state)
+        if fault == "wsd_as_cosine" and hyper.schedule == "wsd":  # the same W, N, f, no plateau
+            hyper = replace(hyper, schedule="cosine", decay=None)
         if fault == "drops_moments_on_capture":  # a resume that restarts Adam's moments
             state = State(state.P, np.zeros_like(state.M), np.zeros_like(state.V), state.t)
         program = Wrapped(ref.capture(config, hyper, precision, batch, state))
@@ -328,6 +331,52 @@ def test_a_backend_without_clipping_or_schedule_fails_the_learner_rows_only(faul
         assert any(t.startswith("M ") for t in failed), failed
     else:  # the rates differ: P after one update, and the trajectory
         assert any(t.startswith("P ") for t in failed) and any("cosine" in t for t in failed)
+
+
+@pytest.mark.parametrize("fault", ["ignores_schedule", "wsd_as_cosine"])
+def test_a_backend_without_wsd_fails_the_wsd_learner_rows_only(fault):
+    """--schedule wsd: the learner rows under wsd; a backend that runs the
+    constant rate, or the cosine of the same warm-up, total and floor,
+    fails the one step, taken halfway down wsd's decay: P, by the rate, and
+    not the moments."""
+    report = run_suite(broken_backend(fault), "test", "fp32", steps=8, schedule="wsd")
+    assert {c for c, t in failing(report)} == {"learner"}
+    failed = {t for c, t in failing(report)}
+    assert any(t.startswith("P ") for t in failed), failed
+    assert not any(t.startswith(("M ", "V ", "gradient ")) for t in failed), failed
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("mlx", marks=pytest.mark.mlx),
+                                     "cupy"])
+def test_wsd_learner_rows_pass_on_every_backend(backend, request):
+    """The wsd schedule of SPEC 7 (version 3) on each backend, the CuPy one
+    on its CPU stand-ins where no GPU is here: every phase of the schedule
+    falls inside the 8-step trajectory."""
+    if backend == "cupy":
+        request.getfixturevalue("cuda_emulation")
+    hyper = suite.production_learner(TEST, "fp32", cases.fresh_state(TEST),
+                                     cases.random_windows(TEST, 1, 1)[0], 8, "wsd")
+    W, N, D = hyper.warmup, hyper.total, hyper.decay
+    assert hyper.schedule == "wsd" and 0 < W < N - D < N < 8  # warm-up, stable, decay, floor
+    report = run_suite(backend, "test", "fp32", steps=8, schedule="wsd")
+    assert report.passed, report.summary() + "\n" + report.table(report.failures)
+    assert report.row("learner", f"mean loss, 8 steps, wsd W={W} N={N} D={D}, clip")
+    if backend == "reference":
+        assert all(r.error == 0.0 for r in report.rows)
+    else:  # an implementation of its own: the suite compared something
+        assert any(r.error > 0 for r in report.rows if r.check == "learner")
+
+
+def test_cli_schedule_picks_the_learner_rows_schedule(capsys):
+    from coppelius.conformance.command import main
+
+    assert main(["--backend", "reference", "--preset", "test", "--precision", "fp32",
+                 "--steps", "4", "--schedule", "wsd"]) == 0
+    out = capsys.readouterr().out
+    assert "wsd W=1 N=2 D=1, clip" in out and "cosine" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["--backend", "reference", "--schedule", "linear"])
+    assert e.value.code == 2 and "--schedule: invalid choice: 'linear'" in capsys.readouterr().err
 
 
 def test_a_nan_logit_fails_logits_and_points_at_it():

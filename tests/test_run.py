@@ -251,6 +251,94 @@ def test_bad_schedules_get_one_line_and_exit_2(tmp_path, stream, capsys, extra, 
     assert not ck.exists() and not (tmp_path / "run.json").exists()
 
 
+@pytest.mark.parametrize("extra, words", [
+    (["--schedule", "wsd", "--warmup", "2", "--total", "10", "--decay", "9"],
+     "decay=9: must be an integer in [1, total - warmup] = [1, 8]"),
+    (["--schedule", "wsd", "--decay", "0"], "--decay=0: must be a positive integer"),
+    (["--schedule", "wsd", "--warmup", "3", "--total", "3"], "total=3: must exceed warmup=3"),
+    (["--schedule", "wsd", "--floor", "2"], "floor=2/1: must be in [0, 1]"),
+    (["--decay", "3"], "--decay belongs to the wsd schedule (add --schedule wsd)"),
+    (["--schedule", "cosine", "--decay", "3"], "--decay belongs to the wsd schedule"),
+])
+def test_bad_wsd_schedules_get_one_line_and_exit_2(tmp_path, stream, capsys, extra, words):
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--steps", "1", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not ck.exists() and not (tmp_path / "run.json").exists()
+
+
+WSD = ["--schedule", "wsd", "--warmup", "2", "--total", "10", "--decay", "3", "--floor", "1/10"]
+
+
+def test_a_wsd_run_resumed_on_the_plateau_is_the_run_done_in_one_go(tmp_path, stream, capsys):
+    """SPEC 7's wsd: a run stopped in the stable phase (--until 5) and taken
+    on to 10 (through the decay) has the checkpoint bytes and step records
+    of the run of 10 in one go; the learner identity says the schedule; the
+    stable phase's updates are those of the constant rate lr itself."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(train_args(stream, a, a / "ck.bin", "--until", "5", "--interval", "2", *WSD)) == 0
+    assert "wsd schedule (warm-up 2, stable to 7, total 10)" in capsys.readouterr().err
+    remembered = json.loads((a / "run.json").read_text())["options"]
+    assert (remembered["schedule"], remembered["warmup"], remembered["total"],
+            remembered["decay"], remembered["floor"]) == ("wsd", 2, 10, 3, "1/10")
+    assert main(["train", "--run-dir", str(a), "--until", "10", "--no-sample"]) == 0
+    assert main(train_args(stream, b, b / "ck.bin", "--until", "10", *WSD)) == 0
+    assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
+    header = load_state(str(a / "ck.bin"), CFG).header
+    assert header["learner"].endswith("|decay=matrices|schedule=wsd(warmup=2,total=10,decay=3,"
+                                      "floor=1/10)")
+    two = step_records(a / "results-0.bin", a / "results-5.bin")
+    one = step_records(b / "results-0.bin")
+    assert [s for s, _ in two] == [s for s, _ in one] == list(range(10))
+    assert all(x.tobytes() == y.tobytes() for (_, x), (_, y) in zip(two, one))
+    # the report draws the rate of each step from the identity: t / 2, 1, then 1 - 0.9 (10 - t) / 3
+    capsys.readouterr()
+    assert main(["report", str(b), "--csv", str(b / "r.csv"), "--plot", str(b / "r.png")]) == 0
+    assert "(wsd: warmup 2, total 10, decay 3, floor 1/10)" in capsys.readouterr().out
+    rows = (b / "r.csv").read_text().splitlines()
+    column = rows[0].split(",").index("learning_rate")
+    rates = [np.float32(r.split(",")[column]) for r in rows[1:11]]  # float32s, written short
+    s = [0.5, 1, 1, 1, 1, 1, 1, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3, 0.1]
+    assert rates == [np.float32(0.0003 * x) for x in s]
+    # no warm-up: the updates before the decay are the constant rate's, bit for bit
+    from fractions import Fraction
+
+    from coppelius.reference.adamw import float32_of
+
+    assert float32_of(Fraction(3, 10000)) == np.float32(3 / 10000)  # lr's two roundings agree
+    plateau = ["--schedule", "wsd", "--total", "10", "--decay", "5"]
+    assert main(train_args(stream, c, c / "wsd.bin", "--until", "5", *plateau)) == 0
+    assert main(train_args(stream, c, c / "constant.bin", "--until", "5", "--schedule",
+                           "constant")) == 0
+    wsd, constant = (load_state(str(c / name), CFG).state for name in ("wsd.bin", "constant.bin"))
+    for x, y in ((wsd.P, constant.P), (wsd.M, constant.M), (wsd.V, constant.V)):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_wsd_defaults_and_the_decay_remembered(tmp_path, stream, capsys):
+    """--total defaults to the run's final step and --decay to a fifth of
+    total - warmup; both are remembered, so a later --until goes on at the
+    floor unless --new-learner --total moves the decay (of the same length)."""
+    ck = tmp_path / "ck.bin"
+    assert main(train_args(stream, tmp_path, ck, "--until", "12", "--schedule", "wsd",
+                           "--warmup", "2")) == 0
+    assert load_state(str(ck), CFG).header["learner"].endswith(
+        "|schedule=wsd(warmup=2,total=12,decay=2,floor=0/1)")
+    capsys.readouterr()
+    assert main(train_args(stream, tmp_path, ck, "--until", "13")) == 0  # remembered
+    assert load_state(str(ck), CFG).header["learner"].endswith("total=12,decay=2,floor=0/1)")
+    assert main(train_args(stream, tmp_path, ck, "--until", "14", "--total", "30",
+                           "--new-learner")) == 0
+    assert load_state(str(ck), CFG).header["learner"].endswith("total=30,decay=2,floor=0/1)")
+    # another learner named in the refusal, with its decay
+    capsys.readouterr()
+    assert main(train_args(stream, tmp_path, ck, "--until", "15", "--schedule", "cosine")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--schedule wsd --warmup 2 --total 30 --decay 2 --floor 0/1 (or pass --new-learner" \
+        in err and len(err.splitlines()) == 1, err
+
+
 # ------------------------------------------------------------------ runs that remember (SPEC 9)
 
 LEARNER = ["--schedule", "cosine", "--warmup", "20", "--floor", "1/10", "--clip", "1/2"]
