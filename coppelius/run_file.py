@@ -30,7 +30,7 @@ MAX_COUNT = 2**62  # the command line's bound on steps, batches and intervals (p
 # command line's own types and ranges, so that a hand-edited file cannot
 # pass what `coppelius train` would refuse).
 PATHS = ("source", "stream", "tokenizer", "model", "checkpoint")  # absolute paths
-POSITIVE = ("batch", "accumulate", "gpus", "interval", "total")
+POSITIVE = ("batch", "accumulate", "gpus", "interval", "total", "decay")
 NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
 SWITCHES = ("recompute", "repeat_data")
 RATIONALS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor", "clip")
