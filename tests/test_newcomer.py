@@ -1,0 +1,97 @@
+"""The path a new user walks: the CPU under load (BLAS threads), what a run
+prints (each evaluation, Ctrl-C), the wording of messages, a closed pipe
+after `| head`, and evaluations on the run's own step grid after a resume."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from coppelius.reference import results
+from coppelius.reference.config import PRESETS
+
+from tests.support import pattern_stream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = PRESETS["test"]
+BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.fixture
+def stream(tmp_path):
+    """A synthetic token stream of 40 test-preset contexts (no tokenizer)."""
+    return pattern_stream(tmp_path / "s.tokens", CFG, 40, noise=0.1)
+
+
+def cli(*argv, env=None, **kwargs):
+    """The command line in a new process, without the BLAS variables unless
+    `env` sets them -> CompletedProcess (text)."""
+    base = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    base.update(PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "coppelius", *argv], cwd=ROOT, env=base,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def train_argv(stream, run_dir, *extra):
+    return ["train", "--preset", "test", "--backend", "reference", "--stream", stream,
+            "--run-dir", str(run_dir), "--checkpoint", str(run_dir / "ck.bin"), "--no-sample",
+            *extra]
+
+
+def blas_counts():
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+# ---------------------------------------------------------------- BLAS threads
+
+@pytest.fixture
+def restore_blas():
+    """Whatever a test sets, the BLAS thread counts are put back after it."""
+    limiter = threadpool_limits(limits=None)  # records the counts now, changes nothing
+    yield
+    limiter.restore_original_limits()
+
+
+def test_small_products_run_on_one_blas_thread_and_large_ones_keep_the_library_count(
+        restore_blas):
+    from coppelius.train import limit_blas_threads
+
+    threadpool_limits(limits=2, user_api="blas")
+    # the test preset's largest product: B*T = 16 rows by D = 32 by max(F, V) = 96
+    assert 8 * 16 * 32 * 96 < 2 ** 30
+    text = limit_blas_threads(None, CFG, 8, env={})
+    assert blas_counts() == {1} and text == "BLAS threads 1 (small products)"
+    threadpool_limits(limits=2, user_api="blas")
+    big = PRESETS["coppelius"]  # 1024 rows by 512 by V = 12288 at B = 1: above 2^30
+    assert limit_blas_threads(None, big, 1, env={}) == "BLAS threads 2 (large products)"
+    assert blas_counts() == {2}
+
+
+def test_the_option_and_the_users_variables_override_the_rule(restore_blas):
+    from coppelius.train import limit_blas_threads
+
+    threadpool_limits(limits=1, user_api="blas")
+    assert limit_blas_threads(2, CFG, 1, env={}) == "BLAS threads 2 (--blas-threads)"
+    assert blas_counts() == {2}
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        # the variable is the library's to read at start: the count is left alone
+        assert limit_blas_threads(None, CFG, 1, env={name: "2"}) == f"BLAS threads 2 ({name})"
+        assert blas_counts() == {2}
+    assert limit_blas_threads(1, CFG, 1, env={"OMP_NUM_THREADS": "2"}) == \
+        "BLAS threads 1 (--blas-threads)"
+
+
+def test_train_says_its_blas_threads_and_refuses_a_bad_count(tmp_path, stream):
+    p = cli(*train_argv(stream, tmp_path, "--steps", "1"))
+    assert p.returncode == 0, p.stderr
+    assert "BLAS threads 1 (small products)" in p.stderr + p.stdout
+    p = cli(*train_argv(stream, tmp_path / "b", "--steps", "1"),
+            env={"OPENBLAS_NUM_THREADS": "2"})
+    assert p.returncode == 0, p.stderr
+    assert "BLAS threads 2 (OPENBLAS_NUM_THREADS)" in p.stderr + p.stdout
+    p = cli(*train_argv(stream, tmp_path / "c", "--steps", "1", "--blas-threads", "0"))
+    assert p.returncode == 2 and "--blas-threads=0" in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
