@@ -222,17 +222,25 @@ class Progress:
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def update(self, s, loss, held_out=None):
+        """After step s (0-based) of this invocation; `held_out`: the
+        held-out loss evaluated after it, printed as a line of its own (a
+        bar's postfix is overwritten by the next step)."""
         rate = (s + 1) * self.tps / max(time.perf_counter() - self.t0, 1e-9)
-        ev = "" if held_out is None else f"  held-out {held_out:.4f}"
         try:
             if self.bar is not None:
-                self.bar.set_postfix_str(f"loss {loss:.4f}{ev.replace('  ', ', ')}, "
-                                         f"{rate:,.0f} tok/s", refresh=False)
+                self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tok/s", refresh=False)
                 self.bar.update(1)
-            elif (s + 1) % self.every == 0 or s + 1 == self.total or ev:
+            elif (s + 1) % self.every == 0 or s + 1 == self.total:
                 eta = (self.total - s - 1) * self.tps / rate
-                print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}{ev}"
+                print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}"
                       f"  {rate:,.0f} tok/s  eta {eta:.0f}s", file=sys.stderr, flush=True)
+            if held_out is not None:
+                line = (f"step {self.first + s + 1}: held-out loss {held_out:.4f} (perplexity "
+                        f"{math.exp(min(held_out, 700)):,.1f})")
+                if self.bar is not None:
+                    self.bar.write(line, file=sys.stderr)  # above the bar, which stays
+                else:
+                    print(line, file=sys.stderr, flush=True)
         except (OSError, ValueError):  # the terminal or pipe is gone: train on, silently
             self.bar = None
             self.every = self.total + 1

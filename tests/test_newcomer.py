@@ -95,3 +95,52 @@ def test_train_says_its_blas_threads_and_refuses_a_bad_count(tmp_path, stream):
     p = cli(*train_argv(stream, tmp_path / "c", "--steps", "1", "--blas-threads", "0"))
     assert p.returncode == 2 and "--blas-threads=0" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- each evaluation a line
+
+def held_out_lines(text):
+    """(step, loss) of each evaluation line printed."""
+    return [(int(a), float(b)) for a, b in
+            re.findall(r"^step (\d+): held-out loss (\d+\.\d+) \(perplexity", text, re.M)]
+
+
+def on_a_terminal(argv):
+    """The command with its stderr on a pseudo-terminal (tqdm's bar then
+    draws) -> (exit status, what the terminal received)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    proc = subprocess.Popen([sys.executable, "-m", "coppelius", *argv], cwd=ROOT,
+                            env=dict(env, PYTHONPATH=ROOT, COLUMNS="100"),
+                            stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    received = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(leader)
+    return proc.wait(timeout=300), received.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_each_evaluation_is_printed_as_a_line_of_its_own(tmp_path, stream, terminal):
+    argv = train_argv(stream, tmp_path, "--steps", "5", "--eval-every", "2")
+    if terminal:
+        status, text = on_a_terminal(argv)
+    else:
+        p = cli(*argv)
+        status, text = p.returncode, p.stderr
+    assert status == 0, text
+    evals = results.read_results(str(tmp_path / "results-0.bin")).evals
+    assert [step for step, _, _ in evals] == [2, 4, 5]
+    printed = held_out_lines(text.replace("\r", "\n"))
+    assert [step for step, _ in printed] == [2, 4, 5], text
+    for (step, loss), (_, mean, _) in zip(printed, evals):
+        assert abs(loss - mean) <= 5e-5
