@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT-style language model with exact, checkable semantics.",
         epilog="The exact semantics (cited as SPEC §N in messages and help): docs/SPEC.md "
                "in the project's source.")
+    parser.add_argument("--version", action="version", version=f"coppelius {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.subcommands = sub.choices  # name -> its parser, for its usage errors
     for name in MODULES:
         try:
             module = importlib.import_module(name)
@@ -73,9 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version (a source tree run as is has none)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("coppelius")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's to refuse, pointing at its own --help
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what --gpus N starts again
     # a path or a text that is not UTF-8 is printed with escapes, not refused
     # by the printing (a traceback) after the work is done

@@ -754,16 +754,17 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     if not leader:
         return 0 if summary["signal"] is None else 128 + summary["signal"]
     if summary["signal"] is not None:
-        print_safely(f"stopped by signal {summary['signal']} after {summary['steps']} steps; "
+        print_safely(f"stopped by signal {summary['signal']} after "
+                     f"{_count(summary['steps'], 'step')}; "
                      f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}")
         return 128 + summary["signal"]
     k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
     out = sys.stdout
-    print_safely(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
+    print_safely(f"trained {_count(summary['steps'], 'step')} in {summary['seconds']:.1f} s "
                  f"({summary['tokens_per_second']:,.0f} tokens/s; then "
                  f"{summary['finish_seconds']:.1f} s for the final record and the last "
                  f"checkpoint's write and sync); mean loss "
-                 f"{np.mean(losses[:k]):.4f} over the first {k} steps, "
+                 f"{np.mean(losses[:k]):.4f} over the first {_count(k, 'step')}, "
                  f"{np.mean(losses[-k:]):.4f} over the last {k}", out)
     if summary["held_out"]:
         step, loss = summary["held_out"][-1]
@@ -788,6 +789,11 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                                     logits_of=summary["program"].logits)
         print_safely(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text, out)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """"1 step", "2 steps"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _model_name(plan) -> str:

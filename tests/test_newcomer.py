@@ -144,3 +144,75 @@ def test_each_evaluation_is_printed_as_a_line_of_its_own(tmp_path, stream, termi
     assert [step for step, _ in printed] == [2, 4, 5], text
     for (step, loss), (_, mean, _) in zip(printed, evals):
         assert abs(loss - mean) <= 5e-5
+
+
+# ---------------------------------------------------------------- wording
+
+def test_one_step_is_one_step(tmp_path, stream):
+    p = cli(*train_argv(stream, tmp_path, "--steps", "1"))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^trained 1 step in .* over the first 1 step, .* over the last 1$",
+                     p.stdout, re.M), p.stdout
+    p = cli(*train_argv(stream, tmp_path, "--steps", "2"))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^trained 2 steps in .* over the first 1 step, ", p.stdout, re.M), p.stdout
+
+
+@pytest.mark.parametrize("q, text", [("1", "1"), ("1/2", "0.5"), ("9/4", "2.25"),
+                                      ("3/10000", "0.0003"), ("1/3", "1/3"), ("25/2", "12.5"),
+                                      ("-3/8", "-0.375")])
+def test_a_clip_reads_as_a_decimal(q, text):
+    from fractions import Fraction
+
+    from coppelius.report import decimal_text
+
+    assert decimal_text(Fraction(q)) == text
+    assert Fraction(text) == Fraction(q)
+
+
+def test_the_report_says_clip_1_not_1_over_1(tmp_path, stream):
+    assert cli(*train_argv(stream, tmp_path, "--steps", "1", "--clip", "1")).returncode == 0
+    p = cli("report", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^learning rate .*\(constant; clip 1\)$", p.stdout, re.M), p.stdout
+
+
+def test_an_unavailable_backend_says_how_to_install_it(tmp_path, stream):
+    """MLX made unimportable in the process: the refusal names the extra
+    of pyproject.toml that installs it."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert any(d.startswith("mlx") for d in extras["mlx"])
+    code = ("import sys; sys.modules['mlx'] = sys.modules['mlx.core'] = None; "
+            "from coppelius.cli import main; sys.exit(main(sys.argv[1:]))")
+    argv = train_argv(stream, tmp_path, "--steps", "1")
+    argv[argv.index("reference")] = "mlx"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "backend 'mlx': not available" in p.stderr
+    assert "pip install 'coppelius[mlx]'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_version():
+    from importlib import metadata
+
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"coppelius {metadata.version('coppelius')}"
+
+
+@pytest.mark.parametrize("argv, command", [(["train", "--bogus"], "train"),
+                                           (["inspect", "a", "b"], "inspect"),
+                                           (["report", "--steps", "x", "a"], "report"),
+                                           (["tokenize", "--nope"], "tokenize")])
+def test_a_usage_error_points_at_its_subcommands_help(argv, command):
+    p = cli(*argv)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().endswith(f"(see coppelius {command} --help)"), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
