@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import signal
 import sys
@@ -85,6 +86,27 @@ def version() -> str:
         return "(not installed)"
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no stdout
+        return False
+
+
+def _to_devnull(stream) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -109,6 +131,14 @@ def main(argv=None) -> int:
     except CoppeliusError as e:
         print(f"coppelius {args.command}: error: {e}", file=sys.stderr)
         return e.exit_status
+    except BrokenPipeError as e:
+        if not _stdout_closed():
+            print(f"coppelius {args.command}: error: {e.strerror or e}", file=sys.stderr)
+            return 2
+        # `coppelius inspect ... | head`: the reader has what it wanted. The
+        # rest goes to /dev/null, so that the exit's flush fails no more.
+        _to_devnull(sys.stdout)
+        return 0
     except OSError as e:  # a file-system failure nothing more specific caught
         where = f"{e.filename}: " if e.filename else ""
         print(f"coppelius {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -216,3 +216,35 @@ def test_a_usage_error_points_at_its_subcommands_help(argv, command):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().endswith(f"(see coppelius {command} --help)"), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- | head
+
+def with_stdout_closed(*argv):
+    """The command with its stdout a pipe whose reader is gone before it
+    prints (as after `| head` has what it wanted) -> (status, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    proc = subprocess.Popen([sys.executable, "-m", "coppelius", *argv], cwd=ROOT,
+                            env=dict(env, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=300), err
+
+
+def test_inspect_and_tokenize_end_quietly_into_a_closed_pipe(tmp_path, stream):
+    assert cli(*train_argv(stream, tmp_path, "--steps", "1")).returncode == 0
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.txt").write_text(" ".join(f"word{j * 7 + i} of {j}" for j in range(400)))
+    commands = [("inspect", str(tmp_path / "results-0.bin")),
+                ("inspect", str(tmp_path / "ck.bin")),
+                ("tokenize", "--preset", "test", "--vocab", "300", "--out",
+                 str(tmp_path / "t" / "docs.tokens"), str(docs))]
+    (tmp_path / "t").mkdir()
+    for argv in commands:
+        status, err = with_stdout_closed(*argv)
+        assert status == 0 and err == "", (argv, err)
+        p = cli(*argv)  # the same command prints, so the pipe had something refused
+        assert p.returncode == 0 and p.stdout.strip(), (argv, p.stderr)
