@@ -184,11 +184,18 @@ def limit_blas_threads(requested, config, batch: int, env=None) -> str:
 
 class Stopper:
     """SIGINT, SIGTERM and SIGHUP (a closed terminal) set a flag; the loop
-    publishes after the step in flight."""
+    publishes after the step in flight. The first signal is acknowledged
+    at once on stderr, even while the step runs in one long call of NumPy or
+    a backend (Python's own handler runs only once that call returns): the
+    C handler writes the signal's number to a wake-up pipe, which a thread
+    of its own reads."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signum = None
+        self.announce = announce
         self._old = {}
+        self._pipe = self._thread = None
+        self._old_wakeup = -1
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -196,7 +203,32 @@ class Stopper:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (ranks as threads, in tests): no signals
                 break
+        if self.announce and self._old:
+            self._pipe = os.pipe()
+            os.set_blocking(self._pipe[1], False)  # the C handler never blocks on it
+            self._old_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+            self._thread = threading.Thread(target=self._acknowledge, daemon=True,
+                                            name="coppelius-signal-acknowledge")
+            self._thread.start()
         return self
+
+    def _acknowledge(self):
+        said = False
+        while True:
+            try:
+                received = os.read(self._pipe[0], 64)
+            except OSError:
+                return
+            if not received or 0 in received:  # __exit__'s sentinel
+                return
+            if not said:
+                said = True
+                signum = received[0]
+                what = ("interrupted" if signum == signal.SIGINT else f"signal {signum}")
+                again = (" (interrupt again to stop at once, publishing nothing)"
+                         if signum == signal.SIGINT else "")
+                print_safely(f"coppelius train: {what}: stopping after the step in flight"
+                             f"{again}")
 
     def _handle(self, signum, frame):
         if self.signum is not None:  # a second signal: stop now, nothing is published
@@ -204,6 +236,16 @@ class Stopper:
         self.signum = signum
 
     def __exit__(self, *exc):
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            try:
+                os.write(self._pipe[1], b"\0")
+            except OSError:  # full: the thread has ended reading or is about to
+                pass
+            self._thread.join(timeout=5)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
@@ -403,7 +445,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 or bool(plan.heldout and plan.eval_every and n % plan.eval_every == 0))
 
     try:
-        with Stopper() as stopper:
+        with Stopper(announce=not quiet) as stopper:
             agreed_stop = False  # with ranks: a step read so far says some rank asked to stop
 
             def asked():  # this process's signal; with ranks, any rank's, as every rank reads it

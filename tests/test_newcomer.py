@@ -248,3 +248,86 @@ def test_inspect_and_tokenize_end_quietly_into_a_closed_pipe(tmp_path, stream):
         assert status == 0 and err == "", (argv, err)
         p = cli(*argv)  # the same command prints, so the pipe had something refused
         assert p.returncode == 0 and p.stdout.strip(), (argv, p.stderr)
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_is_acknowledged_and_the_run_stops_after_the_step(tmp_path, stream):
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coppelius",
+         *train_argv(stream, tmp_path, "--steps", "100000", "--interval", "100000",
+                     "--repeat-data")],
+        cwd=ROOT, env=dict(env, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    res = tmp_path / "results-0.bin"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if res.exists() and len(results.read_results(str(res)).steps) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = err.splitlines()
+    ack = [i for i, line in enumerate(lines) if line == (
+        "coppelius train: interrupted: stopping after the step in flight (interrupt again "
+        "to stop at once, publishing nothing)")]
+    stopped = [i for i, line in enumerate(lines) if line.startswith("stopped by signal 2 after")]
+    assert len(ack) == 1 and len(stopped) == 1 and ack[0] < stopped[0], err
+
+
+STOPPER_DURING_A_LONG_CALL = """
+import sys, time
+import numpy as np
+from threadpoolctl import threadpool_limits
+from coppelius.train import Stopper
+
+a = np.ones((N, N), np.float32)
+with threadpool_limits(1, "blas"), Stopper() as stopper:
+    print("ready", flush=True)
+    a @ a  # one call of the BLAS: Python's handler waits for it
+    print("returned", flush=True)
+    time.sleep(0)  # Python's handler has run by the end of this call
+    print(f"flag {stopper.signum}", flush=True)
+"""
+
+
+def test_a_signal_is_acknowledged_while_a_long_call_runs():
+    """The acknowledgement comes while one BLAS call is still running
+    (the process prints "returned" right after it): the signal goes in
+    just after "ready", and the call takes seconds."""
+    import signal
+    import threading
+    import time
+
+    code = STOPPER_DURING_A_LONG_CALL.replace("N, N", "4000, 4000")
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, PYTHONPATH=ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    arrived = {}
+
+    def read(stream, name):
+        for line in stream:
+            arrived.setdefault(name, []).append((time.monotonic(), line.strip()))
+
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    readers = [threading.Thread(target=read, args=(proc.stdout, "returned")),
+               threading.Thread(target=read, args=(proc.stderr, "acknowledged"))]
+    for t in readers:
+        t.start()
+    assert proc.wait(timeout=300) == 0
+    for t in readers:
+        t.join()
+    (returned, *_), acknowledged = arrived["returned"], arrived["acknowledged"]
+    assert [line for _, line in arrived["returned"]] == [
+        "returned", f"flag {int(signal.SIGTERM)}"]
+    assert [line for _, line in acknowledged] == [
+        f"coppelius train: signal {int(signal.SIGTERM)}: stopping after the step in flight"]
+    # the call went on for a while after the acknowledgement
+    assert acknowledged[0][0] - sent < returned[0] - sent - 0.1, arrived
