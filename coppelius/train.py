@@ -440,9 +440,15 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     t_start = t_trained = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
 
+    def on_grid(n, every):
+        # after n steps of this invocation: the run's step is a multiple of
+        # `every`, so a resumed run publishes and evaluates where an
+        # uninterrupted one does (1250, 1500, ... after a stop at 1021)
+        return (first_step + n) % every == 0
+
     def boundary(n):  # after n steps the host acts on the state: nothing may be queued
-        return (n == plan.steps or n % plan.interval == 0
-                or bool(plan.heldout and plan.eval_every and n % plan.eval_every == 0))
+        return (n == plan.steps or on_grid(n, plan.interval)
+                or bool(plan.heldout and plan.eval_every and on_grid(n, plan.eval_every)))
 
     try:
         with Stopper(announce=not quiet) as stopper:
@@ -501,7 +507,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     # the final record's gradient, read before the evaluation
                     # (on CuPy it shares storage with the activations)
                     last_gradients = program.gradients()
-                if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
+                if plan.heldout and plan.eval_every and (last or on_grid(done, plan.eval_every)) \
                         and not stop:
                     per_context = held_out_losses(program, plan.stream, T, plan.heldout)
                     writer.eval(first_step + done, per_context)
@@ -511,21 +517,21 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     progress.update(s, loss, evaluated)
                 if stream_error is not None:
                     # the stream changed under the run (truncated, say): keep what is trained
-                    if done % plan.interval:
+                    if not on_grid(done, plan.interval):
                         publish_after(done)
                         publisher.finish()
                     raise stream_error
                 if following is not None:  # the queued step is read next, whatever happens
                     pending, following = following, None
                     continue
-                if last or done % plan.interval == 0 or stop:
+                if last or on_grid(done, plan.interval) or stop:
                     publish_after(done)  # written in the background
                 if stop and not last:
                     break
                 try:
                     pending = submit(s + 1) if not last else None
                 except StreamError:
-                    if done % plan.interval:
+                    if not on_grid(done, plan.interval):
                         publish_after(done)
                         publisher.finish()
                     raise

@@ -331,3 +331,30 @@ def test_a_signal_is_acknowledged_while_a_long_call_runs():
         f"coppelius train: signal {int(signal.SIGTERM)}: stopping after the step in flight"]
     # the call went on for a while after the acknowledgement
     assert acknowledged[0][0] - sent < returned[0] - sent - 0.1, arrived
+
+
+# ---------------------------------------------------------------- the grid after a resume
+
+def test_a_resumed_run_evaluates_and_publishes_on_multiples_of_the_interval(
+        tmp_path, stream, monkeypatch):
+    """Stopped at step 3, resumed for 6 more: evaluations and publications
+    at the multiples of 4 from step 4 on, and after the last step (9), not
+    at 3 + 4 = 7."""
+    from coppelius import train
+    from coppelius.cli import main
+
+    published = []
+    real = train.publish
+    monkeypatch.setattr(train, "publish", lambda plan, state, contexts: (
+        published.append(state.t), real(plan, state, contexts))[1])
+    common = ("--interval", "4", "--eval-every", "4")
+    assert main(train_argv(stream, tmp_path, "--steps", "3", *common)) == 0
+    assert published == [3]
+    del published[:]
+    assert main(train_argv(stream, tmp_path, "--steps", "6", *common)) == 0
+    first, last = 3, 9
+    grid = [s for s in range(first + 1, last + 1) if s % 4 == 0]
+    assert grid == [4, 8]
+    assert published == grid + [last]
+    evals = results.read_results(str(tmp_path / "results-3.bin")).evals
+    assert [step for step, _, _ in evals] == grid + [last]
