@@ -171,7 +171,9 @@ def test_a_clip_reads_as_a_decimal(q, text):
 
 
 def test_the_report_says_clip_1_not_1_over_1(tmp_path, stream):
-    assert cli(*train_argv(stream, tmp_path, "--steps", "1", "--clip", "1")).returncode == 0
+    from coppelius.cli import main
+
+    assert main(train_argv(stream, tmp_path, "--steps", "1", "--clip", "1")) == 0
     p = cli("report", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert re.search(r"^learning rate .*\(constant; clip 1\)$", p.stdout, re.M), p.stdout
@@ -233,7 +235,9 @@ def with_stdout_closed(*argv):
 
 
 def test_inspect_and_tokenize_end_quietly_into_a_closed_pipe(tmp_path, stream):
-    assert cli(*train_argv(stream, tmp_path, "--steps", "1")).returncode == 0
+    from coppelius.cli import main
+
+    assert main(train_argv(stream, tmp_path, "--steps", "1")) == 0
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(3):
