@@ -130,8 +130,8 @@ def register(sub) -> None:
                         "identity's hyperparameters, never its precision)")
     p.add_argument("--blas-threads", type=int, metavar="N",
                    help="threads of NumPy's BLAS for the host's products (default: "
-                        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS when set, else 1 for the "
-                        "small models, the library's own count for the large)")
+                        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS when set, else 1, the "
+                        "fastest on a busy machine; the README says why)")
     p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     p.add_argument("--prompt", metavar="TEXT",
                    help="the sample's prompt (default: the first line of the stream's last "
@@ -140,27 +140,21 @@ def register(sub) -> None:
 
 
 # The BLAS threads of the host's products (the reference's step, every
-# evaluation on the host). Measured on a 2-core machine, the tiny preset's
-# reference step: 60 ms at B = 1 on one thread, 243 ms on two; under a
-# neighbour spinning one core 102 ms and 2444 ms (B = 8: 905 ms and 5867 ms):
-# OpenBLAS's threads spin-wait for each other on products too small to
-# share. A step whose largest product is below SMALL_PRODUCT multiply-adds
-# (tiny at B = 8: 2048 x 128 x 2048, about 5e8) therefore runs on one
-# thread; a larger one keeps the library's count, which pays off there.
-SMALL_PRODUCT = 2 ** 30
+# evaluation on the host). Measured on a 2-core machine with other work
+# beside it, the tiny preset's reference step: 60 ms at B = 1 on one thread,
+# 243 ms on two; with a neighbour spinning one core 102 ms and 2444 ms (B = 8:
+# 905 ms and 5867 ms); the coppelius preset's step 13.2 s on one thread, and
+# on two not 5 steps in 300 s. OpenBLAS's threads spin-wait for each other
+# and for a core: under contention one thread is fastest at every size, so
+# it is the default; an idle machine with many cores is told so with
+# --blas-threads N (or the library's variables).
 BLAS_ENVIRONMENT = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def largest_product(config, batch: int) -> int:
-    """Multiply-adds of the step's largest matrix product: the B*T rows of
-    a layer's input by D by the widest output (the MLP's F, or the logits' V)."""
-    return batch * config.context * config.d_model * max(config.d_ff, config.vocab)
-
-
-def limit_blas_threads(requested, config, batch: int, env=None) -> str:
+def limit_blas_threads(requested, env=None) -> str:
     """Set the BLAS thread count of this process (threadpoolctl) and say
     which and why: --blas-threads first, then the user's environment
-    variable (left as the library read it), then the size rule above."""
+    variable (left as the library read it), else one thread."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     env = os.environ if env is None else env
@@ -168,12 +162,7 @@ def limit_blas_threads(requested, config, batch: int, env=None) -> str:
         n, why = _positive(requested, "blas-threads"), "--blas-threads"
     else:
         name = next((v for v in BLAS_ENVIRONMENT if env.get(v)), None)
-        if name is not None:
-            n, why = None, name
-        elif largest_product(config, batch) < SMALL_PRODUCT:
-            n, why = 1, "small products"
-        else:
-            n, why = None, "large products"
+        n, why = (None, name) if name is not None else (1, "the default; --blas-threads N")
     if n is not None:
         threadpool_limits(limits=n, user_api="blas")  # for the rest of the process
     counts = sorted({pool["num_threads"] for pool in threadpool_info()
@@ -779,7 +768,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                   f"{plan.state.t}, the run's final step (use --steps S or --until N to go "
                   f"further)")
         return 0
-    blas = limit_blas_threads(getattr(args, "blas_threads", None), plan.config, plan.batch)
+    blas = limit_blas_threads(getattr(args, "blas_threads", None))
     if leader:
         write_run_file(plan.run_dir, plan.remembered)
         schedule = ("" if plan.hyper.schedule == "constant" else

@@ -55,39 +55,27 @@ def restore_blas():
     limiter.restore_original_limits()
 
 
-def test_small_products_run_on_one_blas_thread_and_large_ones_keep_the_library_count(
-        restore_blas):
+def test_one_blas_thread_by_default_and_the_option_and_variables_override_it(restore_blas):
     from coppelius.train import limit_blas_threads
 
     threadpool_limits(limits=2, user_api="blas")
-    # the test preset's largest product: B*T = 16 rows by D = 32 by max(F, V) = 96
-    assert 8 * 16 * 32 * 96 < 2 ** 30
-    text = limit_blas_threads(None, CFG, 8, env={})
-    assert blas_counts() == {1} and text == "BLAS threads 1 (small products)"
-    threadpool_limits(limits=2, user_api="blas")
-    big = PRESETS["coppelius"]  # 1024 rows by 512 by V = 12288 at B = 1: above 2^30
-    assert limit_blas_threads(None, big, 1, env={}) == "BLAS threads 2 (large products)"
-    assert blas_counts() == {2}
-
-
-def test_the_option_and_the_users_variables_override_the_rule(restore_blas):
-    from coppelius.train import limit_blas_threads
-
-    threadpool_limits(limits=1, user_api="blas")
-    assert limit_blas_threads(2, CFG, 1, env={}) == "BLAS threads 2 (--blas-threads)"
+    assert limit_blas_threads(None, env={}) == "BLAS threads 1 (the default; --blas-threads N)"
+    assert blas_counts() == {1}
+    assert limit_blas_threads(2, env={}) == "BLAS threads 2 (--blas-threads)"
     assert blas_counts() == {2}
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
         # the variable is the library's to read at start: the count is left alone
-        assert limit_blas_threads(None, CFG, 1, env={name: "2"}) == f"BLAS threads 2 ({name})"
+        assert limit_blas_threads(None, env={name: "2"}) == f"BLAS threads 2 ({name})"
         assert blas_counts() == {2}
-    assert limit_blas_threads(1, CFG, 1, env={"OMP_NUM_THREADS": "2"}) == \
+    assert limit_blas_threads(1, env={"OMP_NUM_THREADS": "2"}) == \
         "BLAS threads 1 (--blas-threads)"
+    assert blas_counts() == {1}
 
 
 def test_train_says_its_blas_threads_and_refuses_a_bad_count(tmp_path, stream):
     p = cli(*train_argv(stream, tmp_path, "--steps", "1"))
     assert p.returncode == 0, p.stderr
-    assert "BLAS threads 1 (small products)" in p.stderr + p.stdout
+    assert "BLAS threads 1 (the default; --blas-threads N)" in p.stderr + p.stdout
     p = cli(*train_argv(stream, tmp_path / "b", "--steps", "1"),
             env={"OPENBLAS_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stderr
