@@ -60,6 +60,10 @@ def data_parallel_backends() -> list:
     return [name for name in BACKENDS if capabilities(name).data_parallel]
 
 
+# what a backend's library is installed with (the extras of pyproject.toml)
+INSTALL = {"mlx": "pip install 'coppelius[mlx]'", "cupy": "pip install 'coppelius[cuda]'"}
+
+
 def backend_module(name: str):
     """The module of backend `name`; a clear error if unknown or unavailable here."""
     if name not in BACKENDS:
@@ -67,10 +71,17 @@ def backend_module(name: str):
     try:
         module = importlib.import_module(BACKENDS[name])
     except ImportError as e:
-        raise ConfigError(f"backend {name!r}: not available here ({e})") from None
+        raise ConfigError(f"backend {name!r}: not available here ({e}){_install(name)}") from None
     if not module.available():
-        raise ConfigError(f"backend {name!r}: not available on this machine")
+        raise ConfigError(f"backend {name!r}: not available on this machine{_install(name)}")
     return module
+
+
+def _install(name: str) -> str:
+    if name not in INSTALL:
+        return ""
+    needs = " (it needs an NVIDIA GPU)" if name == "cupy" else ""
+    return f"; install its library with {INSTALL[name]}{needs}"
 
 
 def available_backends() -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import signal
 import sys
@@ -61,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT-style language model with exact, checkable semantics.",
         epilog="The exact semantics (cited as SPEC §N in messages and help): docs/SPEC.md "
                "in the project's source.")
+    parser.add_argument("--version", action="version", version=f"coppelius {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.subcommands = sub.choices  # name -> its parser, for its usage errors
     for name in MODULES:
         try:
             module = importlib.import_module(name)
@@ -73,9 +76,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version (a source tree run as is has none)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("coppelius")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no stdout
+        return False
+
+
+def _to_devnull(stream) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's to refuse, pointing at its own --help
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what --gpus N starts again
     # a path or a text that is not UTF-8 is printed with escapes, not refused
     # by the printing (a traceback) after the work is done
@@ -95,6 +131,14 @@ def main(argv=None) -> int:
     except CoppeliusError as e:
         print(f"coppelius {args.command}: error: {e}", file=sys.stderr)
         return e.exit_status
+    except BrokenPipeError as e:
+        if not _stdout_closed():
+            print(f"coppelius {args.command}: error: {e.strerror or e}", file=sys.stderr)
+            return 2
+        # `coppelius inspect ... | head`: the reader has what it wanted. The
+        # rest goes to /dev/null, so that the exit's flush fails no more.
+        _to_devnull(sys.stdout)
+        return 0
     except OSError as e:  # a file-system failure nothing more specific caught
         where = f"{e.filename}: " if e.filename else ""
         print(f"coppelius {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -169,7 +169,21 @@ def _schedule_text(learner: str) -> str:
     text = "constant" if hyper.schedule == "constant" else (
         f"{hyper.schedule}: warmup {hyper.warmup}, total {hyper.total}{decay}, "
         f"floor {rational_text(hyper.floor)}")
-    return text + (f"; clip {rational_text(hyper.clip)}" if hyper.clip is not None else "")
+    return text + (f"; clip {decimal_text(hyper.clip)}" if hyper.clip is not None else "")
+
+
+def decimal_text(q) -> str:
+    """An exact rational as a reader writes it: 1, 0.5, 2.25; one with no
+    finite decimal form in lowest terms (1/3)."""
+    numerator, _, denominator = rational_text(q).partition("/")
+    if denominator == "1":
+        return numerator
+    if denominator.strip("0") != "1":  # not a power of ten
+        return f"{numerator}/{denominator}"
+    places = len(denominator) - 1
+    sign, digits = ("-", numerator[1:]) if numerator.startswith("-") else ("", numerator)
+    digits = digits.rjust(places + 1, "0")
+    return f"{sign}{digits[:-places]}.{digits[-places:]}".rstrip("0").rstrip(".")
 
 
 def check_plot_path(path, inputs=()) -> None:

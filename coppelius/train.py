@@ -132,6 +132,10 @@ def register(sub) -> None:
     p.add_argument("--new-learner", action="store_true",
                    help="resume with another learning rate, schedule or clip (lifts the learner "
                         "identity's hyperparameters, never its precision)")
+    p.add_argument("--blas-threads", type=int, metavar="N",
+                   help="threads of NumPy's BLAS for the host's products (default: "
+                        "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS when set, else 1, the "
+                        "fastest on a busy machine; the README says why)")
     p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     p.add_argument("--prompt", metavar="TEXT",
                    help="the sample's prompt (default: the first line of the stream's last "
@@ -139,13 +143,52 @@ def register(sub) -> None:
     p.set_defaults(func=main)
 
 
+# The BLAS threads of the host's products (the reference's step, every
+# evaluation on the host). Measured on a 2-core machine with other work
+# beside it, the tiny preset's reference step: 60 ms at B = 1 on one thread,
+# 243 ms on two; with a neighbour spinning one core 102 ms and 2444 ms (B = 8:
+# 905 ms and 5867 ms); the coppelius preset's step 13.2 s on one thread, and
+# on two not 5 steps in 300 s. OpenBLAS's threads spin-wait for each other
+# and for a core: under contention one thread is fastest at every size, so
+# it is the default; an idle machine with many cores is told so with
+# --blas-threads N (or the library's variables).
+BLAS_ENVIRONMENT = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_blas_threads(requested, env=None) -> str:
+    """Set the BLAS thread count of this process (threadpoolctl) and say
+    which and why: --blas-threads first, then the user's environment
+    variable (left as the library read it), else one thread."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    env = os.environ if env is None else env
+    if requested is not None:
+        n, why = _positive(requested, "blas-threads"), "--blas-threads"
+    else:
+        name = next((v for v in BLAS_ENVIRONMENT if env.get(v)), None)
+        n, why = (None, name) if name is not None else (1, "the default; --blas-threads N")
+    if n is not None:
+        threadpool_limits(limits=n, user_api="blas")  # for the rest of the process
+    counts = sorted({pool["num_threads"] for pool in threadpool_info()
+                     if pool["user_api"] == "blas"})
+    count = "/".join(map(str, counts)) or "?"
+    return f"BLAS threads {count} ({why})"
+
+
 class Stopper:
     """SIGINT, SIGTERM and SIGHUP (a closed terminal) set a flag; the loop
-    publishes after the step in flight."""
+    publishes after the step in flight. The first signal is acknowledged
+    at once on stderr, even while the step runs in one long call of NumPy or
+    a backend (Python's own handler runs only once that call returns): the
+    C handler writes the signal's number to a wake-up pipe, which a thread
+    of its own reads."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signum = None
+        self.announce = announce
         self._old = {}
+        self._pipe = self._thread = None
+        self._old_wakeup = -1
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -153,7 +196,32 @@ class Stopper:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (ranks as threads, in tests): no signals
                 break
+        if self.announce and self._old:
+            self._pipe = os.pipe()
+            os.set_blocking(self._pipe[1], False)  # the C handler never blocks on it
+            self._old_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+            self._thread = threading.Thread(target=self._acknowledge, daemon=True,
+                                            name="coppelius-signal-acknowledge")
+            self._thread.start()
         return self
+
+    def _acknowledge(self):
+        said = False
+        while True:
+            try:
+                received = os.read(self._pipe[0], 64)
+            except OSError:
+                return
+            if not received or 0 in received:  # __exit__'s sentinel
+                return
+            if not said:
+                said = True
+                signum = received[0]
+                what = ("interrupted" if signum == signal.SIGINT else f"signal {signum}")
+                again = (" (interrupt again to stop at once, publishing nothing)"
+                         if signum == signal.SIGINT else "")
+                print_safely(f"coppelius train: {what}: stopping after the step in flight"
+                             f"{again}")
 
     def _handle(self, signum, frame):
         if self.signum is not None:  # a second signal: stop now, nothing is published
@@ -161,6 +229,16 @@ class Stopper:
         self.signum = signum
 
     def __exit__(self, *exc):
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            try:
+                os.write(self._pipe[1], b"\0")
+            except OSError:  # full: the thread has ended reading or is about to
+                pass
+            self._thread.join(timeout=5)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
@@ -179,17 +257,25 @@ class Progress:
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def update(self, s, loss, held_out=None):
+        """After step s (0-based) of this invocation; `held_out`: the
+        held-out loss evaluated after it, printed as a line of its own (a
+        bar's postfix is overwritten by the next step)."""
         rate = (s + 1) * self.tps / max(time.perf_counter() - self.t0, 1e-9)
-        ev = "" if held_out is None else f"  held-out {held_out:.4f}"
         try:
             if self.bar is not None:
-                self.bar.set_postfix_str(f"loss {loss:.4f}{ev.replace('  ', ', ')}, "
-                                         f"{rate:,.0f} tok/s", refresh=False)
+                self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tok/s", refresh=False)
                 self.bar.update(1)
-            elif (s + 1) % self.every == 0 or s + 1 == self.total or ev:
+            elif (s + 1) % self.every == 0 or s + 1 == self.total:
                 eta = (self.total - s - 1) * self.tps / rate
-                print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}{ev}"
+                print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}"
                       f"  {rate:,.0f} tok/s  eta {eta:.0f}s", file=sys.stderr, flush=True)
+            if held_out is not None:
+                line = (f"step {self.first + s + 1}: held-out loss {held_out:.4f} (perplexity "
+                        f"{math.exp(min(held_out, 700)):,.1f})")
+                if self.bar is not None:
+                    self.bar.write(line, file=sys.stderr)  # above the bar, which stays
+                else:
+                    print(line, file=sys.stderr, flush=True)
         except (OSError, ValueError):  # the terminal or pipe is gone: train on, silently
             self.bar = None
             self.every = self.total + 1
@@ -347,12 +433,18 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     t_start = t_trained = time.perf_counter()
     progress = Progress(plan.steps, first_step, B * T) if not quiet else None
 
+    def on_grid(n, every):
+        # after n steps of this invocation: the run's step is a multiple of
+        # `every`, so a resumed run publishes and evaluates where an
+        # uninterrupted one does (1250, 1500, ... after a stop at 1021)
+        return (first_step + n) % every == 0
+
     def boundary(n):  # after n steps the host acts on the state: nothing may be queued
-        return (n == plan.steps or n % plan.interval == 0
-                or bool(plan.heldout and plan.eval_every and n % plan.eval_every == 0))
+        return (n == plan.steps or on_grid(n, plan.interval)
+                or bool(plan.heldout and plan.eval_every and on_grid(n, plan.eval_every)))
 
     try:
-        with Stopper() as stopper:
+        with Stopper(announce=not quiet) as stopper:
             agreed_stop = False  # with ranks: a step read so far says some rank asked to stop
 
             def asked():  # this process's signal; with ranks, any rank's, as every rank reads it
@@ -408,7 +500,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     # the final record's gradient, read before the evaluation
                     # (on CuPy it shares storage with the activations)
                     last_gradients = program.gradients()
-                if plan.heldout and plan.eval_every and (last or done % plan.eval_every == 0) \
+                if plan.heldout and plan.eval_every and (last or on_grid(done, plan.eval_every)) \
                         and not stop:
                     per_context = held_out_losses(program, plan.stream, T, plan.heldout)
                     writer.eval(first_step + done, per_context)
@@ -418,21 +510,21 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     progress.update(s, loss, evaluated)
                 if stream_error is not None:
                     # the stream changed under the run (truncated, say): keep what is trained
-                    if done % plan.interval:
+                    if not on_grid(done, plan.interval):
                         publish_after(done)
                         publisher.finish()
                     raise stream_error
                 if following is not None:  # the queued step is read next, whatever happens
                     pending, following = following, None
                     continue
-                if last or done % plan.interval == 0 or stop:
+                if last or on_grid(done, plan.interval) or stop:
                     publish_after(done)  # written in the background
                 if stop and not last:
                     break
                 try:
                     pending = submit(s + 1) if not last else None
                 except StreamError:
-                    if done % plan.interval:
+                    if not on_grid(done, plan.interval):
                         publish_after(done)
                         publisher.finish()
                     raise
@@ -484,6 +576,7 @@ def _final_record(writer, program, config, last_tokens, updates, state, grads):
 
 
 def main(args) -> int:
+    _positive(args.blas_threads, "blas-threads")  # refused before the data is prepared
     launch = ranks.from_environment()
     if launch is not None:  # one rank of a launcher's (or of --gpus N's)
         if args.gpus is not None and args.gpus != launch.world:
@@ -679,6 +772,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                   f"{plan.state.t}, the run's final step (use --steps S or --until N to go "
                   f"further)")
         return 0
+    blas = limit_blas_threads(getattr(args, "blas_threads", None))
     if leader:
         write_run_file(plan.run_dir, plan.remembered)
         h = plan.hyper
@@ -692,6 +786,8 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
         if plan.recompute and accelerated.capabilities(plan.backend).recompute:  # else ignored
             gpus += ", gate and up recomputed in the backward"
+        if accelerated.capabilities(plan.backend).device == "cpu":
+            gpus += f", {blas}"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
                      f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "
@@ -703,16 +799,17 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     if not leader:
         return 0 if summary["signal"] is None else 128 + summary["signal"]
     if summary["signal"] is not None:
-        print_safely(f"stopped by signal {summary['signal']} after {summary['steps']} steps; "
+        print_safely(f"stopped by signal {summary['signal']} after "
+                     f"{_count(summary['steps'], 'step')}; "
                      f"checkpoint {plan.checkpoint} holds step {plan.state.t + summary['steps']}")
         return 128 + summary["signal"]
     k = max(1, len(losses) // 10)  # single steps are noisy: average a tenth of the run
     out = sys.stdout
-    print_safely(f"trained {summary['steps']} steps in {summary['seconds']:.1f} s "
+    print_safely(f"trained {_count(summary['steps'], 'step')} in {summary['seconds']:.1f} s "
                  f"({summary['tokens_per_second']:,.0f} tokens/s; then "
                  f"{summary['finish_seconds']:.1f} s for the final record and the last "
                  f"checkpoint's write and sync); mean loss "
-                 f"{np.mean(losses[:k]):.4f} over the first {k} steps, "
+                 f"{np.mean(losses[:k]):.4f} over the first {_count(k, 'step')}, "
                  f"{np.mean(losses[-k:]):.4f} over the last {k}", out)
     if summary["held_out"]:
         step, loss = summary["held_out"][-1]
@@ -737,6 +834,11 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                                     logits_of=summary["program"].logits)
         print_safely(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text, out)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """"1 step", "2 steps"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _model_name(plan) -> str:
