@@ -128,6 +128,7 @@ def main(argv=None) -> int:
             pass
     try:
         status = args.func(args)
+        sys.stdout.flush()  # what is still buffered fails here, not at the exit's flush
     except CoppeliusError as e:
         print(f"coppelius {args.command}: error: {e}", file=sys.stderr)
         return e.exit_status
