@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 import signal
 import sys
@@ -98,15 +97,6 @@ def _stdout_closed() -> bool:
         return False
 
 
-def _to_devnull(stream) -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -138,7 +128,9 @@ def main(argv=None) -> int:
             return 2
         # `coppelius inspect ... | head`: the reader has what it wanted. The
         # rest goes to /dev/null, so that the exit's flush fails no more.
-        _to_devnull(sys.stdout)
+        from coppelius.plan import silence
+
+        silence(sys.stdout)
         return 0
     except OSError as e:  # a file-system failure nothing more specific caught
         where = f"{e.filename}: " if e.filename else ""

@@ -427,10 +427,11 @@ def print_safely(text: str, file=None) -> None:
     try:
         print(text, file=stream, flush=True)
     except (OSError, ValueError):
-        _silence(stream)
+        silence(stream)
 
 
-def _silence(stream) -> None:
+def silence(stream) -> None:
+    """Send `stream` to /dev/null (a closed pipe or terminal: nothing more to say)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, stream.fileno())

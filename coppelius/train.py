@@ -33,7 +33,7 @@ from coppelius import accelerated
 from coppelius import launch as ranks
 from coppelius import report, sample
 from coppelius.evaluate import held_out_losses
-from coppelius.plan import (EVAL_CONTEXTS, LEARNER_OPTIONS, Plan, _positive, _silence,
+from coppelius.plan import (EVAL_CONTEXTS, LEARNER_OPTIONS, Plan, _positive, silence,
                             check_gpus, make_plan, print_safely, publish_tokenizer,
                             resolve_options)
 from coppelius.reference import checkpoint, fsutil, results
@@ -279,14 +279,14 @@ class Progress:
         except (OSError, ValueError):  # the terminal or pipe is gone: train on, silently
             self.bar = None
             self.every = self.total + 1
-            _silence(sys.stderr)
+            silence(sys.stderr)
 
     def close(self):
         if self.bar is not None:
             try:
                 self.bar.close()
             except (OSError, ValueError):
-                _silence(sys.stderr)
+                silence(sys.stderr)
 
 
 def publish(plan: Plan, state: State, contexts: int) -> None:
