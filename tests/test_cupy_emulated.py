@@ -29,6 +29,21 @@ def test_conformance_passes_on_the_emulated_backend():
     assert len(summaries) == 4 and all(line.endswith("PASS") for line in summaries), p.stdout[-2000:]
 
 
+def test_a_model_wider_than_a_warp_holds_passes_on_the_emulated_backend(tmp_path):
+    """SPEC 23: d_model 1152 (past the warp kernels' 1024: the norms' block
+    variant, the embedding gradient's slices), head dim 128, RMSNorm,
+    grouped heads and the untied head, against the reference (fewer steps,
+    B = 1: the reference's step at this width is the slow part).
+    dev/cuda/families/wide*.toml are wider still, for the GPU."""
+    model = tmp_path / "wide.toml"
+    model.write_text('vocab = 128\ncontext = 24\nd_model = 1152\nn_layer = 1\nn_head = 9\n'
+                     'd_ff = 256\nnorm = "rmsnorm"\nn_kv_head = 3\ntied = false\n')
+    p = run(str(model), "--steps", "2", "--one-context")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summaries = [line for line in p.stdout.splitlines() if line.startswith("conformance cupy")]
+    assert len(summaries) == 2 and all(line.endswith("PASS") for line in summaries), p.stdout[-2000:]
+
+
 def test_attention_harness_runs_on_the_emulated_backend():
     """dev/cuda/attention/check.py end to end on the stand-ins: the
     package's fused attention checked (grouped heads too) and timed through

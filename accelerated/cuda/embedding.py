@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .launch import Launcher, _vector, i32
+from .launch import Launcher, _cdiv, _vector, i32
 
 EMBEDDING_THREADS = 256  # EMB_THREADS: positions per pass of embedding_backward (embedding.cu)
 
@@ -33,16 +33,17 @@ class EmbeddingLaunchers(Launcher):
         V = dW.shape[0]
         assert index.shape == (V, 2) and index.dtype == np.int32, (index.shape, index.dtype)
         vec = _vector(dx, dW, lengths=(D,))
-        assert D <= 4 * EMBEDDING_THREADS, D  # a thread holds 4 features
         # 128 threads where they hold a row's chunks: most blocks leave at
-        # once, and small blocks retire fast
+        # once, and small blocks retire fast; a thread holds 4 features, so
+        # rows wider than 4 * EMBEDDING_THREADS take slices of that many
         threads = 128 if vec and D <= 4 * 128 else EMBEDDING_THREADS
+        slices = _cdiv(D, 4 * threads)
         self._elementwise("embedding_index_reset", V, (index, i32(V)))
         self._elementwise("embedding_index", BT, (ids, i32(ids_stride), i32(T), i32(BT), index))
         if not accumulate:
             assert V * D < 2**31, (V, D)  # int indices
             self._elementwise("embedding_backward_unseen", V * D // 4 if vec else V * D,
                               (index, dW, i32(V), i32(D), i32(vec)))
-        self._launch("embedding_backward", BT, threads,
+        self._launch("embedding_backward", (BT, slices), threads,
                      (dx, ids, i32(ids_stride), i32(T), i32(BT), dW, i32(D), index,
                       i32(accumulate), i32(vec)))

@@ -7,22 +7,42 @@ from __future__ import annotations
 
 from .launch import Launcher, _cdiv, _opt, _vector, f32, i32
 
-LAYERNORM_VARIANTS = (1, 2, 4, 8)  # float4 chunks per lane of the layernorm kernels (_c<NC>)
-LN_CHUNKS = 8  # the most float4 chunks per lane of the layernorm kernels (layernorm.cu)
-MAX_D = 32 * 4 * LN_CHUNKS  # the widest row the layernorm kernels hold in registers
-LAYERNORM_WARPS = 8  # LN_WARPS: warps (rows at once) per block of the layernorm kernels
+LAYERNORM_VARIANTS = (1, 2, 4, 8)  # float4 chunks per lane of the warp kernels (_c<NC>)
+WIDE_VARIANTS = (2, 4, 8)  # float4 chunks per thread of the block kernels (_w<NC>)
+LN_CHUNKS = 8  # the most float4 chunks per thread of the norm kernels (layernorm.cu)
+LAYERNORM_WARPS = 8  # LN_WARPS: warps (rows at once) per block of the warp kernels
+LAYERNORM_WIDE = 256  # LN_WIDE: threads holding one row in the block kernels
+MAX_D = LAYERNORM_WIDE * 4 * LN_CHUNKS  # the widest row the norm kernels hold in registers
 LAYERNORM_GROUPS = 8  # LN_GROUPS: threads summing one column of the partials
 
-KERNELS = (*(f"layernorm_{part}_c{nc}" for nc in LAYERNORM_VARIANTS
-             for part in ("forward", "backward")),
+# the norm kernels' suffixes: a warp per row, then a block per row
+VARIANTS = (*(f"c{nc}" for nc in LAYERNORM_VARIANTS), *(f"w{nc}" for nc in WIDE_VARIANTS))
+KERNELS = (*(f"layernorm_{part}_{v}" for v in VARIANTS for part in ("forward", "backward")),
            "layernorm_param_grads")
 
 
-def layernorm_variant(D: int) -> int:
-    """NC of the layernorm kernels for rows of D features: the fewest float4
-    chunks per lane (of LAYERNORM_VARIANTS) that hold a row."""
+def layernorm_variant(D: int) -> str:
+    """The suffix of the norm kernels for rows of D features: a warp's
+    (c<NC>, rows of up to 1024 features: the fewest float4 chunks per lane
+    that hold a row), else a block's (w<NC>, up to MAX_D)."""
     assert D <= MAX_D, D
-    return next(nc for nc in LAYERNORM_VARIANTS if D <= 128 * nc)
+    if D <= 32 * 4 * LAYERNORM_VARIANTS[-1]:
+        return "c%d" % next(nc for nc in LAYERNORM_VARIANTS if D <= 32 * 4 * nc)
+    return "w%d" % next(nc for nc in WIDE_VARIANTS if D <= LAYERNORM_WIDE * 4 * nc)
+
+
+def norm_forward_grid(rows: int, D: int) -> tuple[int, int]:
+    """(blocks, threads) of a norm's forward over rows of D features: a
+    warp per row, LAYERNORM_WARPS rows a block, or a block per row."""
+    if layernorm_variant(D).startswith("c"):
+        return _cdiv(rows, LAYERNORM_WARPS), 32 * LAYERNORM_WARPS
+    return rows, LAYERNORM_WIDE
+
+
+def norm_backward_threads(D: int) -> int:
+    """Threads of a block of a norm's backward (one block per
+    layernorm_chunk(rows) rows either way)."""
+    return 32 * LAYERNORM_WARPS if layernorm_variant(D).startswith("c") else LAYERNORM_WIDE
 
 
 def layernorm_chunk(rows: int) -> int:
@@ -44,8 +64,7 @@ class LayernormLaunchers(Launcher):
         # x_prev (+ add -> x_out) (rows,D) -> h (rows,D) operand, mean, rstd (rows)
         rows, D = x_prev.shape
         vec = _vector(x_prev, add, x_out, h, w, b, lengths=(D,))
-        self._launch(f"layernorm_forward_c{layernorm_variant(D)}",
-                     _cdiv(rows, LAYERNORM_WARPS), 32 * LAYERNORM_WARPS,
+        self._launch(f"layernorm_forward_{layernorm_variant(D)}", *norm_forward_grid(rows, D),
                      (x_prev, _opt(add), _opt(x_out), h, mean, rstd, w, b, i32(rows), i32(D),
                       f32(eps), i32(vec)))
 
@@ -59,8 +78,8 @@ class LayernormLaunchers(Launcher):
         assert partials.shape == (chunks, 2 * D), (partials.shape, chunks, D)
         assert h is None or b is not None, "h is written from the bias b"
         vec = _vector(dout, dres, x, w, b, h, dx, dx_op, lengths=(D,))
-        self._launch(f"layernorm_backward_c{layernorm_variant(D)}", chunks,
-                     32 * LAYERNORM_WARPS,
+        self._launch(f"layernorm_backward_{layernorm_variant(D)}", chunks,
+                     norm_backward_threads(D),
                      (dout, _opt(dres), x, mean, rstd, w, _opt(b), _opt(h), dx, _opt(dx_op),
                       partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 

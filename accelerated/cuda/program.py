@@ -119,6 +119,9 @@ class CupyProgram(CapturedProgram):
         k = hyper.accumulate if accumulate is None else accumulate
         self.recompute = bool(recompute)
         check_implemented(config, IMPLEMENTED, BACKEND)  # before anything is allocated
+        if config.d_model > layernorm.MAX_D:  # SPEC 23: refused by field and limit
+            raise RunError(f"d_model={config.d_model}: the CUDA backend's norm kernels hold "
+                           f"a row in one block's registers, at most {layernorm.MAX_D} features")
         check_capture(config, precision, batch, state, k)
         # SPEC 19: W ranks of b = B/W contexts each, in k micro-batches of B/(W*k)
         W = 1 if comm is None else comm.world
@@ -128,9 +131,6 @@ class CupyProgram(CapturedProgram):
         self.comm, self.world, self.rank = comm, W, 0 if comm is None else comm.rank
         self.local_batch = batch // W
         self.accumulate, self.micro_batch = k, batch // (W * k)
-        if config.d_model > layernorm.MAX_D:
-            raise RunError(f"d_model={config.d_model}: the CUDA backend's norm kernels hold "
-                           f"a row in registers, at most {layernorm.MAX_D} features")
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
         self.replays = 0
         T = config.context

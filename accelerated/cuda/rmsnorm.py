@@ -6,12 +6,11 @@ either norm."""
 
 from __future__ import annotations
 
-from .launch import Launcher, _cdiv, _opt, _vector, f32, i32
-from .layernorm import (LAYERNORM_VARIANTS, LAYERNORM_WARPS, layernorm_chunk, layernorm_chunks,
-                        layernorm_variant)
+from .launch import Launcher, _opt, _vector, f32, i32
+from .layernorm import (VARIANTS, layernorm_chunk, layernorm_chunks, layernorm_variant,
+                        norm_backward_threads, norm_forward_grid)
 
-KERNELS = tuple(f"rmsnorm_{part}_c{nc}" for nc in LAYERNORM_VARIANTS
-                for part in ("forward", "backward"))
+KERNELS = tuple(f"rmsnorm_{part}_{v}" for v in VARIANTS for part in ("forward", "backward"))
 
 
 class RmsnormLaunchers(Launcher):
@@ -21,8 +20,7 @@ class RmsnormLaunchers(Launcher):
         # x_prev (+ add -> x_out) (rows,D) -> h (rows,D) operand, rstd (rows)
         rows, D = x_prev.shape
         vec = _vector(x_prev, add, x_out, h, w, lengths=(D,))
-        self._launch(f"rmsnorm_forward_c{layernorm_variant(D)}",
-                     _cdiv(rows, LAYERNORM_WARPS), 32 * LAYERNORM_WARPS,
+        self._launch(f"rmsnorm_forward_{layernorm_variant(D)}", *norm_forward_grid(rows, D),
                      (x_prev, _opt(add), _opt(x_out), h, rstd, w, i32(rows), i32(D), f32(eps),
                       i32(vec)))
 
@@ -34,7 +32,7 @@ class RmsnormLaunchers(Launcher):
         chunks = layernorm_chunks(rows)
         assert partials.shape == (chunks, D), (partials.shape, chunks, D)
         vec = _vector(dout, dres, x, w, h, dx, dx_op, lengths=(D,))
-        self._launch(f"rmsnorm_backward_c{layernorm_variant(D)}", chunks,
-                     32 * LAYERNORM_WARPS,
+        self._launch(f"rmsnorm_backward_{layernorm_variant(D)}", chunks,
+                     norm_backward_threads(D),
                      (dout, _opt(dres), x, rstd, w, _opt(h), dx, _opt(dx_op), partials,
                       i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))

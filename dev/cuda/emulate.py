@@ -11,6 +11,8 @@ interface -- against reference.step through the conformance suite.
     python dev/cuda/emulate.py            # test preset, fp32 and bf16
     python dev/cuda/emulate.py PRESET     # another preset (reference/config.py PRESETS)
     python dev/cuda/emulate.py MODEL.toml # a model file (SPEC 17) over the test preset
+    python dev/cuda/emulate.py MODEL.toml --steps 2 --one-context
+                                          # fewer steps, B = 1 only (a wide model's quick check)
     python dev/cuda/emulate.py --pytest   # tests/cuda and the contract rows on the stand-ins
     python dev/cuda/emulate.py --script dev/cuda/attention/check.py --preset test
                                           # a dev/cuda script on the stand-ins
@@ -76,18 +78,27 @@ def main():
         runpy.run_path(sys.argv[0], run_name="__main__")
         return
 
+    import argparse
+
+    p = argparse.ArgumentParser(prog="emulate.py")
+    p.add_argument("preset", nargs="?", default="test")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--one-context", action="store_true",
+                   help="B = 1 only (not also B = 2 in two micro-batches)")
+    args = p.parse_args()
     backend = install()
     backend.NAME = "cupy (emulated on the CPU)"
     status = 0
-    preset = sys.argv[1] if len(sys.argv) > 1 else "test"
+    preset = args.preset
     if preset.endswith(".toml"):  # a model file: the fields it sets over the test preset's
         from coppelius.reference.config import config_from_toml, preset as preset_config
 
         preset = config_from_toml(preset, preset_config("test"))[0]
     for precision in ("fp32", "bf16"):
         # one context per step, then two in two micro-batches (SPEC 19)
-        for batch, k in ((1, 1), (2, 2)):
-            report = run_suite(backend, preset, precision, batch=batch, steps=6, accumulate=k)
+        for batch, k in ((1, 1), (2, 2))[:1 if args.one_context else 2]:
+            report = run_suite(backend, preset, precision, batch=batch, steps=args.steps,
+                               accumulate=k)
             print(report.table(report.failures) if report.failures else "", end="")
             print(report.summary())
             status |= not report.passed

@@ -4,7 +4,7 @@ values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from coppelius.reference.layers.embedding import embedding_backward
@@ -17,7 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 
 @small
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50),
-       st.sampled_from([1, 5, 32, 70, 512, 1000, 1024]), st.booleans(), st.integers(0, 2**31 - 1))
+       st.sampled_from([1, 5, 32, 70, 512, 1000, 1024, 1030, 2304, 4100]), st.booleans(),
+       st.integers(0, 2**31 - 1))
+@example(2, 17, 9, 2304, True, 1)  # rows wider than a block's 1024 features: slices
+@example(1, 33, 40, 1030, False, 2)
 def test_embedding_forward_backward(Bn, T, V, D, aligned, seed):
     """The gather, and the gather gradient added to the unembedding gradient
     in position order: bitwise the reference's d_head + np.add.at."""
@@ -55,7 +58,9 @@ def test_embedding_backward_many_positions(Bn, T, V, D, ids):
 
 @small
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 50),
-       st.sampled_from([1, 5, 32, 70, 512, 1000]), st.booleans(), st.integers(0, 2**31 - 1))
+       st.sampled_from([1, 5, 32, 70, 512, 1000, 2304]), st.booleans(),
+       st.integers(0, 2**31 - 1))
+@example(2, 11, 30, 2304, True, 3)
 def test_the_untied_embedding_gradient_is_the_gather_gradient_alone(Bn, T, V, D, aligned, seed):
     """accumulate=False (SPEC 21, untied): dW, poisoned, is written whole:
     bitwise the reference's gather gradient, the rows of ids absent from

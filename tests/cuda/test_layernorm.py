@@ -4,7 +4,7 @@ values; on a GPU, or on dev/cuda/emulated's stand-ins: conftest.py)."""
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from coppelius.reference.layers.layernorm import layernorm_backward, layernorm_forward
@@ -20,14 +20,20 @@ from .helpers import (PRECISIONS, small, kernels, dev, host, empty, placed, empt
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 
 
-# D: each register variant (128, 256, 512, 1024 features per row), rows of
-# 4k and of other lengths (the element-by-element path)
+# D: each register variant (a warp's 128, 256, 512, 1024 features per row;
+# a block's 2048, 4096, 8192), rows of 4k and of other lengths (the
+# element-by-element path), on either side of each variant's width; every
+# block variant drawn at least once (the examples)
 dims = st.tuples(st.integers(1, 3), st.integers(1, 40),
-                 st.sampled_from([1, 4, 6, 32, 40, 130, 256, 300, 512, 1000, 1024]),
+                 st.sampled_from([1, 4, 6, 32, 40, 130, 256, 300, 512, 1000, 1024, 1025,
+                                  1028, 2048, 2304, 3001, 4100, 8192]),
                  st.integers(0, 2**31 - 1))
 
 
 @small
+@example((2, 37, 1028, 1), "bf16", True, True)
+@example((1, 9, 2304, 2), "fp32", False, True)
+@example((1, 5, 8191, 3), "bf16", True, False)
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())
 def test_layernorm_forward(shape, precision, residual, aligned):
     Bn, T, D, seed = shape
@@ -51,6 +57,9 @@ def test_layernorm_forward(shape, precision, residual, aligned):
 
 
 @small
+@example((2, 37, 1028, 1), "bf16", True, True)
+@example((1, 9, 2304, 2), "fp32", False, True)
+@example((1, 5, 8191, 3), "bf16", True, False)
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())
 def test_layernorm_backward_and_param_grads(shape, precision, residual, aligned):
     Bn, T, D, seed = shape

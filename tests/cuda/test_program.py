@@ -84,7 +84,7 @@ def test_compilation_report(precision):
                  "cudnn": set()}[path.kind]
     rope = "rope_backward_operand" if program.acts.dqk.dtype == np.uint16 else "rope_backward"
     nc = layernorm_variant(CONFIG.d_model)
-    layernorm = {f"layernorm_{part}_c{nc}" for part in ("forward", "backward")}
+    layernorm = {f"layernorm_{part}_{nc}" for part in ("forward", "backward")}
     # (rmsnorm's, the q, k, v biases' and the untied embedding's: a family member's, SPEC 21)
     others = {name for name in KERNELS if not name.startswith(
         ("attention_", "rope_backward", "layernorm_forward_", "layernorm_backward_", "rmsnorm_",
@@ -117,7 +117,7 @@ def test_a_family_members_commands():
     assert report["products"] == 3 * chunks + 14 * L + 6 * L * B  # fp32: materialized
     nc = layernorm_variant(config.d_model)
     names = set(report["kernel_names"])
-    assert {f"rmsnorm_forward_c{nc}", f"rmsnorm_backward_c{nc}", "layernorm_param_grads",
+    assert {f"rmsnorm_forward_{nc}", f"rmsnorm_backward_{nc}", "layernorm_param_grads",
             "linear_bias_forward", "linear_bias_backward", "linear_bias_param_grads",
             "linear_bias_gather_weights", "embedding_backward_unseen"} <= names
     assert not any(n.startswith(("layernorm_forward", "layernorm_backward")) for n in names)
@@ -257,3 +257,20 @@ def test_a_family_field_the_backend_does_not_compute_is_refused_by_name():
         with pytest.raises(ConfigError, match=rf"cupy: config field {name}="):
             capture(config, Hyper(), "fp32", 1, random_state(config, 3))
     assert {"norm", "norm_eps", "tied", "rope_base", "qkv_bias"} <= set(cuda_program.IMPLEMENTED)
+
+
+def test_a_row_wider_than_the_norm_kernels_hold_is_refused_by_field_and_limit():
+    """SPEC 23: any width up to layernorm.MAX_D (8192) runs; past it the
+    capture refuses, naming the field and the limit, before it looks at the
+    state or allocates anything."""
+    from coppelius.reference.config import Config
+    from coppelius.reference.errors import RunError
+    from coppelius.accelerated.cuda.layernorm import MAX_D
+
+    assert MAX_D >= 8192
+    wide = Config(vocab=64, context=16, d_model=MAX_D + 64, n_layer=1, n_head=(MAX_D + 64) // 64,
+                  d_ff=128)
+    with pytest.raises(RunError, match=rf"^d_model={MAX_D + 64}: .* at most {MAX_D} features$"):
+        capture(wide, Hyper(), "bf16", 1, None)
+    assert layernorm_variant(MAX_D) == "w8" and layernorm_variant(1024) == "c8"
+    assert layernorm_variant(1025) == "w2" and layernorm_variant(2304) == "w4"

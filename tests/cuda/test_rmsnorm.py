@@ -5,7 +5,7 @@ weight partials reduced by layernorm_param_grads."""
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from coppelius.reference.layers.rmsnorm import rmsnorm_backward, rmsnorm_forward
@@ -19,16 +19,22 @@ from .helpers import (PRECISIONS, small, kernels, dev, host, empty, placed, empt
 # on a GPU; elsewhere on the CPU stand-ins (conftest.py)
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 
-# D: each register variant (128, 256, 512, 1024 features per row), rows of
-# 4k and of other lengths (the element-by-element path); eps: the default
+# D: each register variant (a warp's 128, 256, 512, 1024 features per row;
+# a block's 2048, 4096, 8192), rows of 4k and of other lengths (the
+# element-by-element path), on either side of each variant's width; every
+# block variant drawn at least once (the examples); eps: the default
 # and a large one, which the output must see
 dims = st.tuples(st.integers(1, 3), st.integers(1, 40),
-                 st.sampled_from([1, 4, 6, 32, 40, 130, 256, 300, 512, 1000, 1024]),
+                 st.sampled_from([1, 4, 6, 32, 40, 130, 256, 300, 512, 1000, 1024, 1025,
+                                  1028, 2048, 2304, 3001, 4100, 8192]),
                  st.integers(0, 2**31 - 1))
 epsilons = st.sampled_from([np.float32(1e-5), np.float32(0.5)])
 
 
 @small
+@example((2, 37, 1028, 1), "bf16", True, True, np.float32(1e-5))
+@example((1, 9, 2304, 2), "fp32", False, True, np.float32(1e-5))
+@example((1, 5, 8191, 3), "bf16", True, False, np.float32(1e-5))
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans(), epsilons)
 def test_rmsnorm_forward(shape, precision, residual, aligned, eps):
     Bn, T, D, seed = shape
@@ -56,6 +62,9 @@ def test_rmsnorm_forward(shape, precision, residual, aligned, eps):
 
 
 @small
+@example((2, 37, 1028, 1), "bf16", True, True, np.float32(1e-5))
+@example((1, 9, 2304, 2), "fp32", False, True, np.float32(1e-5))
+@example((1, 5, 8191, 3), "bf16", True, False, np.float32(1e-5))
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans(), epsilons)
 def test_rmsnorm_backward_and_param_grads(shape, precision, residual, aligned, eps):
     Bn, T, D, seed = shape

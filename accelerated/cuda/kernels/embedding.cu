@@ -54,10 +54,12 @@ extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_
 // One block per position p; only the block of v's first position works. It
 // walks the positions from p on, blockDim at a time, listing those holding v
 // in order (a ballot per warp, the warps' counts added in warp order), and
-// adds their rows of dx; it stops at v's last occurrence (the count). vec: a
-// thread owns a chunk of 4 features (D/4 <= blockDim; the launcher gives 128
-// threads where that holds them, so most blocks, which leave at once, hold
-// few registers); else the features d = thread + blockDim k, k < 4.
+// adds their rows of dx; it stops at v's last occurrence (the count). A
+// block takes 4 blockDim features of the row, those of slice blockIdx.y
+// (rows wider than that: more slices, each block of a position alike).
+// vec: a thread owns a chunk of 4 features (the launcher gives 128 threads
+// where that holds a row, so most blocks, which leave at once, hold few
+// registers); else the slice's features thread + blockDim k, k < 4.
 #define EMB_THREADS 256  // at most
 #define EMB_BATCH 8      // rows of dx loaded before they are added (vec)
 extern "C" __global__ void __launch_bounds__(EMB_THREADS)
@@ -71,6 +73,8 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
     int v = id_at(ids, ids_stride, T, p);
     if (index[2 * v] != p) return;  // uniform: the whole block leaves
     int n = index[2 * v + 1];
+    // this thread's chunk (vec), or its first feature (not vec), in the row
+    int c = blockIdx.y * nt + threadIdx.x, d0 = blockIdx.y * 4 * nt + threadIdx.x;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int base = p, found = 0; found < n && base < BT; base += nt) {
         int q = base + threadIdx.x;
@@ -89,14 +93,14 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
         // frequent in the text has thousands of rows, a chain of dependent
         // adds that must not also wait for each load in turn
         if (vec) {
-            if (threadIdx.x < D / 4) {
+            if (c < D / 4) {
                 for (int h0 = 0; h0 < total; h0 += EMB_BATCH) {
                     float4 g[EMB_BATCH];
 #pragma unroll
                     for (int b = 0; b < EMB_BATCH; b++)
                         if (h0 + b < total)
                             g[b] = reinterpret_cast<const float4*>(
-                                dx + (long long)hits[h0 + b] * D)[threadIdx.x];
+                                dx + (long long)hits[h0 + b] * D)[c];
 #pragma unroll
                     for (int b = 0; b < EMB_BATCH; b++) {
                         if (h0 + b < total) {
@@ -113,7 +117,7 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
                 const float* row = dx + (long long)hits[h] * D;
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    int d = threadIdx.x + nt * k;
+                    int d = d0 + nt * k;
                     if (d < D) acc[k] += row[d];
                 }
             }
@@ -123,15 +127,15 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
     }
     float* out = dW + (long long)v * D;
     if (vec) {
-        if (threadIdx.x < D / 4) {
-            float4* o = reinterpret_cast<float4*>(out) + threadIdx.x;
+        if (c < D / 4) {
+            float4* o = reinterpret_cast<float4*>(out) + c;
             float4 w = accumulate ? *o : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             *o = make_float4(w.x + acc[0], w.y + acc[1], w.z + acc[2], w.w + acc[3]);
         }
     } else {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int d = threadIdx.x + nt * k;
+            int d = d0 + nt * k;
             if (d < D) out[d] = accumulate ? out[d] + acc[k] : acc[k];
         }
     }

@@ -21,12 +21,13 @@ _FUSED = {part: KERNELS.pop(f"attention_{part}") for part in ("forward", "backwa
 for _E in (16, 32, 64):
     for _part, _fn in _FUSED.items():
         KERNELS[f"attention_{_part}_e{_E}"] = _fn
-# the layernorm and rmsnorm kernels: one entry point per row width in registers, one contract
+# the layernorm and rmsnorm kernels: one entry point per row width in
+# registers (a warp's, _c<NC>, or a block's, _w<NC>), one contract
 _NORMS = {f"{norm}_{part}": KERNELS.pop(f"{norm}_{part}") for norm in ("layernorm", "rmsnorm")
           for part in ("forward", "backward")}
-for _NC in (1, 2, 4, 8):
+for _variant in ("c1", "c2", "c4", "c8", "w2", "w4", "w8"):
     for _name, _fn in _NORMS.items():
-        KERNELS[f"{_name}_c{_NC}"] = _fn
+        KERNELS[f"{_name}_{_variant}"] = _fn
 
 
 class RawModule:
