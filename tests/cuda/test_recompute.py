@@ -5,6 +5,8 @@ layer shares, and the step's bits are those of the step that keeps every
 activation, for every family preset, attention path and accumulation; the
 memory plan, a dry run of that step, is smaller where layers dominate."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,29 @@ def test_recomputing_each_block_makes_the_plan_smaller(name, precision, batch):
     BT, op = batch * config.context, 2 if precision == "bf16" else 4
     layer = BT * (config.n_head * config.head_dim + 2 * config.kv_dim + config.d_model) * op
     assert peaks[None] - peaks["block"] >= (config.n_layer - 1) * layer
+
+
+def test_train_recompute_block_runs_and_gives_the_checkpoint_of_the_run_that_keeps_all(
+        tmp_path, capsys):
+    """`coppelius train --backend cupy --recompute block`: run.json
+    remembers block, the header line says so, and the checkpoint after 2
+    steps is byte for byte the one of the same run without recompute."""
+    from coppelius.cli import main
+    from tests.support import pattern_stream
+
+    stream = pattern_stream(tmp_path / "s.tokens", preset("test"), 12, noise=0.1)
+    checkpoints = []
+    for name, extra in (("kept", []), ("block", ["--recompute", "block"])):
+        run = tmp_path / name
+        argv = ["train", "--preset", "test", "--backend", "cupy", "--precision", "bf16",
+                "--batch", "2", "--stream", str(stream), "--run-dir", str(run),
+                "--checkpoint", str(run / "ck.bin"), "--steps", "2", "--no-sample",
+                "--eval-every", "0", *extra]
+        assert main(argv) == 0
+        captured = capsys.readouterr()
+        out = captured.out + captured.err
+        assert ("each layer recomputed in the backward" in out) == bool(extra), out
+        remembered = json.loads((run / "run.json").read_text())["options"]
+        assert remembered.get("recompute") == (extra[1] if extra else None)
+        checkpoints.append((run / "ck.bin").read_bytes())
+    assert checkpoints[0] == checkpoints[1]
