@@ -63,9 +63,14 @@ def test_recomputing_each_block_keeps_every_bit(name, precision, path, batch):
     L = config.n_layer
     names = {b.name for b in again.plan.buffers}
     assert {f"acts.x[{l}]" for l in range(L + 1)} <= names
+    buffers = {b.name: b for b in again.plan.buffers}
+    loss = next(c.index for c in again.plan.commands if "loss" in c.operations)
     for kept_once in ("y", "qkv", "x_mid", "gu"):  # the forward's, and the backward's own
         assert {f"acts.{kept_once}[0]", f"acts.{kept_once}_back[0]"} <= names
         assert not {f"acts.{kept_once}[1]", f"acts.{kept_once}_back[1]"} & names
+        # neither live at the loss: the forward's dies before, the backward's is born after
+        assert buffers[f"acts.{kept_once}[0]"].last < loss < buffers[
+            f"acts.{kept_once}_back[0]"].first
     # per layer again: the q | k | v, o and gate | up products (and, on the
     # materialized path, the attention's two per batch element and group member)
     assert again.recorded["products"] >= kept.recorded["products"] + 3 * L
