@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import platform
 
-from ..reference.contract import Capabilities
+from ..reference.contract import RECOMPUTE_MODES, Capabilities
 from ..reference.errors import ConfigError
 
 BACKENDS = {
@@ -25,26 +25,26 @@ BACKENDS = {
 CAPABILITIES = {
     # the definition: NumPy on the host, fp32 by default; chosen where nothing else is
     "reference": Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
-                              device_memory=False, host_data=True, recompute=False,
+                              device_memory=False, host_data=True, recompute=(),
                               defines=True, device="cpu", preference=0),
     # Apple silicon's GPU, on unified memory (host memory); on Linux MLX runs
     # on the CPU with the netlib reference BLAS (about 30x slower than
     # NumPy's OpenBLAS on a large product): a conformance backend there,
     # never chosen by default
     "mlx": Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
-                        device_memory=False, host_data=True, recompute=True, defines=False,
-                        device="gpu", preference=1, platforms=("Darwin",)),
+                        device_memory=False, host_data=True, recompute=RECOMPUTE_MODES,
+                        defines=False, device="gpu", preference=1, platforms=("Darwin",)),
     # an NVIDIA GPU (available() only where there is one): bf16 by default
     # (SPEC 6), CUDA events around a replay, CuPy's memory pool, NCCL ranks
     "cupy": Capabilities(default_precision="bf16", data_parallel=True, device_clock=True,
-                         device_memory=True, host_data=False, recompute=True, defines=False,
-                         device="cuda", preference=2),
+                         device_memory=True, host_data=False, recompute=RECOMPUTE_MODES,
+                         defines=False, device="cuda", preference=2),
 }
 
 # a backend in BACKENDS without a declaration (a test's stand-in) can do the
 # least: fp32 on the host, checked like any other, never chosen by default
 UNDECLARED = Capabilities(default_precision="fp32", data_parallel=False, device_clock=False,
-                          device_memory=False, host_data=True, recompute=False, defines=False,
+                          device_memory=False, host_data=True, recompute=(), defines=False,
                           device="cpu", preference=-1)
 
 

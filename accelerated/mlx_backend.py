@@ -60,7 +60,8 @@ from ..reference.params import registry
 from ..reference.compilation import (MemoryAnalysis, PartitionOutcome, Resource,
                                              compilation_report)
 from ..reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
-                                          check_logits_tokens, check_replay_state, check_tokens)
+                                          check_logits_tokens, check_replay_state, check_tokens,
+                                          recompute_mode)
 from ..reference.semantic import activation_names, gradient_name, partitions
 from ..reference.state import State
 
@@ -117,15 +118,16 @@ IMPLEMENTED = ("norm", "norm_eps", "n_kv_head", "tied", "rope_base", "rotary", "
 
 class Model:
     """The forward of SPEC sections 3 and 4 over a dict of MLX arrays. With
-    recompute, each layer's gate and up products and SwiGLU are one
-    mx.checkpoint: their outputs are not kept for the gradient, which
-    computes them again (the same values)."""
+    recompute "gate-up", each layer's gate and up products and SwiGLU are
+    one mx.checkpoint; with "block", each layer's whole forward, from the
+    residual stream entering it: their outputs are not kept for the
+    gradient, which computes them again (the same values)."""
 
-    def __init__(self, config: Config, policy: str, recompute: bool = False):
+    def __init__(self, config: Config, policy: str, recompute=None):
         check_implemented(config, IMPLEMENTED, BACKEND)
         self.config = config
         self.matmul = matmul_for(policy)
-        self.recompute = recompute
+        self.recompute = recompute_mode(recompute)  # None, "gate-up" or "block"
         T, E = config.context, config.head_dim
         # (T,R/2), float64 then rounded; R = rotary * E elements of each head are rotated
         cos, sin = rope_tables(T, config.rotary_dim, np.float32, config.rope_base)
@@ -202,39 +204,56 @@ class Model:
         probe there to read the gradient at that point)."""
         keep = tap or (lambda name, x: x)
         c = self.config
-        B, T = tokens.shape
-        H, Hkv, E = c.n_head, c.kv_heads, c.head_dim
-        D, KV = c.d_model, c.kv_dim  # H E and Hkv E: the widths of q and of k, v
         w = params
         x = keep("embedding.out", mx.take(w["tok_embedding.weight"], tokens, axis=0))  # (B,T,D)
         for l in range(c.n_layer):
             p = f"layers.{l}."
-            h = keep(p + "attn_norm.out", self.norm_forward(x, w, p + "attn_norm"))
-            q = self.projection_forward(h, w, p + "attn.q").reshape(B, T, H, E)
-            k = self.projection_forward(h, w, p + "attn.k").reshape(B, T, Hkv, E)
-            v = keep(p + "attn.v", self.projection_forward(h, w, p + "attn.v"))
-            v = v.reshape(B, T, Hkv, E)
-            q = keep(p + "attn.q", self.rope_forward(q).reshape(B, T, D)).reshape(B, T, H, E)
-            k = keep(p + "attn.k", self.rope_forward(k).reshape(B, T, KV)).reshape(B, T, Hkv, E)
-            y = self.attention_forward(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                                       v.transpose(0, 2, 1, 3))  # (B,H,T,E)
-            y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)  # heads concatenated in order
-            y = keep(p + "attn.y", y)
-            x = keep(p + "mid", x + self.linear_forward(y, w[p + "attn.o.weight"]))
-            h = keep(p + "mlp_norm.out", self.norm_forward(x, w, p + "mlp_norm"))
-            if self.recompute and tap is None:
-                a = mx.checkpoint(self.mlp_inner)(h, w[p + "mlp.gate.weight"],
-                                                  w[p + "mlp.up.weight"])
+            if self.recompute == "block" and tap is None:
+                # the layer's parameters as arguments, so that the gradient reaches them
+                names = [name for name in w if name.startswith(p)]
+
+                def block(x, *weights, l=l, names=names):
+                    return self.layer_forward(x, dict(zip(names, weights)), l, keep)
+
+                x = mx.checkpoint(block)(x, *(w[name] for name in names))
             else:
-                g = keep(p + "mlp.gate", self.linear_forward(h, w[p + "mlp.gate.weight"]))
-                u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))  # (B,T,F)
-                a = keep(p + "mlp.h", self.swiglu_forward(g, u))
-            x = keep(p + "out", x + self.linear_forward(a, w[p + "mlp.down.weight"]))
+                x = self.layer_forward(x, w, l, keep, tap)
         h = keep("final_norm.out", self.norm_forward(x, w, "final_norm"))
         # lm_head.weight (V,D): its own tensor where untied; where tied the registry
         # resolves the alias to the embedding, whose gradient then sums both uses
         head = w[registry(c)["lm_head.weight"].name]
         return keep("logits", self.linear_forward(h, head))  # (B,T,V)
+
+    def layer_forward(self, x, w, l, keep, tap=None):
+        """Layer l: x (B,T,D), the residual stream entering it -> the stream
+        leaving it; w the parameters by name (at least the layer's)."""
+        c = self.config
+        B, T = x.shape[0], x.shape[1]
+        H, Hkv, E = c.n_head, c.kv_heads, c.head_dim
+        D, KV = c.d_model, c.kv_dim  # H E and Hkv E: the widths of q and of k, v
+        p = f"layers.{l}."
+        h = keep(p + "attn_norm.out", self.norm_forward(x, w, p + "attn_norm"))
+        q = self.projection_forward(h, w, p + "attn.q").reshape(B, T, H, E)
+        k = self.projection_forward(h, w, p + "attn.k").reshape(B, T, Hkv, E)
+        v = keep(p + "attn.v", self.projection_forward(h, w, p + "attn.v"))
+        v = v.reshape(B, T, Hkv, E)
+        q = keep(p + "attn.q", self.rope_forward(q).reshape(B, T, D)).reshape(B, T, H, E)
+        k = keep(p + "attn.k", self.rope_forward(k).reshape(B, T, KV)).reshape(B, T, Hkv, E)
+        y = self.attention_forward(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                   v.transpose(0, 2, 1, 3))  # (B,H,T,E)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, H * E)  # heads concatenated in order
+        y = keep(p + "attn.y", y)
+        x = keep(p + "mid", x + self.linear_forward(y, w[p + "attn.o.weight"]))
+        h = keep(p + "mlp_norm.out", self.norm_forward(x, w, p + "mlp_norm"))
+        if self.recompute == "gate-up" and tap is None:
+            a = mx.checkpoint(self.mlp_inner)(h, w[p + "mlp.gate.weight"],
+                                              w[p + "mlp.up.weight"])
+        else:
+            g = keep(p + "mlp.gate", self.linear_forward(h, w[p + "mlp.gate.weight"]))
+            u = keep(p + "mlp.up", self.linear_forward(h, w[p + "mlp.up.weight"]))  # (B,T,F)
+            a = keep(p + "mlp.h", self.swiglu_forward(g, u))
+        x = keep(p + "out", x + self.linear_forward(a, w[p + "mlp.down.weight"]))
+        return x
 
     def mlp_inner(self, h, w_gate, w_up):
         # h (B,T,D) -> silu(h Wgate^T) * (h Wup^T) (B,T,F)
@@ -374,9 +393,9 @@ class MLXProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None, recompute: bool = False):
+                 accumulate: int | None = None, recompute=None):
         self._bind(config, hyper, precision, batch, state, accumulate)
-        self.recompute = bool(recompute)
+        self.recompute = recompute_mode(recompute)  # None, "gate-up" or "block"
         self.model = Model(config, precision, self.recompute)
         self.adamw = AdamW(config, hyper)
         self.value_and_grad = mx.value_and_grad(self.model.loss)  # d loss / d params
@@ -599,11 +618,13 @@ class MLXProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None, recompute: bool = False) -> MLXProgram:
+            accumulate: int | None = None, recompute=None) -> MLXProgram:
     """Build and compile the step once; performs no training update.
     `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches.
-    `recompute`: the gate and up products computed again for the gradient
-    (mx.checkpoint) instead of kept (the same values)."""
+    `recompute` (reference/contract.py recompute_mode: None or False off,
+    "gate-up" or True, "block"): each layer's gate and up products, or its
+    whole forward, computed again for the gradient (mx.checkpoint) instead
+    of kept (the same values)."""
     if not available():
         raise RunError("backend 'mlx': mlx is not installed here")
     return MLXProgram(config, hyper, precision, batch, state, accumulate, recompute)

@@ -42,6 +42,7 @@ import numpy as np
 from .. import accelerated
 from ..reference.config import PRECISIONS, Config, Hyper, config_from_toml
 from ..reference.config import preset as preset_config
+from ..reference.contract import RECOMPUTE_MODES
 from ..reference.errors import ConfigError, OutputError
 
 EAGER, COMPILED = "torch eager", "torch.compile + graph"  # the peers' row names
@@ -174,9 +175,10 @@ def _cupy_pool():
 
 
 def program_runner(backend: str, config: Config, precision: str, batch: int, state,
-                   warm, label: str | None = None, recompute: bool = False) -> Runner:
+                   warm, label: str | None = None, recompute: str | None = None) -> Runner:
     """Capture once from `state`; a step is one upload and one replay, waited for.
-    recompute: the gate and up products computed again in the backward."""
+    recompute: the mode of capture()'s (None, "gate-up", "block"): what the
+    backward computes again instead of keeping."""
     module = accelerated.backend_module(backend)
     start = time.perf_counter()
     pool = _cupy_pool() if accelerated.capabilities(backend).device_memory else None
@@ -428,10 +430,12 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps of each implementation first (default: 2)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="also time each backend with the gate and up products computed "
-                             "again in the backward (`train --recompute`; rows named "
-                             "'<backend> recompute')")
+    parser.add_argument("--recompute", action="append", nargs="?", const="gate-up",
+                        choices=RECOMPUTE_MODES, metavar="MODE",
+                        help="also time each backend that honours it with MODE (`train "
+                             "--recompute MODE`): gate-up (the default MODE, rows named "
+                             "'<backend> recompute') or block (rows '<backend> recompute "
+                             "block'); repeatable")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peers")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile + CUDA graph peer (its compilation takes "
@@ -463,12 +467,12 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
     programs += [(name, precision) for name in backends
                  if not accelerated.capabilities(name).defines
                  for precision in args.precision or [default_precision(name)]]
-    variants = [(name, precision, False) for name, precision in programs]
-    if args.recompute:
-        variants += [(name, precision, True) for name, precision in programs
-                     if accelerated.capabilities(name).recompute]
+    variants = [(name, precision, None) for name, precision in programs]
+    for mode in dict.fromkeys(args.recompute or ()):  # each mode once, in order
+        variants += [(name, precision, mode) for name, precision in programs
+                     if mode in accelerated.capabilities(name).recompute]
     for name, precision, recompute in variants:
-        label = f"{name} recompute" if recompute else name
+        label = name + {None: "", "gate-up": " recompute", "block": " recompute block"}[recompute]
         runners.append(program_runner(name, config, precision, batch, state, warm, label,
                                       recompute))
         progress(f"B={batch} {label} {precision} ready in {runners[-1].setup_s:.1f} s")

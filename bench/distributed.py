@@ -97,6 +97,10 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         if b < 1 or args.steps < 1 or args.warmup < 0:
             raise ConfigError("--batch and --steps must be positive, --warmup >= 0")
         precision = (args.precision or ["bf16"])[0]
+        modes = list(dict.fromkeys(args.recompute or ()))
+        if len(modes) > 1:
+            raise ConfigError(f"--gpus {n}: one --recompute mode (got {', '.join(modes)})")
+        recompute = modes[0] if modes else None
         B = n * b
         state = State.fresh(initialize(config))
         inputs = bench.windows(config, B, args.warmup + args.steps)  # the same on every rank
@@ -104,7 +108,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         single = None
         if r == 0:  # one GPU alone first, the others waiting for "go"
             program = capture(config, Hyper(), precision, b, state.copy(),
-                                           recompute=args.recompute)
+                                           recompute=recompute)
             single = _time(program, inputs[:, :b], args.warmup)
             program.reset()
             program = None
@@ -122,7 +126,7 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
         program = capture(config, Hyper(), precision, B, state.copy(), comm=comm,
-                                       recompute=args.recompute)
+                                       recompute=recompute)
         several = _time(program, inputs, args.warmup)
         group.finish()
         status = 0
@@ -132,7 +136,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         rows = [("1 GPU", b, *single), (f"{n} GPUs", B, *several)]
         print(f"coppelius bench --gpus {n}: {bench.preset_name(config)} model, {precision}, "
               f"T={T}, {b} contexts per GPU, {args.steps} timed steps after {args.warmup} "
-              f"warmup" + (", gate and up recomputed (--recompute)" if args.recompute else ""))
+              f"warmup" + {None: "", "gate-up": ", gate and up recomputed (--recompute)",
+                           "block": ", each layer recomputed (--recompute block)"}[recompute])
         print(f"{'GPUs':<8} {'batch':>5} {'median ms':>10} {'min ms':>9} {'device ms':>9} "
               f"{'tokens/s':>12}  loss")
         rate = []

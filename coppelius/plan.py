@@ -18,6 +18,7 @@ from coppelius.reference.binding import load_state
 from coppelius.reference.config import (PRESETS, SEED, Hyper, check_implemented,
                                         check_precision, config_from_identity, config_from_toml,
                                         parse_rational, preset)
+from coppelius.reference.contract import recompute_mode
 from coppelius.reference.errors import IdentityMismatch, RunError
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
@@ -53,7 +54,7 @@ class Plan:
     heldout: int = 0  # K: the stream's last K contexts, held out (SPEC 18)
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
     remembered: dict | None = None  # what run.json will hold
-    recompute: bool = False  # the gate and up products computed again in the backward
+    recompute: str | None = None  # reference/contract.py RECOMPUTE_MODES, None: off
     model_source: str = ""  # the preset's name, the model file, or the checkpoint it came from
 
 
@@ -305,7 +306,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
                 heldout=heldout, eval_every=eval_every, remembered=options,
-                recompute=bool(options.get("recompute", False)), model_source=model_source)
+                recompute=recompute_mode(options.get("recompute")), model_source=model_source)
 
 
 def writable_directory(directory) -> None:

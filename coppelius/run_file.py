@@ -32,7 +32,9 @@ MAX_COUNT = 2**62  # the command line's bound on steps, batches and intervals (p
 PATHS = ("source", "stream", "tokenizer", "model", "checkpoint")  # absolute paths
 POSITIVE = ("batch", "accumulate", "gpus", "interval", "total", "decay")
 NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
-SWITCHES = ("recompute", "repeat_data")
+SWITCHES = ("repeat_data",)
+# --recompute MODE; a file from when it was a switch holds true (gate-up) or false
+RECOMPUTE = ("none", "gate-up", "block")
 RATIONALS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor", "clip")
 
 
@@ -74,6 +76,9 @@ def check_option(key: str, value) -> str | None:
     elif key == "seed":
         if not _integer(value) or not 0 <= value < 2**64:
             return "must be an integer in [0, 2^64)"
+    elif key == "recompute":
+        if not isinstance(value, bool) and not (isinstance(value, str) and value in RECOMPUTE):
+            return 'must be "none", "gate-up" or "block" (or true, false)'
     elif key in SWITCHES:
         if not isinstance(value, bool):
             return "must be true or false"

@@ -38,12 +38,15 @@ from coppelius.plan import (EVAL_CONTEXTS, LEARNER_OPTIONS, Plan, _positive, sil
                             resolve_options)
 from coppelius.reference import checkpoint, fsutil, results
 from coppelius.reference.config import PRESETS, SCHEDULES, SEED, Hyper, rational_text
+from coppelius.reference.contract import RECOMPUTE_MODES
 from coppelius.reference.errors import (CoppeliusError, NonFiniteError, ResultFileError, RunError,
                                         StreamError)
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
 from coppelius.run_file import write_run_file
 
+
+RECOMPUTE_CHOICES = ("none",) + RECOMPUTE_MODES  # --recompute MODE
 
 
 def register(sub) -> None:
@@ -94,11 +97,15 @@ def register(sub) -> None:
                    help="data parallelism on N GPUs of this host: N processes, B/N contexts "
                         "each (default 1; N*K must divide B; cupy backend; SPEC §19). Under "
                         "torchrun, mpirun or srun the launcher's ranks are used instead")
-    p.add_argument("--recompute", action=argparse.BooleanOptionalAction,
-                   help="compute each layer's gate and up products again in the backward "
-                        "instead of keeping them: the same bits, less device memory (about a "
-                        "third at B = 8 on the coppelius preset), a few percent more time "
-                        "(default off; --no-recompute turns a remembered one off)")
+    p.add_argument("--recompute", nargs="?", const="gate-up", choices=RECOMPUTE_CHOICES,
+                   metavar="MODE",
+                   help="compute again in the backward instead of keeping: gate-up (the "
+                        "default MODE) each layer's gate and up products, block each "
+                        "layer's whole forward from its input; the same bits, less device "
+                        "memory, more time (default none; --no-recompute, or none, turns a "
+                        "remembered one off)")
+    p.add_argument("--no-recompute", dest="recompute", action="store_const", const="none",
+                   help=argparse.SUPPRESS)
     hyper = Hyper()
     for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
@@ -784,8 +791,9 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         c = plan.config
         shape = f"V={c.vocab} T={c.context} D={c.d_model} L={c.n_layer} H={c.n_head} F={c.d_ff}"
         gpus = "" if dist is None else f" on {dist.world} GPUs ({plan.batch // dist.world} each)"
-        if plan.recompute and accelerated.capabilities(plan.backend).recompute:  # else ignored
-            gpus += ", gate and up recomputed in the backward"
+        if plan.recompute in accelerated.capabilities(plan.backend).recompute:  # else ignored
+            gpus += {"gate-up": ", gate and up recomputed in the backward",
+                     "block": ", each layer recomputed in the backward"}[plan.recompute]
         if accelerated.capabilities(plan.backend).device == "cpu":
             gpus += f", {blas}"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "

@@ -30,7 +30,7 @@ import numpy as np
 
 from .compilation import StageRecord, compilation_debug_report_json, plan_report_json
 from .config import Config, Hyper, check_precision
-from .errors import CoppeliusError, RunError
+from .errors import ConfigError, CoppeliusError, RunError
 from .params import registry
 from .semantic import SemanticGraph, semantic_graph
 from .state import State
@@ -120,6 +120,28 @@ def check_replay_state(state, owned, backend: str) -> None:
                           "program from the new state")
 
 
+# capture(recompute=...)'s modes (docs/SPEC.md "Reading: recomputation"): what
+# the backward computes again from the layer's input instead of keeping it.
+# "gate-up": each layer's mlp_norm and gate and up products; "block": each
+# layer's whole forward, from the residual stream entering it. Either gives
+# the step's bits without recompute.
+RECOMPUTE_MODES = ("gate-up", "block")
+
+
+def recompute_mode(value) -> str | None:
+    """capture()'s `recompute` as a mode of RECOMPUTE_MODES, or None (off):
+    None, False and "none" are off; True is "gate-up" (the one mode there
+    was when it was a switch: run.json files and callers holding true). A
+    ConfigError names any other value."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, (bool, int, np.bool_)):  # the switch: on is gate-up
+        return "gate-up" if value else None
+    if value not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute={value!r}: choose from none, {', '.join(RECOMPUTE_MODES)}")
+    return value
+
+
 def capture_or_fallback(program, record) -> bool:
     """Run `record()`, the backend's capture of its step (SPEC 13). A
     capture the backend refuses -- a RuntimeError or ValueError of its
@@ -186,7 +208,9 @@ class Capabilities:
     device_clock: bool  # replay_timed() gives device seconds; else MissingCapability
     device_memory: bool  # a device memory pool whose peak bench reports
     host_data: bool  # the step's buffers live in host memory (limits.step_bytes' on_host)
-    recompute: bool  # honours capture(recompute=True); else accepts and ignores it
+    # the modes of capture(recompute=...) it honours (RECOMPUTE_MODES); it
+    # accepts and ignores the others
+    recompute: tuple
     defines: bool  # the definition itself (the reference): others are checked against it
     device: str  # where the step runs on the platforms below: "cuda", "gpu" or "cpu"
     # best_backend(): among the available backends preferred on this platform

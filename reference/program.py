@@ -18,7 +18,7 @@ from .compilation import (REFERENCE_FUNCTIONS, MemoryAnalysis, PartitionOutcome,
                           compilation_report)
 from .config import Config, Hyper
 from .contract import (CapturedProgram, ReplayError, TrainingProgram, check_logits_tokens,
-                       check_tokens)
+                       check_tokens, recompute_mode)
 from .params import registry
 from .semantic import partitions
 from .state import State
@@ -167,11 +167,13 @@ def available() -> bool:
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None, recompute: bool = False) -> TrainingProgram:
+            accumulate: int | None = None, recompute=None) -> TrainingProgram:
     """Record the reference's plan; performs no training update. `accumulate`
     k (default: hyper.accumulate) splits each step into k micro-batches.
-    `recompute` (the accelerated backends' memory option: the gate and up
-    products computed again in the backward, the same values) is accepted
+    `recompute` (the accelerated backends' memory option, a mode of
+    contract.RECOMPUTE_MODES: the gate and up products, or each layer's
+    forward, computed again in the backward, the same values) is checked
     and changes nothing here: the reference defines the values and keeps
     every intermediate it checks."""
+    recompute_mode(recompute)  # a mode no backend has is refused here too
     return ReferenceProgram(config, hyper, precision, batch, state, accumulate)

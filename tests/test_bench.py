@@ -327,19 +327,25 @@ def test_a_backend_that_does_not_compute_the_model_is_one_line(capsys, monkeypat
 
 
 def test_bench_recompute_times_each_backend_both_ways(capsys):
-    """--recompute: a row '<backend> recompute' beside each accelerated
-    backend's (none for the reference, which ignores it), ending at the same
-    printed loss (the bits are checked in each backend's own tests)."""
+    """--recompute and --recompute block: rows '<backend> recompute' and
+    '<backend> recompute block' beside each accelerated backend's (none for
+    the reference, which ignores both), ending at the same printed loss (the
+    bits are checked in each backend's own tests); a bad mode is one line."""
     from coppelius import accelerated
 
     status, out, err = run_bench(capsys, "--preset", "test", "--steps", "2", "--no-peer",
-                                 "--recompute")
+                                 "--recompute", "--recompute", "block")
     assert status == 0 and "Traceback" not in err
     rows = {r[0]: r for r in table_rows(out)}
-    assert "reference recompute" not in rows
+    assert not {"reference recompute", "reference recompute block"} & set(rows)
     for name in accelerated.available_backends():
         if name != "reference":
-            assert rows[f"{name} recompute"][-1] == rows[name][-1]  # the loss, as printed
+            for label in ("recompute", "recompute block"):
+                assert rows[f"{name} {label}"][-1] == rows[name][-1]  # the loss, as printed
+    with pytest.raises(SystemExit) as exit:
+        run_bench(capsys, "--preset", "test", "--recompute", "layer")
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1 and "'layer'" in err
 
 
 def test_bench_tiny_runs_end_to_end_on_the_cpu(capsys):

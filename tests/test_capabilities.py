@@ -11,7 +11,7 @@ import pytest
 
 from coppelius import accelerated
 from coppelius.reference.config import Hyper, preset
-from coppelius.reference.contract import Capabilities, MissingCapability
+from coppelius.reference.contract import RECOMPUTE_MODES, Capabilities, MissingCapability
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
 
@@ -109,9 +109,11 @@ def test_the_declared_device_clock_is_the_programs(name):
 @pytest.mark.parametrize("name", LOCAL)
 def test_the_declared_recompute_and_data_parallelism_are_the_programs(name):
     c = accelerated.capabilities(name)
-    program = program_of(name, recompute=True)
-    assert bool(getattr(program, "recompute", False)) == c.recompute
-    program.reset()
+    assert set(c.recompute) <= set(RECOMPUTE_MODES)
+    for mode in RECOMPUTE_MODES:  # each mode honoured or accepted and ignored
+        program = program_of(name, recompute=mode)
+        assert getattr(program, "recompute", None) == (mode if mode in c.recompute else None)
+        program.reset()
     capture = accelerated.backend_module(name).capture
     assert ("comm" in inspect.signature(capture).parameters) == c.data_parallel
 

@@ -345,7 +345,8 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
 
 
 @inside
-@pytest.mark.parametrize("extra", [[], ["--recompute"]], ids=["kept", "recompute"])
+@pytest.mark.parametrize("extra", [[], ["--recompute"], ["--recompute", "block"]],
+                         ids=["kept", "recompute", "block"])
 def test_bench_times_two_ranks_against_one(capsys, extra):
     from coppelius.bench import distributed as bench_gpus
 

@@ -547,8 +547,10 @@ def test_accumulate_must_divide_the_batch_and_is_remembered_in_the_learner(tmp_p
 
 def test_recompute_reaches_the_backend_and_is_remembered_but_is_not_part_of_the_learner(
         tmp_path, stream, monkeypatch):
-    """--recompute reaches the backend's capture and run.json; a later
-    invocation keeps it unless --no-recompute; the checkpoint's identities
+    """--recompute (gate-up) and --recompute block reach the backend's
+    capture and run.json; a later invocation keeps the mode unless it gives
+    another or --no-recompute; a run.json from when it was a switch
+    (`"recompute": true`) resumes as gate-up; the checkpoint's identities
     do not name it, so a run resumes with or without it. (The reference
     ignores it, so the bytes here are equal trivially; the accelerated
     backends' bits with and without it are checked in their own tests.)"""
@@ -563,16 +565,50 @@ def test_recompute_reaches_the_backend_and_is_remembered_but_is_not_part_of_the_
 
     monkeypatch.setattr(reference_program, "capture", watched)
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(train_args(stream, a, a / "ck.bin", "--steps", "2", "--recompute")) == 0
-    assert json.loads((a / "run.json").read_text())["options"]["recompute"] is True
+    run_file = a / "run.json"
+
+    def remembered():
+        return json.loads(run_file.read_text())["options"]["recompute"]
+
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "1", "--recompute")) == 0
+    assert remembered() == "gate-up"
     assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 0
     assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample",
+                 "--recompute", "block"]) == 0
+    assert remembered() == "block"
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample",
                  "--no-recompute"]) == 0
-    assert json.loads((a / "run.json").read_text())["options"]["recompute"] is False
-    assert seen == [True, True, False]
-    assert main(train_args(stream, b, b / "ck.bin", "--steps", "4")) == 0
+    assert remembered() == "none"
+    doc = json.loads(run_file.read_text())
+    doc["options"]["recompute"] = True  # as the switch wrote it
+    run_file.write_text(json.dumps(doc))
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 0
+    assert seen == ["gate-up", "gate-up", "block", None, "gate-up"]
+    assert main(train_args(stream, b, b / "ck.bin", "--steps", "5")) == 0
     assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()
     assert "recompute" not in json.dumps(load_state(str(a / "ck.bin"), CFG).header)
+
+
+def test_a_bad_recompute_mode_is_one_line_and_status_2(tmp_path, stream, capsys):
+    """--recompute MODE outside none, gate-up, block, on the command line or
+    in run.json: one line naming it, status 2, nothing written."""
+    a = tmp_path / "a"
+    with pytest.raises(SystemExit) as exit:
+        main(train_args(stream, a, a / "ck.bin", "--steps", "1", "--recompute", "layer"))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--recompute" in err and "'layer'" in err and "block" in err
+    assert not a.exists()
+    assert main(train_args(stream, a, a / "ck.bin", "--steps", "1")) == 0
+    doc = json.loads((a / "run.json").read_text())
+    doc["options"]["recompute"] = "layer"
+    (a / "run.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    before = (a / "ck.bin").read_bytes()
+    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "option recompute" in err, err
+    assert "Traceback" not in err and (a / "ck.bin").read_bytes() == before
 
 
 def test_the_next_step_is_queued_before_a_step_is_read_but_never_across_a_publication(

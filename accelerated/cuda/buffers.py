@@ -7,6 +7,7 @@ places the activations and G's segments in one arena by lifetime."""
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ except ImportError:  # the backend is simply unavailable
 
 from ...reference.adamw import AdamWConstants, float32_of, schedule_table
 from ...reference.config import Config, Hyper
+from ...reference.contract import recompute_mode
 from ...reference.layers.rope import rope_tables
 from ...reference.layout import Layout, LayerOffsets, layout
 from ...reference.params import registry
@@ -226,30 +228,37 @@ class Activations:
     forward) one layer's buffers serve every layer, the logits are whole
     and the backward's buffers are not allocated; with train=True the
     logits buffer holds one chunk of logits_chunk_rows(BT, V) rows. With
-    recompute the gate and up products are not kept per layer: the
-    forward's serve every layer, and the backward computes them again
-    (Model.backward) into a buffer of its own."""
+    recompute "gate-up" (reference/contract.py RECOMPUTE_MODES) the gate
+    and up products are not kept per layer: the forward's serve every
+    layer, and the backward computes them again (Model.backward) into a
+    buffer of its own. With recompute "block" only each layer's input x[l]
+    is kept per layer: every other buffer of a layer's forward is one for
+    all layers, and the backward has a set of its own (for_backward), which
+    it fills again for each layer in turn (Model.layer_forward) before that
+    layer's backward reads it."""
 
     def __init__(self, config: Config, B: int, T: int, op_dtype, alloc: Buffers, train: bool,
-                 recompute: bool = False):
+                 recompute: str | None = None):
         D, F, H, V, L = config.d_model, config.d_ff, config.n_head, config.vocab, config.n_layer
         lay = step_layout(config)  # the fused rows' widths: qkv (q | k | v), gate_up (gate | up)
         BT = B * T
         self.B, self.T, self.train = B, T, train
-        self.recompute = recompute = recompute and train
+        self.recompute = recompute = recompute_mode(recompute) if train else None
         f32 = np.float32
         bf16 = op_dtype == np.uint16
         self.path = attention_path(config, "bf16" if bf16 else "fp32", B, T, train)
         cudnn = self.path.kind == "cudnn"
         self.fused = fused = self.path.kind != "materialized"  # no (T, T) scores in memory
-        n = L if train else 1
+        kept = L if train else 1  # the layers' inputs x[l]
+        n = 1 if recompute == "block" else kept  # every other buffer of a layer's forward
 
-        def per_layer(shape, dtype):
+        def per_layer(shape, dtype, n=n):
             own = [alloc(shape, dtype) for _ in range(n)]
             return [own[l % n] for l in range(L)]
 
         # forward (saved for the backward when training)
-        self.x = per_layer((BT, D), f32) + [alloc((BT, D), f32)]  # residual input of layer l; x[L] final
+        # residual input of layer l; x[L] final
+        self.x = per_layer((BT, D), f32, kept) + [alloc((BT, D), f32)]
         self.x_mid = per_layer((BT, D), f32)  # residual after attention
         # each norm's row statistics: rstd, and the mean where it is a
         # layernorm (rmsnorm has none: a list of None)
@@ -280,10 +289,12 @@ class Activations:
                                                      attention.attention_scale(config.head_dim),
                                                      kv_heads=config.kv_heads)
             self.att_workspace[direction] = alloc((nbytes,), np.uint8) if nbytes else None
-        # gate and up projections: kept per layer, or (recompute) one buffer
-        # for every layer's forward and, below, one for the backward's
+        # gate and up projections: kept per layer, or (recompute gate-up)
+        # one buffer for every layer's forward and, below, one for the
+        # backward's
         GU = lay.gate_up_width
-        self.gu = [alloc((BT, GU), f32)] * L if recompute else per_layer((BT, GU), f32)
+        self.gu = ([alloc((BT, GU), f32)] * L if recompute == "gate-up"
+                   else per_layer((BT, GU), f32))
         # silu(g) * u, operand: one for every layer, read at once by the down
         # product; the backward writes it again (swiglu_backward), into
         # a_back, for the down weight's gradient
@@ -311,10 +322,12 @@ class Activations:
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None
         self.da = alloc((BT, F), f32)
         self.dgu = alloc((BT, GU), op_dtype)
-        self.gu_back = alloc((BT, GU), f32) if recompute else None
+        self.gu_back = alloc((BT, GU), f32) if recompute == "gate-up" else None
         # the forward's h and a, written again by the backward: buffers of
         # their own, so that the forward's are not live from the last layer's
         # forward to the loss, the step's peak, nor these before the backward
+        # (recompute block: a layer's forward done again writes its norms'
+        # outputs into h_back too)
         self.h_back, self.a_back = alloc((BT, D), op_dtype), alloc((BT, F), op_dtype)
         self.dy = alloc((BT, D), op_dtype)
         if self.path.kind == "fused":  # (cuDNN's row terms live in its workspace)
@@ -341,6 +354,43 @@ class Activations:
         # qkv_bias: the q, k, v bias gradients' partial column sums (scratch of each layer)
         self.bias_partials = (alloc((linear_bias.linear_bias_chunks(BT), lay.qkv_width), f32)
                               if config.qkv_bias else None)
+        if recompute == "block":
+            # the backward's own buffers of one layer's forward, which it
+            # runs again for each layer (for_backward): so that the forward's
+            # are not live at the loss, the step's peak, nor these before
+            # the backward (the plan then shares their storage)
+            for name in self._block_buffers():
+                setattr(self, name + "_back", _same_buffers(getattr(self, name), alloc))
+            # cuDNN's forward workspace too (its backward's is the backward's already)
+            ws = self.att_workspace
+            self.att_workspace_back = {"forward": _same_buffers(ws["forward"], alloc),
+                                       "backward": ws["backward"]}
+
+    def _block_buffers(self) -> list:
+        """The attributes of one layer's forward (with the scratch it writes)
+        that recompute "block" keeps once for every layer."""
+        names = ["x_mid", "mean1", "rstd1", "mean2", "rstd2", "qkv", "att_stats", "att_m",
+                 "att_l", "att", "y", "gu", "qkv32", "proj"]
+        return [name for name in names if hasattr(self, name)]
+
+    def for_backward(self) -> "Activations":
+        """The buffers the backward uses: these, or with recompute "block" a
+        view whose buffers of one layer's forward are the backward's own."""
+        if self.recompute != "block":
+            return self
+        view = copy.copy(self)
+        for name in self._block_buffers() + ["att_workspace"]:
+            setattr(view, name, getattr(self, name + "_back"))
+        return view
+
+
+def _same_buffers(value, alloc):
+    """New buffers from alloc of the shapes and dtypes of `value`: an array
+    (or None), or a list of one buffer (or None) for every layer."""
+    if isinstance(value, list):
+        assert all(x is value[0] for x in value), "one buffer for every layer"
+        return [_same_buffers(value[0], alloc)] * len(value)
+    return None if value is None else alloc(value.shape, value.dtype)
 
 
 @dataclass

@@ -137,11 +137,12 @@ class Model:
     def forward(self, a: Activations, ids, ids_stride: int) -> None:
         """ids (B, ids_stride) int32, the first T of each row the inputs ->
         a.hf (BT, D), the final norm's output, every activation of the
-        backward kept in a; an eager forward's a (train=False) also gets the
-        whole logits (BT, V). The step's logits are classifier_loss()'s, by chunks."""
+        backward kept in a (with recompute block, each layer's input x[l]:
+        the backward does the rest again); an eager forward's a
+        (train=False) also gets the whole logits (BT, V). The step's logits
+        are classifier_loss()'s, by chunks."""
         c, k = self.config, self.k
-        L, D, F, V = c.n_layer, c.d_model, c.d_ff, c.vocab
-        lay = self.layout
+        L, D, V = c.n_layer, c.d_model, c.vocab
         T = a.T
         if self.qkv_parts is not None:
             # the q, k, v weights side by side, from the operands of P as they are now
@@ -152,34 +153,8 @@ class Model:
         self.at("embedding")
         k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
                             a.x[0])
-        for l, w in enumerate(self.layers):
-            p = f"layers.{l}."
-            # h = attn_norm(x), after the previous layer's residual add
-            prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
-            self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
-            self.norm_forward(prev, add, a.x[l] if l else None, a.h, a.mean1[l], a.rstd1[l],
-                              w.attn_norm)
-            self._tap(p + "attn_norm.out", a.h)
-            self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-            self.qkv_forward(a.h, l, a.qkv32)  # (BT,qkv)
-            self.at(p + "attn.rope_q", p + "attn.rope_k")
-            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
-            self.at(p + "attn.core")
-            self.attention_forward(a, l)  # -> a.y[l] (BT,D)
-            self.at(p + "attn.o")
-            self.linear_forward(a.y[l], w.o, a.proj, D, D)
-            # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
-            self.at(p + "attn.residual", p + "mlp_norm")
-            self.norm_forward(a.x[l], a.proj, a.x_mid[l], a.h, a.mean2[l], a.rstd2[l],
-                              w.mlp_norm)
-            self._tap(p + "mlp_norm.out", a.h)
-            self.at(p + "mlp.gate", p + "mlp.up")
-            self.linear_forward(a.h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
-            self.at(p + "mlp.swiglu")
-            k.swiglu_forward(a.gu[l], a.a)
-            self._tap(p + "mlp.h", a.a)
-            self.at(p + "mlp.down")
-            self.linear_forward(a.a, w.down, a.proj, D, F)
+        for l in range(L):
+            self.layer_forward(a, l)
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_head^T
         self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
         self.norm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
@@ -187,6 +162,53 @@ class Model:
         if not a.train:
             self.at("lm_head")
             self.linear_forward(a.hf, self.head, a.logits, V, D)
+
+    def layer_forward(self, a: Activations, l: int, again: bool = False) -> None:
+        """Layer l's forward: a.x_mid[l-1] + a.proj (the previous layer's
+        residual add; a.x[0] for layer 0) -> a.x[l], and through the layer
+        to a.proj, its MLP's output (the next residual add's). again=True
+        (recompute block, in the backward): from a.x[l] as kept, by the same
+        kernels and products on the same arguments (the forward's bits),
+        everything the layer's backward reads (its norms' statistics, q | k
+        | v, the attention's, y, x_mid, the gate and up products), the norms'
+        outputs into a.h_back; not the SwiGLU and down product, whose output
+        the backward does not read (it writes a again itself)."""
+        c, k, lay, w = self.config, self.k, self.layout, self.layers[l]
+        D, T = c.d_model, a.T
+        p = f"layers.{l}."
+        tap = (lambda *args: None) if again else self._tap  # seen once, in the forward
+        h = a.h_back if again else a.h
+        # h = attn_norm(x), after the previous layer's residual add
+        if again:
+            self.at(p + "attn_norm")
+            self.norm_forward(a.x[l], None, None, h, a.mean1[l], a.rstd1[l], w.attn_norm)
+        else:
+            prev, add = (a.x[0], None) if l == 0 else (a.x_mid[l - 1], a.proj)
+            self.at(*([f"layers.{l - 1}.mlp.residual"] if l else []), p + "attn_norm")
+            self.norm_forward(prev, add, a.x[l] if l else None, h, a.mean1[l], a.rstd1[l],
+                              w.attn_norm)
+        tap(p + "attn_norm.out", h)
+        self.at(p + "attn.q", p + "attn.k", p + "attn.v")
+        self.qkv_forward(h, l, a.qkv32)  # (BT,qkv)
+        self.at(p + "attn.rope_q", p + "attn.rope_k")
+        k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
+        self.at(p + "attn.core")
+        self.attention_forward(a, l)  # -> a.y[l] (BT,D)
+        self.at(p + "attn.o")
+        self.linear_forward(a.y[l], w.o, a.proj, D, D)
+        # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
+        self.at(p + "attn.residual", p + "mlp_norm")
+        self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l], w.mlp_norm)
+        tap(p + "mlp_norm.out", h)
+        self.at(p + "mlp.gate", p + "mlp.up")
+        self.linear_forward(h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
+        if again:
+            return
+        self.at(p + "mlp.swiglu")
+        k.swiglu_forward(a.gu[l], a.a)
+        tap(p + "mlp.h", a.a)
+        self.at(p + "mlp.down")
+        self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
 
     def qkv_matrix(self, l: int) -> int:
         """The address of layer l's (qkv, D) q | k | v weight operands: in P
@@ -324,6 +346,7 @@ class Model:
         c, k, lay = self.config, self.k, self.layout
         L, D, F = c.n_layer, c.d_model, c.d_ff
         T, BT = a.T, a.B * a.T
+        a = a.for_backward()  # recompute block: its own buffers of one layer's forward
         dce = np.float32(1.0 / (BT if rows is None else rows))  # d mean / d ce: float32 1/n
         # the logits, row losses, dh and the head's gradient, by chunks of rows
         self.classifier_loss(a, ids, ids_stride, a.ce if ce is None else ce, dce)
@@ -339,6 +362,10 @@ class Model:
             w = self.layers[l]
             p = f"layers.{l}."
             self._tap(p + "dout", a.dres)
+            if a.recompute == "block":
+                # the layer's forward again from its input x[l], into the
+                # backward's buffers of one layer, for the backward below
+                self.layer_forward(a, l, again=True)
             # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
             # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
             # the swiglu backward writes a again (the forward's bits) for the
@@ -347,7 +374,7 @@ class Model:
             self.linear_backward_input(dres_op, w.down, a.da, D, F)
             self._tap(p + "mlp.dh", a.da)
             gu = a.gu[l]
-            if a.recompute:
+            if a.recompute == "gate-up":
                 # h = mlp_norm(x_mid) and g, u = h Wgate^T, h Wup^T again, by
                 # the forward's kernel and product: the forward's bits
                 self.at(p + "mlp_norm", p + "mlp.gate", p + "mlp.up")
@@ -370,7 +397,8 @@ class Model:
             self._tap(p + "mlp_norm.dout", a.dh)
             self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
                     *(() if a.recompute else (p + "mlp_norm",)))
-            # (with recompute h_back holds h already)
+            # (with recompute h_back holds h already: the gate and up
+            # products' operand, from the recompute above)
             self.norm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], w.mlp_norm,
                                a.dres, a.dres_op, a.ln_partials[2 * l + 1],
                                h=None if a.recompute else a.h_back)

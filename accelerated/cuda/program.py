@@ -22,7 +22,8 @@ from ...reference.params import registry
 from ...reference.compilation import MemoryAnalysis
 from ...reference.contract import (CapturedProgram, ReplayError, StepRecords, Submitted,
                                           capture_enabled, capture_or_fallback, check_capture,
-                                          check_logits_tokens, check_replay_state, check_tokens)
+                                          check_logits_tokens, check_replay_state, check_tokens,
+                                          recompute_mode)
 from ...reference.semantic import activation_names
 from ...reference.state import State
 
@@ -115,9 +116,9 @@ class CupyProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None, comm=None, recompute: bool = False):
+                 accumulate: int | None = None, comm=None, recompute=None):
         k = hyper.accumulate if accumulate is None else accumulate
-        self.recompute = bool(recompute)
+        self.recompute = recompute_mode(recompute)  # None, "gate-up" or "block"
         check_implemented(config, IMPLEMENTED, BACKEND)  # before anything is allocated
         if config.d_model > layernorm.MAX_D:  # SPEC 23: refused by field and limit
             raise RunError(f"d_model={config.d_model}: the CUDA backend's norm kernels hold "
@@ -600,15 +601,17 @@ class CupyProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None, comm=None, recompute: bool = False) -> CupyProgram:
+            accumulate: int | None = None, comm=None, recompute=None) -> CupyProgram:
     """Allocate, warm up and capture the step once; performs no training update.
     `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches, the
     activations sized for B/k. `comm`: this rank's communicator of W ranks
     (accelerated.distributed.Communicator; every rank captures at once, on
     its own device): the program is rank r's part of the global batch B,
-    the activations sized for B/(W*k) (SPEC 19). `recompute`: the gate and
-    up products are computed again in the backward instead of kept per
-    layer (the same bits; less memory, more time)."""
+    the activations sized for B/(W*k) (SPEC 19). `recompute`
+    (reference/contract.py recompute_mode: None or False off, "gate-up" or
+    True, "block"): each layer's gate and up products, or its whole
+    forward from its input, are computed again in the backward instead of
+    kept per layer (the same bits; less memory, more time)."""
     if not available():
         raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
     return CupyProgram(config, hyper, precision, batch, state, accumulate, comm, recompute)

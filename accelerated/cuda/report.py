@@ -94,8 +94,10 @@ def _report(program: CupyProgram) -> dict:
                             f"lifetime: {plan.savings} bytes saved" if program.memory_planned
                             else "plan not applied: " + _plan_off_reason(program))
                            + "; every buffer allocated before capture, none in the step"
-                           + ("; the gate and up products computed again in the backward "
-                              "(recompute)" if program.recompute else ""),
+                           + {None: "", "gate-up": "; the gate and up products computed "
+                              "again in the backward (recompute gate-up)",
+                              "block": "; each layer's forward computed again in the backward "
+                              "from its input (recompute block)"}[program.recompute],
         "synchronization_planning": "stream order only; the host waits once per replay"
                                     + ("" if program.world == 1 else
                                        "; the gradient summed (NCCL all-reduce) and the row "

@@ -107,13 +107,14 @@ KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", 
 
 
 def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
-                accumulate: int = 1, world: int = 1, recompute: bool = False) -> MemoryPlan:
+                accumulate: int = 1, world: int = 1, recompute: str | None = None) -> MemoryPlan:
     """The step's dry run (accelerated/cuda/memory_plan.py): every buffer, the
     commands in order with what they touch, each activation's lifetime, and
     the activations laid out in one arena. Allocates nothing; needs no GPU.
     With accumulate k and W = world ranks the activations are those of a
     micro-batch of B/(W*k); the collectives are logged, not run. recompute:
-    the gate and up products computed again in the backward (Activations)."""
+    the mode of Activations (None, "gate-up", "block"): the dry run is of
+    the step that recomputes, so the lifetimes are its own."""
     v = VirtualBuffers()
     s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
@@ -137,8 +138,8 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
                     names.setdefault(x.ptr, f"acts.{attr}[{l}]")
         elif isinstance(value, dict):
             for key, x in value.items():
-                if x is not None:
-                    names[x.ptr] = f"acts.{attr}.{key}"
+                if x is not None:  # (the first name of one shared by two, as above)
+                    names.setdefault(x.ptr, f"acts.{attr}.{key}")
     log = CommandLog()
     kernels = compile.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)

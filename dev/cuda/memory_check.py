@@ -93,7 +93,7 @@ def plan_bytes(program) -> int:
                                   if b.kind not in ("activation", "gradient"))
 
 
-RECOMPUTE = {}  # capture's recompute=True where --recompute asks (trees that have it)
+RECOMPUTE = {}  # capture's recompute=MODE where --recompute asks (trees that have it)
 
 
 def capture(config, batch, state):
@@ -207,9 +207,10 @@ def main():
     parser.add_argument("--chunk-batch", type=int, action="append",
                         help="the batches of --chunk-bytes and --workspace-mib; "
                              "repeatable (default: 8)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="capture with the gate and up products computed again in the "
-                             "backward (the bits must equal a run without)")
+    parser.add_argument("--recompute", nargs="?", const="gate-up", choices=("gate-up", "block"),
+                        metavar="MODE",
+                        help="capture with MODE's recomputation in the backward: gate-up (the "
+                             "default MODE) or block (the bits must equal a run without)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--compare", nargs=2, metavar=("NEW", "OLD"))
     args = parser.parse_args()
@@ -217,7 +218,7 @@ def main():
         sys.exit(compare(args.compare))
     config = preset(args.preset)
     if args.recompute:
-        RECOMPUTE["recompute"] = True
+        RECOMPUTE["recompute"] = args.recompute
     checks, variants = [], []
     for batch in args.batch:
         r = check(config, batch, args.steps, args.time)
