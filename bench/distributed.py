@@ -121,8 +121,9 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
 
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
+        shard = bool(getattr(args, "shard_optimizer", False))
         program = capture(config, Hyper(), precision, B, state.copy(), comm=comm,
-                                       recompute=args.recompute)
+                                       recompute=args.recompute, shard=shard)
         several = _time(program, inputs, args.warmup)
         group.finish()
         status = 0
@@ -132,7 +133,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         rows = [("1 GPU", b, *single), (f"{n} GPUs", B, *several)]
         print(f"coppelius bench --gpus {n}: {bench.preset_name(config)} model, {precision}, "
               f"T={T}, {b} contexts per GPU, {args.steps} timed steps after {args.warmup} "
-              f"warmup" + (", gate and up recomputed (--recompute)" if args.recompute else ""))
+              f"warmup" + (", gate and up recomputed (--recompute)" if args.recompute else "")
+              + (", optimizer state sharded (--shard-optimizer)" if shard else ""))
         print(f"{'GPUs':<8} {'batch':>5} {'median ms':>10} {'min ms':>9} {'device ms':>9} "
               f"{'tokens/s':>12}  loss")
         rate = []
