@@ -245,6 +245,20 @@ def test_three_ranks_over_a_vector_they_do_not_divide(precision):
         assert report["collectives"] == 5 + (precision == "bf16")
 
 
+@inside
+def test_coppelius_program_reports_the_state_bytes_of_its_rank(capsys):
+    """`coppelius program` on the CUDA backend (one rank, nothing sharded):
+    P, M, V and G whole, 4 bytes an element each, and the bfloat16 operands."""
+    assert cli.main(["program", "--backend", "cupy", "--preset", "test", "--batch", "2",
+                     "--precision", "bf16"]) == 0
+    memory = json.loads(capsys.readouterr().out)["state_memory"]
+    N = registry(CFG).total
+    assert memory["buffers"] == {"P": 4 * N, "M": 4 * N, "V": 4 * N, "G": 4 * N, "Pb": 2 * N}
+    assert (memory["bytes_per_rank"], memory["parameters"]) == (18 * N, N)
+    assert memory["optimizer_bytes_per_parameter"] == 12
+    assert (memory["sharded"], memory["shard"], memory["world"]) == (False, None, 1)
+
+
 # ---------------------------------------------------------------- backends without ranks
 
 def test_one_rank_of_the_reference_accepts_the_option_as_a_no_op(tmp_path, capsys):
