@@ -101,7 +101,7 @@ def register(sub) -> None:
                         "(default off; --no-recompute turns a remembered one off)")
     p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction,
                    help="with --gpus N > 1: each rank keeps the moments M and V of its 1/N of "
-                        "the parameters alone (about 4 + 12/N bytes of state a parameter "
+                        "the parameters alone (P, M and V about 4 + 8/N bytes a parameter "
                         "instead of 12, plus the gradient); the gradient reduce-scattered and "
                         "the parameters all-gathered in the step, the checkpoint the same "
                         "file; on one GPU or rank nothing changes (default off; "

@@ -180,6 +180,19 @@ def test_a_failing_sharded_rank_ends_both(tmp_path, stream, monkeypatch, capsys)
     assert (ck.step, ck.contexts) == (2, 2 * B)
 
 
+@inside
+def test_ranks_that_disagree_on_sharding_are_refused(tmp_path, stream, capsys):
+    """Each rank's step must pair its collectives with the others': a plan
+    that shards on one rank alone is refused by every rank, in one line."""
+    a = tmp_path / "a"
+    assert ranks_run([train_argv(stream, a, "--steps", "2"),
+                      train_argv(stream, a, "--steps", "2", SHARD)]) == [2, 2]
+    lines = errors("".join(capsys.readouterr()))
+    assert len(lines) == 1 and "rank 1: its plan has shard_optimizer True, rank 0's False" \
+        in lines[0], lines
+    assert not (a / "ck.bin").exists()
+
+
 def _programs(config, world, precision, state, hyper, shard):
     uid = distributed.new_unique_id()
     out = [None] * world

@@ -437,9 +437,9 @@ class CupyProgram(CapturedProgram):
     def gradients(self) -> np.ndarray:
         """G of the last step (before clipping), (N,) float32; with the
         state sharded, gathered from every rank's shard (every rank calls
-        it, as state()). Under the
-        memory plan G's segments share storage with the activations, which
-        evaluate() uses: read G before an evaluation."""
+        it, as state()). Under the memory plan G's segments share storage
+        with the activations, which evaluate() uses: read G before an
+        evaluation."""
         self._last("gradients")
         if self._gradient_overwritten:
             raise ReplayError("gradients: an evaluation since the last step used their storage "
@@ -509,8 +509,8 @@ class CupyProgram(CapturedProgram):
     def _gathered(self, x) -> np.ndarray:
         """x, a (S,) shard of every rank (the sharded state's M, V or G) ->
         the whole (N,) on the host: an NCCL all-gather on the stream, outside
-        the step, into a (W*S,) buffer of its own (freed again), then a copy
-        to page-locked host memory. A collective: every rank calls it, at
+        the step, into a (W*S,) buffer of its own (back to CuPy's pool after),
+        then a copy to page-locked host memory. A collective: every rank calls it, at
         the same point (accelerated/cuda/distributed.py)."""
         sh, N = self.buffers.shard, self.P.size
         with self.stream:
