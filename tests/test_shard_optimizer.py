@@ -193,13 +193,14 @@ def test_ranks_that_disagree_on_sharding_are_refused(tmp_path, stream, capsys):
     assert not (a / "ck.bin").exists()
 
 
-def _programs(config, world, precision, state, hyper, shard):
+def _programs(config, world, precision, state, hyper, shard, batch=None, accumulate=None):
     uid = distributed.new_unique_id()
     out = [None] * world
 
     def one(r):
         comm = distributed.Communicator(uid, r, world)
-        out[r] = capture(config, hyper, precision, world, state.copy(), comm=comm, shard=shard)
+        out[r] = capture(config, hyper, precision, batch or world, state.copy(), accumulate,
+                         comm=comm, shard=shard)
 
     on_threads(world, one, timeout=120)
     return out
@@ -270,6 +271,22 @@ def test_coppelius_program_reports_the_state_bytes_of_its_rank(capsys):
     assert (memory["bytes_per_rank"], memory["parameters"]) == (18 * N, N)
     assert memory["optimizer_bytes_per_parameter"] == 12
     assert (memory["sharded"], memory["shard"], memory["world"]) == (False, None, 1)
+
+
+@inside
+def test_sharded_with_accumulation_is_the_unsharded_step():
+    """k = 2 micro-batches of each rank's 2 contexts: the gradient summed
+    over the passes, then reduce-scattered; the same bits as unsharded."""
+    state = State.fresh(initialize(CFG))
+    rng = np.random.default_rng(7)
+    tokens = [rng.integers(0, CFG.vocab, (4, CFG.context + 1)) for _ in range(2)]
+    whole, sharded = (_steps(_programs(CFG, 2, "bf16", state, Hyper(), shard, 4, 2), tokens)
+                      for shard in (False, True))
+    for r in range(2):
+        assert sharded[r][1].tobytes() == whole[r][1].tobytes()
+        for name in "PMV":
+            assert getattr(sharded[r][2], name).tobytes() == \
+                getattr(whole[r][2], name).tobytes(), name
 
 
 # ---------------------------------------------------------------- backends without ranks
