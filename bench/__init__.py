@@ -445,6 +445,9 @@ def register(subparsers) -> None:
     parser.add_argument("--gpus", type=int, metavar="N",
                         help="data parallelism: N GPUs at B = N x --batch against one GPU at "
                              "B = --batch, tokens/s and scaling (bench/distributed.py)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="with --gpus N: the N GPUs' optimizer state sharded (`train "
+                             "--shard-optimizer`); one GPU alone: nothing to shard")
     parser.add_argument("--reference-coppelius", type=int, default=0, metavar="N",
                         help="also time N steps of the reference on the coppelius preset, B = 1 "
                              "(seconds per step)")

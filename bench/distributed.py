@@ -125,8 +125,9 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
 
         group.watch(on_failure, hard_exit=hard_exit)
         comm = distributed.Communicator(uid, r, n)
+        shard = bool(getattr(args, "shard_optimizer", False))
         program = capture(config, Hyper(), precision, B, state.copy(), comm=comm,
-                                       recompute=recompute)
+                          recompute=recompute, shard=shard)
         several = _time(program, inputs, args.warmup)
         group.finish()
         status = 0
@@ -137,7 +138,8 @@ def bench_rank(args, launch, hard_exit: bool = True) -> int:
         print(f"coppelius bench --gpus {n}: {bench.preset_name(config)} model, {precision}, "
               f"T={T}, {b} contexts per GPU, {args.steps} timed steps after {args.warmup} "
               f"warmup" + {None: "", "gate-up": ", gate and up recomputed (--recompute)",
-                           "block": ", each layer recomputed (--recompute block)"}[recompute])
+                           "block": ", each layer recomputed (--recompute block)"}[recompute]
+              + (", optimizer state sharded (--shard-optimizer)" if shard else ""))
         print(f"{'GPUs':<8} {'batch':>5} {'median ms':>10} {'min ms':>9} {'device ms':>9} "
               f"{'tokens/s':>12}  loss")
         rate = []

@@ -55,6 +55,7 @@ class Plan:
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
     remembered: dict | None = None  # what run.json will hold
     recompute: str | None = None  # reference/contract.py RECOMPUTE_MODES, None: off
+    shard_optimizer: bool = False  # with W > 1 ranks, M and V sharded over them (SPEC 23)
     model_source: str = ""  # the preset's name, the model file, or the checkpoint it came from
 
 
@@ -306,7 +307,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
                 heldout=heldout, eval_every=eval_every, remembered=options,
-                recompute=recompute_mode(options.get("recompute")), model_source=model_source)
+                recompute=recompute_mode(options.get("recompute")), model_source=model_source,
+                shard_optimizer=bool(options.get("shard_optimizer", False)))
 
 
 def writable_directory(directory) -> None:

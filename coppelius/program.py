@@ -4,10 +4,13 @@ itself (SPEC 13). By default the compilation debug report
 and memory_analysis); --semantic prints the backend-independent semantic
 graph, --plan the executable plan (kernels, products or calls, with their
 launch shapes). The program is captured from the preset's initialization and
-released again; nothing is trained."""
+released again; nothing is trained. A backend that counts its state's bytes
+(CUDA: compilation_report()'s state_memory, per rank) adds them to the
+report."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from coppelius import accelerated
@@ -59,6 +62,11 @@ def main(args) -> int:
                              State.fresh(initialize(config)))
     text = program.debug_report_json(name) if args.plan else \
         program.compilation_debug_report_json(name)
+    memory = program.compilation_report().get("state_memory")
+    if memory is not None and not args.plan:  # the optimizer state's bytes on this rank (SPEC 23)
+        from coppelius.reference.semantic import report_json
+
+        text = report_json({**json.loads(text), "state_memory": memory})
     program.reset()
     sys.stdout.write(text)
     return 0

@@ -16,7 +16,7 @@ from coppelius.reference.errors import RunError
 # --until: the remembered final step is), where to write this invocation's
 # results, the lifting switches, and the sample.
 REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "precision", "batch", "accumulate",
-              "gpus", "recompute", "interval",
+              "gpus", "recompute", "shard_optimizer", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "decay", "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint",
               "repeat_data", "final_step")
@@ -32,7 +32,7 @@ MAX_COUNT = 2**62  # the command line's bound on steps, batches and intervals (p
 PATHS = ("source", "stream", "tokenizer", "model", "checkpoint")  # absolute paths
 POSITIVE = ("batch", "accumulate", "gpus", "interval", "total", "decay")
 NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
-SWITCHES = ("repeat_data",)
+SWITCHES = ("shard_optimizer", "repeat_data")
 # --recompute MODE; a file from when it was a switch holds true (gate-up) or false
 RECOMPUTE = ("none", "gate-up", "block")
 RATIONALS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor", "clip")

@@ -106,6 +106,13 @@ def register(sub) -> None:
                         "remembered one off)")
     p.add_argument("--no-recompute", dest="recompute", action="store_const", const="none",
                    help=argparse.SUPPRESS)
+    p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction,
+                   help="with --gpus N > 1: each rank keeps the moments M and V of its 1/N of "
+                        "the parameters alone (P, M and V about 4 + 8/N bytes a parameter "
+                        "instead of 12, plus the gradient); the gradient reduce-scattered and "
+                        "the parameters all-gathered in the step, the checkpoint the same "
+                        "file; on one GPU or rank nothing changes (default off; "
+                        "--no-shard-optimizer turns a remembered one off; SPEC §23)")
     hyper = Hyper()
     for name in LEARNER_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="X",
@@ -403,8 +410,14 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     module = accelerated.backend_module(plan.backend)
     # captured first: a step that cannot be built (out of memory) leaves no result file
     ranks_of = {} if dist is None else {"comm": dist.comm}
+    sharded = dist is not None and plan.shard_optimizer  # one rank: nothing to shard
+    if sharded:
+        ranks_of["shard"] = True
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of,
                              recompute=plan.recompute)
+    # sharded, state() and gradients() gather from every rank: every rank
+    # calls them where rank 0 does (and drops what it gets)
+    gathers = leader or sharded
     if dist is not None:
         dist.programs.append(program)
     if leader:
@@ -423,7 +436,9 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     def publish_after(steps_done):  # rank 0's: the state copied off the device, then written
         if leader:
             publisher.submit(program, c0 + steps_done * B)
-    if leader:
+        elif sharded:
+            program.state()
+    if gathers:
         # the first copy of the state off the device allocates its host
         # buffers (page-locked on CUDA, kept by the backend's pool for every
         # later copy): made here, before the clock starts, not at the first
@@ -490,7 +505,9 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     writer.norm(step_no, records.grad_norm)
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
-                    if np.isfinite(row_losses).all():
+                    # (sharded, the state is every rank's to gather: rank 0's failure
+                    # ends them all, and the last published checkpoint stays)
+                    if np.isfinite(row_losses).all() and not sharded:
                         publish_after(trained)
                         publisher.finish()
                     raise
@@ -503,7 +520,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 last = done == plan.steps
                 stop = asked()  # read once: a signal may land any time
                 evaluated = None
-                if last and leader:
+                if last and gathers:
                     # the final record's gradient, read before the evaluation
                     # (on CuPy it shares storage with the activations)
                     last_gradients = program.gradients()
@@ -611,7 +628,7 @@ def main(args) -> int:
 
 # what every rank's plan must have as rank 0's has it (SPEC 19)
 AGREED = ("identities", "batch", "backend", "precision", "step", "contexts", "steps", "interval",
-          "eval_every", "heldout", "repeat")
+          "eval_every", "heldout", "repeat", "shard_optimizer")
 
 
 def plan_summary(plan: Plan) -> dict:
@@ -620,7 +637,8 @@ def plan_summary(plan: Plan) -> dict:
     return {"identities": dict(plan.identities), "batch": plan.batch, "backend": plan.backend,
             "precision": plan.precision, "step": int(plan.state.t), "contexts": plan.contexts,
             "steps": plan.steps, "interval": plan.interval, "eval_every": plan.eval_every,
-            "heldout": plan.heldout, "repeat": plan.repeat, "stream": plan.stream.path,
+            "heldout": plan.heldout, "repeat": plan.repeat,
+            "shard_optimizer": plan.shard_optimizer, "stream": plan.stream.path,
             "tokenizer": plan.tokenizer}
 
 
@@ -794,6 +812,8 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         if plan.recompute in accelerated.capabilities(plan.backend).recompute:  # else ignored
             gpus += {"gate-up": ", gate and up recomputed in the backward",
                      "block": ", each layer recomputed in the backward"}[plan.recompute]
+        if plan.shard_optimizer and dist is not None:  # else nothing to shard
+            gpus += f", optimizer state sharded (1/{dist.world} of M and V a rank)"
         if accelerated.capabilities(plan.backend).device == "cpu":
             gpus += f", {blas}"
         print_safely(f"coppelius train: model {_model_name(plan)} ({shape}), backend "

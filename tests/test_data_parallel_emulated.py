@@ -345,8 +345,9 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, str
 
 
 @inside
-@pytest.mark.parametrize("extra", [[], ["--recompute"], ["--recompute", "block"]],
-                         ids=["kept", "recompute", "block"])
+@pytest.mark.parametrize("extra", [[], ["--recompute"], ["--recompute", "block"],
+                                   ["--shard-optimizer"]],
+                         ids=["kept", "recompute", "block", "sharded"])
 def test_bench_times_two_ranks_against_one(capsys, extra):
     from coppelius.bench import distributed as bench_gpus
 
@@ -368,4 +369,6 @@ def test_bench_times_two_ranks_against_one(capsys, extra):
     assert one_gpu.split()[2] == "2" and two_gpus.split()[2] == "4"  # b, then B = 2b
     assert any(line.startswith("scaling: ") for line in out)
     header = next(line for line in out if line.startswith("coppelius bench --gpus 2:"))
-    assert ("recomputed" in header) == bool(extra)
+    assert ("recomputed" in header) == (extra[:1] == ["--recompute"])
+    assert ("each layer recomputed" in header) == (extra == ["--recompute", "block"])
+    assert ("optimizer state sharded" in header) == (extra == ["--shard-optimizer"])

@@ -22,6 +22,7 @@ except ImportError:  # the backend is simply unavailable
 from ...reference.adamw import AdamWConstants, float32_of, schedule_table
 from ...reference.config import Config, Hyper
 from ...reference.contract import recompute_mode
+from ...reference.errors import RunError
 from ...reference.layers.rope import rope_tables
 from ...reference.layout import Layout, LayerOffsets, layout
 from ...reference.params import registry
@@ -429,10 +430,42 @@ class StepBuffers:
     stop: object = None  # (1,) float32, W > 1: how many ranks ask to stop (summed in the step)
     qkv_weights: object = None  # qkv_bias: (L, qkv_width * D) operands, each layer's q | k | v
     qkv_offsets: object = None  # qkv_bias: (L, 3) int64, their weights' offsets into P
+    shard: "Shard" = None  # the sharded optimizer state (SPEC 23), else None: M, V its shard's
+    Gshard: object = None  # (S,) float32, shard: this rank's shard of the summed gradient
+    grad_shard: object = None  # Gradient over Gshard[:length]
+    partials: object = None  # (W * NORM_BLOCKS,) float32, shard: every rank's norm partials
+
+
+@dataclass
+class Shard:
+    """Rank r's shard of the parameter vector (SPEC 23): elements [offset,
+    offset + length), of size = ceil(N/W) (the last rank's shorter), and
+    the W*size buffers the collectives fill: P, G and Pb whole, padded
+    after N with zeros (StepBuffers.P, .G and .Pb are their first N)."""
+
+    offset: int
+    length: int
+    size: int
+    P: object
+    G: object
+    Pb: object
+
+
+def shard_range(N: int, world: int, rank: int) -> tuple:
+    """(offset, length, size) of rank's shard of N elements over `world`
+    ranks: size = ceil(N/W), offset = rank * size, the last shorter."""
+    size = -(-N // world)
+    offset = rank * size
+    length = min(size, N - offset)
+    if length <= 0:
+        raise RunError(f"--shard-optimizer: {N} parameters over {world} ranks leave rank "
+                       f"{rank} none")
+    return offset, length, size
 
 
 def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: int,
-                   accumulate: int = 1, world: int = 1) -> StepBuffers:
+                   accumulate: int = 1, world: int = 1, shard: bool = False,
+                   rank: int = 0) -> StepBuffers:
     """Every buffer but the activations, from `alloc` (Buffers, or the
     memory plan's VirtualBuffers: the same allocations in the same order).
     With accumulate k > 1 also the micro-batches' gradient and the row
@@ -440,13 +473,26 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
     rank's b = B/W contexts, and the step also has this rank's row losses,
     everyone's gathered, and the stop count. G is a flat buffer here only
     with k > 1 or W > 1 (it carries a sum); else the step's Gradient is
-    allocated with the activations, in the memory plan's arena."""
+    allocated with the activations, in the memory plan's arena. With
+    `shard` (W > 1, SPEC 23) M and V are rank's shard's (Shard), P, G and Pb
+    padded to W shards, and the step also has the shard's gradient and
+    every rank's norm partials."""
     reg = registry(config)
     N, T = reg.total, config.context
     b = batch // world
-    P, M, V = (alloc((N,), np.float32) for _ in range(3))
-    G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
-    Pb = alloc((N,), np.uint16) if precision == "bf16" else None
+    sharded = None
+    if shard and world > 1:
+        offset, length, size = shard_range(N, world, rank)
+        P_all = alloc((world * size,), np.float32, zeros=True)
+        M, V = (alloc((size,), np.float32) for _ in range(2))
+        G_all = alloc((world * size,), np.float32, zeros=True)
+        Pb_all = alloc((world * size,), np.uint16, zeros=True) if precision == "bf16" else None
+        sharded = Shard(offset, length, size, P_all, G_all, Pb_all)
+        P, G, Pb = P_all[:N], G_all[:N], None if Pb_all is None else Pb_all[:N]
+    else:
+        P, M, V = (alloc((N,), np.float32) for _ in range(3))
+        G = alloc((N,), np.float32) if accumulate > 1 or world > 1 else None
+        Pb = alloc((N,), np.uint16) if precision == "bf16" else None
     t = alloc((1,), np.int32)
     c = alloc((4,), np.float32)
     rates = alloc.upload(schedule_table(hyper))
@@ -474,10 +520,16 @@ def allocate_state(alloc, config: Config, hyper: Hyper, precision: str, batch: i
         qkv_weights = alloc((config.n_layer, step_layout(config).qkv_width * config.d_model),
                             np.uint16 if precision == "bf16" else np.float32)
         qkv_offsets = alloc.upload(qkv_weight_offsets(config))
+    Gshard = grad_shard = partials = None
+    if sharded is not None:
+        Gshard = alloc((sharded.size,), np.float32)
+        grad_shard = Gradient.flat(Gshard[:sharded.length], alloc)
+        partials = alloc((world * adamw.NORM_BLOCKS,), np.float32)
     return StepBuffers(P, M, V, G, Pb, t, c, rates, partial, norm, decay, cos, sin, ids, workspace,
                        norms, clip, AdamWConstants.of(hyper),
                        (float(hyper.beta1), float(hyper.beta2)), accumulate, Gmicro, grad,
-                       grad_micro, rows, world, gathered, stop, qkv_weights, qkv_offsets)
+                       grad_micro, rows, world, gathered, stop, qkv_weights, qkv_offsets,
+                       sharded, Gshard, grad_shard, partials)
 
 
 def qkv_weight_offsets(config: Config) -> np.ndarray:

@@ -9,6 +9,25 @@ rank's CUDA graph, so that a step is still one replay per rank:
                           all_reduce_sum(stop)               (1,): ranks asking to stop
     then                  the mean loss, the norm, the clip, AdamW on the summed G
 
+With the optimizer state sharded (`shard`, SPEC 23) rank r of W keeps M
+and V only for its shard of the parameter vector, elements [r*S, r*S + n_r)
+with S = ceil(N/W) (the last shard n_r = N - (W-1)*S, shorter); P stays
+whole on every rank (the forward reads it), so the update's float32 master
+of the shard is the rank's slice of P:
+
+    after the backward    reduce_scatter_sum(G, Gs)          (W*S,) -> (S,): the shard's sum
+                          all_gather(rows, gathered), all_reduce_sum(stop)   as above
+    the norm              each rank's partial sums of its shard's squares
+                          all_gather(partial, partials)      (NB,) -> (W*NB,), rank order
+                          the norm and clip scale from all W*NB partials, summed
+                          in one fixed order: the same bits on every rank
+    then                  AdamW on the shard: P[r*S:][:n_r], M, V (and Pb)
+                          all_gather(P[r*S:][:S], P)         in place, (S,) -> (W*S,)
+                          all_gather(Pb[r*S:][:S], Pb)       bf16: the operands, as bytes
+
+G, P and Pb are W*S long (the padding after N is zeros, never a
+parameter), so that every rank's part of a collective is S elements.
+
 `Communicator` is one rank's NCCL communicator (cupy.cuda.nccl, created
 from a unique id that reached every rank through the launcher's rendezvous,
 coppelius/launch.py). `Collectives` issues the step's collectives on the
@@ -122,11 +141,24 @@ class Communicator:
                              stream_ptr)
 
     def all_gather(self, send, recv, stream_ptr: int) -> None:
-        """send (n,) float32 of each rank -> recv (W*n,): rank r's at [r*n, (r+1)*n)."""
+        """send (n,) of each rank -> recv (W*n,): rank r's at [r*n, (r+1)*n).
+        float32, or any other type moved as its bytes (bfloat16 bits); in
+        place where send is recv's slice of this rank."""
         self.check()
-        assert recv.size == send.size * self.world, (send.size, recv.size)
-        self._comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._nccl.NCCL_FLOAT32,
-                             stream_ptr)
+        assert recv.size == send.size * self.world and recv.dtype == send.dtype, \
+            (send.size, recv.size)
+        count, kind = _count(send, self._nccl)
+        self._comm.allGather(send.data.ptr, recv.data.ptr, count, kind, stream_ptr)
+
+    def reduce_scatter_sum(self, send, recv, stream_ptr: int) -> None:
+        """send (W*n,) float32 of each rank -> recv (n,): rank r's the sum
+        over the ranks of send[r*n:(r+1)*n] (NCCL's order, fixed per element:
+        for W = 2 one rounded addition, as all_reduce_sum's)."""
+        self.check()
+        assert send.size == recv.size * self.world, (send.size, recv.size)
+        nccl = self._nccl
+        self._comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, nccl.NCCL_FLOAT32,
+                                 nccl.NCCL_SUM, stream_ptr)
 
     def abort(self) -> None:
         """ncclCommAbort: NCCL first raises the communicator's abort flag,
@@ -145,6 +177,13 @@ class Communicator:
                 comm.abort()
         finally:
             self._lock.release()
+
+
+def _count(x, nccl) -> tuple:
+    """(count, NCCL type) of x's elements: float32 as floats, else bytes."""
+    if x.dtype == "float32":
+        return x.size, nccl.NCCL_FLOAT32
+    return x.size * x.itemsize, nccl.NCCL_UINT8
 
 
 class Collectives:
@@ -167,7 +206,15 @@ class Collectives:
 
     def all_gather(self, send, recv) -> None:
         if self.log is not None:
-            self.log.add("collective", "all_gather", {"count": int(send.size)},
+            self.log.add("collective", "all_gather", {"count": int(send.size)}
+                         | ({} if send.dtype == "float32" else {"dtype": str(send.dtype)}),
                          [send.data.ptr, recv.data.ptr])
         if self.comm is not None:
             self.comm.all_gather(send, recv, self.stream)
+
+    def reduce_scatter_sum(self, send, recv) -> None:
+        if self.log is not None:
+            self.log.add("collective", "reduce_scatter_sum", {"count": int(recv.size)},
+                         [send.data.ptr, recv.data.ptr])
+        if self.comm is not None:
+            self.comm.reduce_scatter_sum(send, recv, self.stream)

@@ -116,7 +116,8 @@ class CupyProgram(CapturedProgram):
     backend = BACKEND
 
     def __init__(self, config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-                 accumulate: int | None = None, comm=None, recompute=None):
+                 accumulate: int | None = None, comm=None, recompute=None,
+                 shard: bool = False):
         k = hyper.accumulate if accumulate is None else accumulate
         self.recompute = recompute_mode(recompute)  # None, "gate-up" or "block"
         check_implemented(config, IMPLEMENTED, BACKEND)  # before anything is allocated
@@ -130,6 +131,7 @@ class CupyProgram(CapturedProgram):
             raise RunError(f"batch={batch}: must divide by {W} ranks x accumulate {k} (each "
                            f"rank's B/W contexts in micro-batches of B/(W*k))")
         self.comm, self.world, self.rank = comm, W, 0 if comm is None else comm.rank
+        self.shard = bool(shard) and W > 1  # one rank: nothing to shard (SPEC 23)
         self.local_batch = batch // W
         self.accumulate, self.micro_batch = k, batch // (W * k)
         self.config, self.hyper, self.precision, self.batch = config, hyper, precision, batch
@@ -140,7 +142,8 @@ class CupyProgram(CapturedProgram):
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.alloc = alloc = Buffers(self.stream)
-        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k, W)
+        self.buffers = s = allocate_state(alloc, config, hyper, precision, batch, k, W,
+                                          self.shard, self.rank)
         # the names the rest of the program, its tests and dev/cuda/bench_step.py use
         self.P, self.M, self.V, self.Pb, self.t = s.P, s.M, s.V, s.Pb, s.t
         self.ids, self.norm, self.c, self.rates, self.partial, self.decay = \
@@ -154,7 +157,8 @@ class CupyProgram(CapturedProgram):
         weakref.finalize(self, self.blas.close)
         # the memory plan, made by a dry run of this very step before any
         # activation exists (accelerated/cuda/memory_plan.py)
-        self.plan = memory_plan(config, hyper, precision, batch, k, W, self.recompute)
+        self.plan = memory_plan(config, hyper, precision, batch, k, W, self.recompute,
+                                self.shard, self.rank)
         self.memory_planned = planning_enabled() and self.plan.savings > 0
         acts_alloc = PlannedBuffers(alloc, self.plan, self.stream) if self.memory_planned \
             else alloc
@@ -202,10 +206,14 @@ class CupyProgram(CapturedProgram):
         self.recorded = self._counted(record, CommandLog())
 
     def _load(self, state: State) -> None:
-        """Host state -> the device buffers the graph reads (in place)."""
+        """Host state -> the device buffers the graph reads (in place); with
+        the state sharded, M and V of this rank's shard alone."""
         self.P.set(state.P, stream=self.stream)
-        self.M.set(state.M, stream=self.stream)
-        self.V.set(state.V, stream=self.stream)
+        sh = self.buffers.shard
+        own = slice(0, None) if sh is None else slice(sh.offset, sh.offset + sh.length)
+        n = state.M[own].size
+        self.M[:n].set(state.M[own], stream=self.stream)
+        self.V[:n].set(state.V[own], stream=self.stream)
         self.t.set(np.array([state.t], dtype=np.int32), stream=self.stream)
         if self.Pb is not None:
             with self.stream:
@@ -428,14 +436,18 @@ class CupyProgram(CapturedProgram):
         return ce.get(stream=self.stream).reshape(self.batch, self.config.context)
 
     def gradients(self) -> np.ndarray:
-        """G of the last step (before clipping), (N,) float32. Under the
-        memory plan G's segments share storage with the activations, which
-        evaluate() uses: read G before an evaluation."""
+        """G of the last step (before clipping), (N,) float32; with the
+        state sharded, gathered from every rank's shard (every rank calls
+        it, as state()). Under the memory plan G's segments share storage
+        with the activations, which evaluate() uses: read G before an
+        evaluation."""
         self._last("gradients")
         if self._gradient_overwritten:
             raise ReplayError("gradients: an evaluation since the last step used their storage "
                               "(the memory plan shares it with the activations); read them "
                               "before evaluate()")
+        if self.buffers.shard is not None:  # the sum is in the shards: a collective
+            return self._gathered(self.buffers.Gshard)
         return self.G.get(stream=self.stream)  # (N,)
 
     def grad_norm(self) -> float:
@@ -477,7 +489,9 @@ class CupyProgram(CapturedProgram):
     def state(self) -> State:
         """P, M and V copied into page-locked host memory (CuPy's pinned
         pool: a publication's copy runs at the link's speed, and its blocks
-        return to the pool once the State is dropped), then t; one wait."""
+        return to the pool once the State is dropped), then t; one wait.
+        With the state sharded, M and V are gathered from every rank first
+        (_gathered): every rank calls state() at the same point."""
         self._done.synchronize()
 
         def get(a):
@@ -485,9 +499,29 @@ class CupyProgram(CapturedProgram):
             a.get(stream=self.stream, out=out, blocking=False)
             return out
 
-        P, M, V = get(self.P), get(self.M), get(self.V)
+        if self.buffers.shard is not None:
+            P = get(self.P)
+            M, V = self._gathered(self.M), self._gathered(self.V)
+        else:
+            P, M, V = get(self.P), get(self.M), get(self.V)
         t = int(self.t.get(stream=self.stream)[0])  # waits, after the copies above
         return State(P, M, V, t)
+
+    def _gathered(self, x) -> np.ndarray:
+        """x, a (S,) shard of every rank (the sharded state's M, V or G) ->
+        the whole (N,) on the host: an NCCL all-gather on the stream, outside
+        the step, into a (W*S,) buffer of its own (back to CuPy's pool after),
+        then a copy to page-locked host memory. A collective: every rank calls it, at
+        the same point (accelerated/cuda/distributed.py)."""
+        sh, N = self.buffers.shard, self.P.size
+        with self.stream:
+            whole = cupy.empty((self.world * sh.size,), dtype=np.float32)
+        self.comm.all_gather(x, whole, self.stream.ptr)
+        out = pinned_empty((N,), np.float32)
+        whole[:N].get(stream=self.stream, out=out, blocking=False)
+        self.stream.synchronize()
+        self._check_peers()  # not the values of an aborted gather
+        return out
 
     def logits(self, tokens) -> np.ndarray:
         """tokens (B', T') with T' <= T -> logits (B', T', V) with the current
@@ -601,7 +635,8 @@ class CupyProgram(CapturedProgram):
 
 
 def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: State,
-            accumulate: int | None = None, comm=None, recompute=None) -> CupyProgram:
+            accumulate: int | None = None, comm=None, recompute=None,
+            shard: bool = False) -> CupyProgram:
     """Allocate, warm up and capture the step once; performs no training update.
     `accumulate` k (default: hyper.accumulate): SPEC 19's micro-batches, the
     activations sized for B/k. `comm`: this rank's communicator of W ranks
@@ -611,7 +646,10 @@ def capture(config: Config, hyper: Hyper, precision: str, batch: int, state: Sta
     (reference/contract.py recompute_mode: None or False off, "gate-up" or
     True, "block"): each layer's gate and up products, or its whole
     forward from its input, are computed again in the backward instead of
-    kept per layer (the same bits; less memory, more time)."""
+    kept per layer (the same bits; less memory, more time). `shard`: with W > 1
+    ranks, each keeps M and V of its 1/W shard of the parameters alone, the
+    gradient reduce-scattered and the updated parameters all-gathered in the
+    step (SPEC 23); with one rank nothing changes."""
     if not available():
         raise RunError("backend 'cupy': CuPy or a CUDA device is not available here")
-    return CupyProgram(config, hyper, precision, batch, state, accumulate, comm, recompute)
+    return CupyProgram(config, hyper, precision, batch, state, accumulate, comm, recompute, shard)

@@ -101,7 +101,11 @@ def _report(program: CupyProgram) -> dict:
         "synchronization_planning": "stream order only; the host waits once per replay"
                                     + ("" if program.world == 1 else
                                        "; the gradient summed (NCCL all-reduce) and the row "
-                                       "losses gathered (NCCL all-gather) inside the graph"),
+                                       "losses gathered (NCCL all-gather) inside the graph"
+                                       if not program.shard else
+                                       "; the gradient reduce-scattered, the norm's partials, "
+                                       "the row losses and the updated parameters gathered "
+                                       "(NCCL) inside the graph: M and V sharded"),
         "command_recording": "CUDA graph by stream capture" if on
                              else f"capture refused ({program.capture_refused}): the step runs "
                                   "eagerly" if program.capture_refused
@@ -120,7 +124,33 @@ def _report(program: CupyProgram) -> dict:
             plan.savings if program.memory_planned else 0),
         graph_nodes_source=("cudaGraphDebugDotPrint" if nodes is not None
                             else "recorded commands" if on else "no graph"),
-        notes=notes)
+        state_memory=state_memory(program), notes=notes)
+
+
+def state_memory(program: CupyProgram) -> dict:
+    """This rank's optimizer state and gradient on the device (SPEC 23),
+    from the memory plan's buffers: P (and Pb) whole, M and V whole or this
+    rank's shard, G (flat where it carries a sum; else the arena's
+    segments, counted at their full size), and the sharded step's shard of
+    the summed gradient and norm partials. `master`: the float32 master
+    of the shard is the rank's slice of the whole P the forward reads, no
+    copy of its own."""
+    plan, N = program.plan, program.P.size
+    names = ("P", "M", "V", "Pb", "G", "Gshard", "partials")
+    state = {b.name: b.nbytes for b in plan.buffers if b.name in names}
+    if "G" not in state:  # the arena's segments
+        state["G"] = sum(b.nbytes for b in plan.buffers if b.kind == "gradient")
+    sh = program.buffers.shard
+    total = sum(state.values())
+    return {"bytes_per_rank": total, "parameters": N,
+            "bytes_per_parameter": round(total / N, 3),
+            "optimizer_bytes_per_parameter": round(
+                sum(state.get(k, 0) for k in ("P", "M", "V")) / N, 3),
+            "sharded": sh is not None, "world": program.world,
+            "shard": None if sh is None else {"offset": sh.offset, "length": sh.length,
+                                              "size": sh.size},
+            "master": "the shard of P (no copy)" if sh is not None else "P",
+            "buffers": state}
 
 
 def _plan_off_reason(program: CupyProgram) -> str:

@@ -67,12 +67,43 @@ def run_step(model: Model, kernels, a: Activations, s: StepBuffers, micro: Model
                 kernels.accumulate_gradient(s.G, s.Gmicro)
         if W > 1:
             model.at()  # the sum over the ranks: part of the gradient, as the sum above
-            collectives.all_reduce_sum(s.G)
+            if s.shard is not None:  # this rank's shard of the sum alone (SPEC 23)
+                collectives.reduce_scatter_sum(s.shard.G, s.Gshard)
+            else:
+                collectives.all_reduce_sum(s.G)
             collectives.all_gather(s.rows, s.gathered)
             collectives.all_reduce_sum(s.stop)
         model.at("loss.mean")
         kernels.mean_loss(s.gathered if W > 1 else s.rows, a.loss)
+    if s.shard is not None:
+        run_step_tail_sharded(model, kernels, s, collectives)
+        return
     run_step_tail(model, kernels, s)
+
+
+def run_step_tail_sharded(model: Model, kernels, s: StepBuffers, collectives) -> None:
+    """The step after the gradient's reduce-scatter, with the optimizer
+    state sharded (SPEC 23; accelerated/cuda/distributed.py): the norm from
+    every rank's partial sums of its shard's squares, gathered and summed in
+    one fixed order (the same norm and clip scale on every rank), AdamW on
+    this rank's shard of P, M, V (and Pb), then the updated shards of P
+    (and Pb) gathered from every rank, in place."""
+    sh, G = s.shard, s.grad_shard
+    own = slice(sh.offset, sh.offset + sh.length)
+    model.at("gradient_norm", "clip")
+    partial = s.partial[:adamw.NORM_BLOCKS]
+    kernels.gradient_sum_squares(G, partial)
+    collectives.all_gather(partial, s.partials)
+    kernels.gradient_norm_clip(s.partials, s.norm, s.clip)  # and scale
+    model.at("adamw")
+    kernels.adamw_bias_corrections(s.t, s.c, *s.betas, s.rates)  # t += 1 on the device
+    kernels.adamw_update(s.P[own], s.M[:sh.length], s.V[:sh.length], G, s.decay,
+                         None if s.Pb is None else s.Pb[own], s.c, s.norm, s.adamw,
+                         base=sh.offset)
+    mine = slice(sh.offset, sh.offset + sh.size)  # the padded shard: S elements on every rank
+    collectives.all_gather(sh.P[mine], sh.P)
+    if sh.Pb is not None:
+        collectives.all_gather(sh.Pb[mine], sh.Pb)
 
 
 def run_step_tail(model: Model, kernels, s: StepBuffers) -> None:
@@ -102,24 +133,28 @@ PINNED = {"ce": "row losses: read by the host after a replay",
           "loss": "the loss: read by the host after a replay",
           "G.table": "the gradient's segments' addresses: written at allocation, read every step"}
 KINDS = {"P": "state", "M": "state", "V": "state", "G": "state", "Pb": "state", "t": "state",
+         "Gshard": "state", "partials": "state",
          "ids": "input", "workspace": "workspace", "Gmicro": "workspace", "rows": "state",
          "gathered": "state", "stop": "state", "qkv_weights": "workspace"}
 
 
 def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
-                accumulate: int = 1, world: int = 1, recompute: str | None = None) -> MemoryPlan:
+                accumulate: int = 1, world: int = 1, recompute: str | None = None,
+                shard: bool = False, rank: int = 0) -> MemoryPlan:
     """The step's dry run (accelerated/cuda/memory_plan.py): every buffer, the
     commands in order with what they touch, each activation's lifetime, and
     the activations laid out in one arena. Allocates nothing; needs no GPU.
     With accumulate k and W = world ranks the activations are those of a
     micro-batch of B/(W*k); the collectives are logged, not run. recompute:
     the mode of Activations (None, "gate-up", "block"): the dry run is of
-    the step that recomputes, so the lifetimes are its own."""
+    the step that recomputes, so the lifetimes are its own.
+    shard: the optimizer state sharded over the ranks (SPEC 23), rank's step
+    (its shard's size sets AdamW's launch)."""
     v = VirtualBuffers()
-    s = allocate_state(v, config, hyper, precision, batch, accumulate, world)
+    s = allocate_state(v, config, hyper, precision, batch, accumulate, world, shard, rank)
     names = {getattr(s, f.name).ptr: f.name for f in fields(StepBuffers)
              if isinstance(getattr(s, f.name), VirtualArray)}
-    for label, grad in (("G", s.grad), ("Gmicro", s.grad_micro)):
+    for label, grad in (("G", s.grad), ("Gmicro", s.grad_micro), ("Gshard", s.grad_shard)):
         if grad is not None:
             names.update(grad.names(label))
     n_state = len(v.requests)
@@ -143,7 +178,7 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
     log = CommandLog()
     kernels = compile.Kernels(precision, dry=True)
     blas = Cublas(0, 0, 0, dry=True)
-    collectives = Collectives(None, 0, rank=0, world=world)
+    collectives = Collectives(None, 0, rank=rank, world=world)
     kernels.log = blas.log = collectives.log = log
     micro = model_for(config, precision, kernels, blas, s, G_micro) if accumulate > 1 else None
     run_step(model_for(config, precision, kernels, blas, s, G), kernels, acts, s, micro,

@@ -13,7 +13,11 @@ need real GPUs and NCCL, through the command line, on the tiny preset.
 4. torchrun: the same command under `torchrun --standalone
    --nproc_per_node 2` gives the bits of `--gpus 2`;
 5. a rank killed (SIGKILL) while training: every process ends within 60 s,
-   one error line, the last published checkpoint valid.
+   one error line, the last published checkpoint valid;
+6. sharded optimizer state (SPEC 23): `train --gpus 2 --shard-optimizer`
+   gives the checkpoint bytes and row losses of `--gpus 2` (no clipping:
+   the same update element by element), and 10 sharded steps then 10
+   unsharded give them too.
 
 Every command's output goes to DIR/dp.log; a table of results is printed
 last. Exit status 1 when a check fails.
@@ -200,6 +204,24 @@ def kill_a_rank(tmp):
            f"{lines[0] if lines else '-'}; checkpoint {valid}")
 
 
+def sharded(tmp):
+    whole, run_dir, mixed = f"{tmp}/two-bf16", f"{tmp}/sharded", f"{tmp}/sharded-then-not"
+    p = train(run_dir, "--steps", "20", "--interval", "10", "--shard-optimizer", gpus=2)
+    q = train(mixed, "--steps", "10", "--shard-optimizer", gpus=2)
+    r = train(mixed, "--steps", "10", "--no-shard-optimizer", gpus=2) if not q.returncode else q
+    if p.returncode or q.returncode or r.returncode:
+        record("sharded", False, f"exit {p.returncode}, {q.returncode}, {r.returncode}")
+        return
+    want = open(f"{whole}/ck.bin", "rb").read()
+    same = [open(f"{d}/ck.bin", "rb").read() == want for d in (run_dir, mixed)]
+    a, b = rows_of(f"{run_dir}/results-0.bin"), rows_of(f"{whole}/results-0.bin")
+    record("sharded", all(same) and a.tobytes() == b.tobytes(),
+           f"--shard-optimizer vs --gpus 2, 20 steps: checkpoint bytes "
+           f"{'equal' if same[0] else 'DIFFER'}, row losses "
+           f"{'bitwise equal' if a.tobytes() == b.tobytes() else 'DIFFER'}; 10 sharded + 10 "
+           f"unsharded: checkpoint bytes {'equal' if same[1] else 'DIFFER'}")
+
+
 def main():
     global LOG, STREAM
     parser = argparse.ArgumentParser()
@@ -214,7 +236,8 @@ def main():
     for name, check in (("agreement fp32", lambda: agreement(tmp, "fp32")),
                         ("agreement bf16", lambda: agreement(tmp, "bf16")),
                         ("resume", lambda: resume(tmp)), ("torchrun", lambda: torchrun(tmp)),
-                        ("kill a rank", lambda: kill_a_rank(tmp))):
+                        ("kill a rank", lambda: kill_a_rank(tmp)),
+                        ("sharded", lambda: sharded(tmp))):
         t0 = time.monotonic()
         try:
             check()

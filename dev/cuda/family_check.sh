@@ -1,13 +1,20 @@
 #!/bin/bash
-# On the GPU machine: every model family (SPEC 21) on the CuPy backend.
+# On the GPU machine: every model family (SPEC 21) and SPEC 23's scale on the
+# CuPy backend.
 #   PART=tests        the gpu-marked tests (tests/cuda, the contract's cupy rows)
-#   PART=conformance  the conformance suite of each family preset, and of the
-#                     head-dim-64 members of dev/cuda/families/ (so cuDNN's and
-#                     the fused kernels' attention serve them), fp32 and bf16,
-#                     B = 1 and 8; the fused kernels' path forced once
+#   PART=conformance  the conformance suite of each family preset (PRESETS), and
+#                     of the members of dev/cuda/families/ (MODELS: a glob; the
+#                     head-dim-64 ones so cuDNN's and the fused kernels'
+#                     attention serve them, wide*.toml past a warp's 1024
+#                     features), fp32 and bf16, B = 1 and 8; the fused kernels'
+#                     path forced once
+#   PART=shapes       dev/cuda/scale_shapes.py: head dims, long contexts, a
+#                     large vocabulary, the widest rows, against the reference
 #   PART=digest       the default presets' steps against an earlier tree (OLD),
 #                     bit for bit (the families change no bit of them)
-#   PART=bench        llama-124m beside the PyTorch peer of the same model
+#   PART=bench        llama-124m beside the PyTorch peer of the same model;
+#                     BENCH="bench/models/a.toml ...": those model files instead,
+#                     each at its own batch (BENCHARGS: more bench options)
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel. Logs under $OUT,
 # a short table last.
 #     PART=conformance WHEELS=.whl bash dev/cuda/family_check.sh
@@ -40,10 +47,10 @@ conformance() {  # label, args...
     row "$label (exit $?)" "$(verdicts "$log")"
 }
 if [[ ${PART:-} == *conformance* ]]; then
-    for preset in test-llama test-qwen test-stablelm; do
+    for preset in ${PRESETS-test-llama test-qwen test-stablelm}; do
         for B in 1 8; do conformance "$preset B=$B" --preset "$preset" --batch $B; done
     done
-    for model in dev/cuda/families/*.toml; do
+    for model in ${MODELS:-dev/cuda/families/*.toml}; do
         name=$(basename "$model" .toml)
         for B in 1 8; do conformance "$name B=$B" --model "$model" --batch $B; done
         conformance "$name B=8 accumulate 2" --model "$model" --batch 8 --accumulate 2 \
@@ -61,11 +68,17 @@ PY
     done
 fi
 
+if [[ ${PART:-} == *shapes* ]]; then
+    timeout 500 python dev/cuda/scale_shapes.py > "$OUT/shapes.log" 2>&1
+    row "scale shapes (exit $?)" "see shapes.log"
+fi
+
 if [[ ${PART:-} == *digest* ]]; then
     OLD=$(cd "${OLD:-.old}" && pwd) || exit 2
     same=0; differ=0
     for args in "--preset tiny" "--preset coppelius --batch 8 --precision bf16" \
-                "--preset coppelius --batch 1 --precision fp32 --steps 2"; do
+                "--preset coppelius --batch 1 --precision fp32 --steps 2" \
+                "--preset test-llama --batch 8 --precision bf16"; do
         (cd "$OLD" && PYTHONPATH=$OLD$FE timeout 120 python "$PWD/dev/cuda/step_digest.py" $args) \
             > "$OUT/old.txt" 2>&1
         timeout 120 python dev/cuda/step_digest.py $args > "$OUT/new.txt" 2>&1
@@ -79,10 +92,20 @@ if [[ ${PART:-} == *digest* ]]; then
 fi
 
 if [[ ${PART:-} == *bench* ]]; then
-    timeout 400 python -m coppelius bench --preset llama-124m --backend cupy --precision bf16 \
-        --no-reference --batch 1 --batch 8 --steps 20 --warmup 5 --json "$OUT/bench.json" \
-        > "$OUT/bench.log" 2>&1
-    row "bench llama-124m (exit $?)" "see bench.log"
+    if [ -z "${BENCH:-}" ]; then
+        timeout 400 python -m coppelius bench --preset llama-124m --backend cupy --precision bf16 \
+            --no-reference --batch 1 --batch 8 --steps 20 --warmup 5 --json "$OUT/bench.json" \
+            > "$OUT/bench.log" 2>&1
+        row "bench llama-124m (exit $?)" "see bench.log"
+    fi
+    for model in ${BENCH:-}; do
+        name=$(basename "$model" .toml)
+        timeout 300 python -m coppelius bench --model "$model" --backend cupy --precision bf16 \
+            --no-reference --steps 10 --warmup 3 ${BENCHARGS:-} --json "$OUT/bench-$name.json" \
+            > "$OUT/bench-$name.log" 2>&1
+        row "bench $name (exit $?)" "$(grep -E '^\| *(cupy|CuPy)' "$OUT/bench-$name.log" | head -1)"
+        tail -8 "$OUT/bench-$name.log" >> "$OUT/bench.log"
+    done
 fi
 
 echo "================================================================ summary"

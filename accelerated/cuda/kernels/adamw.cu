@@ -142,6 +142,11 @@ __device__ __forceinline__ bool decays(const long long* __restrict__ decay, int 
 // S segments (gseg, grad_at). The pass moves about 30 bytes per parameter:
 // bandwidth-bound.
 //
+// Sharded optimizer state (SPEC 23): the vectors are one shard's, from
+// element `base` of the parameter vector on (P, Pb the shard's slice, M, V
+// and G the shard's own); the decay runs are the whole vector's, looked up
+// at base + j. base = 0: the whole vector.
+//
 // With `partial` (clipping off: the norm is only recorded, and the scale is
 // 1) the pass also sums the squares of the G it reads, in float32 (SPEC 7:
 // any order), each block's into partial[block], and gradient_norm_clip
@@ -150,7 +155,7 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
                                         float* __restrict__ Vm,
                                         const long long* __restrict__ gseg, int S,
                                         const long long* __restrict__ decay, int R,
-                                        unsigned short* __restrict__ Pb,
+                                        long long base, unsigned short* __restrict__ Pb,
                                         const float* __restrict__ c,
                                         const float* __restrict__ norm, long long n,
                                         long long n4, float b1, float omb1, float b2, float omb2,
@@ -166,11 +171,12 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
             float4 v = reinterpret_cast<float4*>(Vm)[i];
             long long j = 4 * i;
             float4 g = *reinterpret_cast<const float4*>(grad_at(gseg, S, j));
-            int r = decay_run(decay, R, j);
-            k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, j));
-            k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, j + 1));
-            k.update(p.z, m.z, v.z, g.z, decays(decay, R, r, j + 2));
-            k.update(p.w, m.w, v.w, g.w, decays(decay, R, r, j + 3));
+            long long d = base + j;  // the element's index in the whole vector
+            int r = decay_run(decay, R, d);
+            k.update(p.x, m.x, v.x, g.x, decays(decay, R, r, d));
+            k.update(p.y, m.y, v.y, g.y, decays(decay, R, r, d + 1));
+            k.update(p.z, m.z, v.z, g.z, decays(decay, R, r, d + 2));
+            k.update(p.w, m.w, v.w, g.w, decays(decay, R, r, d + 3));
             reinterpret_cast<float4*>(P)[i] = p;
             reinterpret_cast<float4*>(M)[i] = m;
             reinterpret_cast<float4*>(Vm)[i] = v;
@@ -187,8 +193,8 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
         } else {
             long long e = i + 3 * n4;  // element 4 * n4 + (i - n4)
             float p = P[e], m = M[e], v = Vm[e], g = *grad_at(gseg, S, e);
-            int r = decay_run(decay, R, e);
-            k.update(p, m, v, g, decays(decay, R, r, e));
+            int r = decay_run(decay, R, base + e);
+            k.update(p, m, v, g, decays(decay, R, r, base + e));
             P[e] = p;
             M[e] = m;
             Vm[e] = v;

@@ -42,13 +42,13 @@ def k_adamw_bias_corrections_table(bf16, ts, c1, c2, n, beta1, beta2):
         _a(c2)[i] = f32(1.0 - float(beta2) ** int(tn))
 
 
-def k_adamw_update(bf16, P, M, V, gseg, S, decay, R, Pb, c, norm, n, n4, b1, omb1, b2, omb2,
-                   eps, partial):
+def k_adamw_update(bf16, P, M, V, gseg, S, decay, R, base, Pb, c, norm, n, n4, b1, omb1, b2,
+                   omb2, eps, partial):
     G = _gradient_whole(gseg, S, n)
     p, m, v = _a(P), _a(M), _a(V)
-    mask = np.zeros(p.size, dtype=bool)
+    mask = np.zeros(p.size, dtype=bool)  # element j is element base + j of the whole vector
     for start, end in _a(decay).reshape(-1, 2)[:int(R)]:
-        mask[start:end] = True
+        mask[max(start - int(base), 0):max(end - int(base), 0)] = True
     if not _null(partial):  # clipping off: scale 1, each block's sum of squares
         g = G[:int(n)]
         n4 = int(n4)

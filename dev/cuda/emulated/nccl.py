@@ -4,6 +4,7 @@ meets the other ranks (SPEC 19)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -105,13 +106,30 @@ class NcclCommunicator:
         _submit(run)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
-        assert datatype == NCCL_FLOAT32
+        assert datatype in (NCCL_FLOAT32, NCCL_UINT8)
+        at = _floats if datatype == NCCL_FLOAT32 else _bytes
+        self._captured()
+
+        def run():  # each part copied before any is written: in place too
+            parts = self._exchange(at(sendbuf, count).copy())
+            if parts is not None:
+                at(recvbuf, count * len(parts))[...] = np.concatenate(parts)
+
+        _submit(run)
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        assert (datatype, op) == (NCCL_FLOAT32, NCCL_SUM)
         self._captured()
 
         def run():
-            parts = self._exchange(_floats(sendbuf, count).copy())
+            n = recvcount
+            parts = self._exchange(_floats(sendbuf, n * self.world.n).copy())
             if parts is not None:
-                _floats(recvbuf, count * len(parts))[...] = np.concatenate(parts)
+                mine = [part[self.rank * n:(self.rank + 1) * n] for part in parts]
+                total = mine[0]
+                for part in mine[1:]:
+                    total = total + part  # rank order, one float32 rounding per addition
+                _floats(recvbuf, n)[...] = total
 
         _submit(run)
 
@@ -125,7 +143,12 @@ class NcclCommunicator:
         assert not len(self.graphs), "ncclCommAbort while a CUDA graph holds its work"
 
 
-NCCL_FLOAT32, NCCL_SUM = 7, 0
+def _bytes(ptr, count):
+    return np.frombuffer((ctypes.c_uint8 * count).from_address(ptr), dtype=np.uint8)
+
+
+NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
 fake_nccl = types.SimpleNamespace(
-    NcclCommunicator=NcclCommunicator, NCCL_FLOAT32=NCCL_FLOAT32, NCCL_SUM=NCCL_SUM,
+    NcclCommunicator=NcclCommunicator, NCCL_FLOAT32=NCCL_FLOAT32, NCCL_UINT8=NCCL_UINT8,
+    NCCL_SUM=NCCL_SUM,
     get_unique_id=lambda: tuple(b - 256 if b > 127 else b for b in os.urandom(128)))
