@@ -436,6 +436,10 @@ def register(subparsers) -> None:
                              "--recompute MODE`): gate-up (the default MODE, rows named "
                              "'<backend> recompute') or block (rows '<backend> recompute "
                              "block'); repeatable")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="build, time and release each implementation before the next "
+                             "(a model whose implementations do not fit on the device at "
+                             "once); by default they are all built, then stepped in turn")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch peers")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile + CUDA graph peer (its compilation takes "
@@ -474,15 +478,24 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
     for mode in dict.fromkeys(args.recompute or ()):  # each mode once, in order
         variants += [(name, precision, mode) for name, precision in programs
                      if mode in accelerated.capabilities(name).recompute]
+    rows = []
+
+    def ready(runner):  # all built, then stepped in turn; or each alone (--one-at-a-time)
+        runners.append(runner)
+        if args.one_at_a_time:
+            try:
+                rows.extend(measure(runners, timed))
+            finally:
+                release(runners)
+
     for name, precision, recompute in variants:
         label = name + {None: "", "gate-up": " recompute", "block": " recompute block"}[recompute]
-        runners.append(program_runner(name, config, precision, batch, state, warm, label,
-                                      recompute))
-        progress(f"B={batch} {label} {precision} ready in {runners[-1].setup_s:.1f} s")
+        runner = program_runner(name, config, precision, batch, state, warm, label, recompute)
+        progress(f"B={batch} {label} {precision} ready in {runner.setup_s:.1f} s")
+        ready(runner)
     for kind, device, precision in peers:
         try:
-            runners.append(peer_runner(kind, config, precision, device, batch, state, warm,
-                                       inputs[0]))
+            runner = peer_runner(kind, config, precision, device, batch, state, warm, inputs[0])
         except Exception as e:  # a peer that cannot run is a line, not the end of the bench
             gc.collect()
             reason = (str(e).strip().splitlines() or [""])[0][:200]
@@ -490,11 +503,13 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
                          f"{reason}")
             progress(notes[-1])
             continue
-        progress(f"B={batch} {kind} {device} {precision} ready in {runners[-1].setup_s:.1f} s")
-    try:
-        rows = measure(runners, timed)
-    finally:
-        release(runners)
+        progress(f"B={batch} {kind} {device} {precision} ready in {runner.setup_s:.1f} s")
+        ready(runner)
+    if runners:
+        try:
+            rows.extend(measure(runners, timed))
+        finally:
+            release(runners)
     for r in rows:  # as they come: a run cut short still shows what it measured
         progress(f"B={batch} {r.name} {r.device} {r.precision}: {r.median:.3f} ms, "
                  f"peak {r.memory / 2 ** 20:.1f} MiB")

@@ -348,6 +348,25 @@ def test_bench_recompute_times_each_backend_both_ways(capsys):
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1 and "'layer'" in err
 
 
+def test_one_at_a_time_steps_each_implementation_alone_with_the_same_rows(capsys, monkeypatch):
+    """--one-at-a-time: every implementation is measured with no other
+    alive (a model too large for all of them on the device at once); the
+    rows and their losses are those of the interleaved run."""
+    args = ("--preset", "test", "--steps", "2", "--warmup", "1", "--no-peer", "--recompute")
+    status, out, err = run_bench(capsys, *args)
+    assert status == 0, err
+    together = {r[0]: r[-1] for r in table_rows(out)}
+    alive = []
+    measure = bench.measure
+    monkeypatch.setattr(bench, "measure", lambda runners, inputs: (
+        alive.append(len(runners)), measure(runners, inputs))[1])
+    status, out, err = run_bench(capsys, *args, "--one-at-a-time")
+    assert status == 0, err
+    alone = {r[0]: r[-1] for r in table_rows(out)}
+    assert alone == together and len(together) >= 2
+    assert alive == [1] * len(together)
+
+
 def test_bench_tiny_runs_end_to_end_on_the_cpu(capsys):
     status, out, err = run_bench(capsys, "--preset", "tiny", "--steps", "2", "--warmup", "1")
     assert status == 0 and "Traceback" not in err
