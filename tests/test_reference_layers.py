@@ -185,7 +185,11 @@ def test_layernorm(B, T, D, scale, seed, constant_row):
 
     dout = values(rng, (B, T, D), 1.0)
     dx, dw, db = layernorm_backward(dout, cache)
-    assert_close("layernorm dx (Jacobian)", dx, layernorm_dx_by_jacobian(x, w, dout), 1e-10)
+    # dx is a difference of terms of size |w| rstd |dout| that can cancel to
+    # far less (a row of two features): the error is measured against them
+    terms = float(np.abs(w).max() * rstd.max() * np.abs(dout).max())
+    assert_close("layernorm dx (Jacobian)", dx, layernorm_dx_by_jacobian(x, w, dout), 1e-10,
+                 scale=terms)
     xhat = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS)
     assert_close("layernorm dw", dw, (dout * xhat).sum((0, 1)), 1e-10)
     assert_close("layernorm db", db, dout.sum((0, 1)), TOL["closed"])
