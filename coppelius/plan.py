@@ -421,14 +421,14 @@ def _schedule_options(value) -> str:
             f"{decay}--floor {inside.get('floor')}")
 
 
-def print_safely(text: str, file=None) -> None:
+def print_safely(text: str, file=None, end: str = "\n") -> None:
     """Progress and messages: a closed pipe or terminal (EPIPE, EIO after a
     hang-up) must never stop training or lose a step (SPEC 9), so a failed
     write is dropped, and that stream is pointed at /dev/null so that Python's
     exit flush does not fail either."""
     stream = file or sys.stderr
     try:
-        print(text, file=stream, flush=True)
+        print(text, file=stream, end=end, flush=True)
     except (OSError, ValueError):
         silence(stream)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import glob
 import os
 
+import sys
+
 import numpy as np
 
 from coppelius.reference.config import Config, config_from_identity
@@ -175,11 +177,13 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
 
 
 def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float = 0.0,
-             top_k: int = 0, rng: np.random.Generator | None = None, logits_of=None) -> list:
+             top_k: int = 0, rng: np.random.Generator | None = None, logits_of=None,
+             on_token=None) -> list:
     """`ids` followed by `tokens` new ids, each predicted from the last T
     (at most) ids: by default with the reference forward in fp32;
     `logits_of(window (1,n)) -> (1,n,V)` is another forward of the same
-    parameters (a backend's program, which the run loop uses on a GPU)."""
+    parameters (a backend's program, which the run loop uses on a GPU).
+    `on_token(ids)`: called with the ids so far after each new one."""
     from coppelius.reference import forward
 
     if logits_of is None:
@@ -192,7 +196,38 @@ def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float
         window = np.array(out[-config.context:], dtype=np.int64)[None, :]  # (1,n), n <= T
         logits = np.asarray(logits_of(window))[0, -1]  # (V,) at the last position
         out.append(pick(logits, temperature, top_k, rng))
+        if on_token is not None:
+            on_token(out)
     return out
+
+
+class Continuation:
+    """The text of the ids after a prompt, handed on piece by piece as it is
+    made (`emit(text)`): each time the whole is decoded again and what is new
+    is passed on, held back while it ends inside a character (a byte-level
+    token can be part of one: the decoder's replacement character), so the
+    pieces add up to the decoded continuation."""
+
+    def __init__(self, tok, prompt_ids, emit):
+        self.tok, self.emit = tok, emit
+        self.prompt = tok.decode(list(prompt_ids), skip_special_tokens=False)
+        self.sent = ""
+
+    def text(self, ids) -> str:
+        whole = self.tok.decode(list(ids), skip_special_tokens=False)
+        return whole[len(self.prompt):] if whole.startswith(self.prompt) else whole
+
+    def __call__(self, ids) -> None:
+        text = self.text(ids)
+        if text.startswith(self.sent) and not text.endswith("\ufffd"):
+            self.emit(text[len(self.sent):])
+            self.sent = text
+
+    def finish(self, ids) -> None:
+        text = self.text(ids)
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text
 
 
 def check_prompt(prompt: str) -> None:
@@ -219,8 +254,9 @@ def check_options(tokens: int, temperature: float, top_k: int, seed: int = 0) ->
 
 def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-                  tokenizer=None, logits_of=None) -> str:
-    """The prompt and its continuation, decoded (`logits_of`: see generate)."""
+                  tokenizer=None, logits_of=None, on_text=None) -> str:
+    """The prompt and its continuation, decoded (`logits_of`: see generate).
+    `on_text(piece)`: the continuation handed on as it is made (Continuation)."""
     from coppelius.data import load_tokenizer, tokenizer_file, tokenizer_ids
 
     check_options(tokens, temperature, top_k, seed)
@@ -234,8 +270,11 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
         raise StreamError(f"tokenizer {tokenizer_path}: has {tokenizer_ids(tok)} ids, more than "
                           f"the checkpoint's model has (V={config.vocab})")
     ids = tok.encode(prompt, add_special_tokens=False).ids
+    stream = Continuation(tok, ids, on_text) if on_text is not None else None
     out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed),
-                   logits_of)
+                   logits_of, stream)
+    if stream is not None:
+        stream.finish(out)
     return tok.decode(out, skip_special_tokens=False)
 
 
@@ -261,7 +300,20 @@ def register(subparsers) -> None:
 
 
 def run_sample(args) -> int:
-    print(generate_text(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        tokenizer=args.tokenizer))
+    """The prompt, then each piece of the continuation as it is made."""
+    started = []
+
+    def emit(piece):
+        if not started:  # the prompt as the tokenizer gives it back, once known good
+            started.append(True)
+            sys.stdout.write(args.prompt)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    text = generate_text(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
+                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                         tokenizer=args.tokenizer, on_text=emit)
+    if not started:  # nothing was generated (or nothing new): the text as decoded
+        sys.stdout.write(text)
+    print()
     return 0

@@ -853,14 +853,19 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     print_safely(f"loss plot:  {png}", out)
     if not args.no_sample and plan.tokenizer:
         t1 = time.perf_counter()
-        prompt = args.prompt
+        prompt, whence = args.prompt, "--prompt"
         if prompt is None:  # the last context: held out whenever any is (SPEC 18)
             prompt = sample.corpus_prompt(plan.stream, plan.config, plan.tokenizer,
                                           plan.stream.n_contexts(plan.config.context) - 1)
-        text = sample.generate_text(plan.checkpoint, prompt=prompt, tokens=80,
-                                    temperature=0.8, top_k=40, seed=0, tokenizer=plan.tokenizer,
-                                    logits_of=summary["program"].logits)
-        print_safely(f"sample ({time.perf_counter() - t1:.1f} s):\n" + text, out)
+            whence = "the start of a line of the held-out text, not the model's"
+        # the prompt marked off from what the model writes, which is shown as it is made
+        print_safely(f"sample prompt ({whence}):\n{prompt}", out)
+        print_safely("sample (80 tokens, as they are made):", out)
+        sample.generate_text(plan.checkpoint, prompt=prompt, tokens=80, temperature=0.8,
+                             top_k=40, seed=0, tokenizer=plan.tokenizer,
+                             logits_of=summary["program"].logits,
+                             on_text=lambda piece: print_safely(piece, out, end=""))
+        print_safely(f"\n(sampled in {time.perf_counter() - t1:.1f} s)", out)
     return 0
 
 

@@ -159,7 +159,7 @@ def test_a_custom_shape_trains_and_resumes_on_the_reference(tmp_path, source, ca
     header = checkpoint.validate(run / "checkpoint.bin").header
     assert header["model"] == Config(**SMALL).identity()
     assert header["step"] == 3 and "|batch=2|" in header["data"]  # batch from the file
-    assert out.split("sample (")[1].split("):\n", 1)[1].startswith("def")
+    assert sample_prompt(out) == "def"
     # run.json remembers the file: --run-dir alone continues the run
     assert json.loads((run / "run.json").read_text())["options"]["model"] == model
     assert main(["train", "--run-dir", str(run), "--steps", "2", "--no-sample"]) == 0
@@ -209,6 +209,14 @@ def test_conformance_and_bench_take_a_model_file(tmp_path, capsys):
     assert "absent.toml: no such file" in capsys.readouterr().err
 
 
+def sample_prompt(out: str) -> str:
+    """The prompt train's closing sample shows, marked off from the model's text."""
+    marked = out.split("sample prompt (")[1].split("):\n", 1)[1]
+    prompt, rest = marked.split("\nsample (80 tokens, as they are made):\n", 1)
+    assert rest.rstrip().endswith("s)")  # the continuation, then how long it took
+    return prompt
+
+
 def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsys, monkeypatch):
     from coppelius import data, sample
     from coppelius.reference.stream import open_stream
@@ -216,7 +224,7 @@ def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsy
     monkeypatch.chdir(tmp_path)
     model = toml_file(tmp_path / "small.toml", dict(SMALL, steps=1))
     assert train(tmp_path, "--model", model, "--source", str(source)) == 0
-    text = capsys.readouterr().out.split("sample (")[1].split("):\n", 1)[1]
+    text = sample_prompt(capsys.readouterr().out)
     stream_path, tok_path = data.prepare_stream(source=source, vocab=SMALL["vocab"])
     stream = open_stream(stream_path, SMALL["vocab"])
     T = SMALL["context"]
@@ -224,9 +232,9 @@ def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsy
     tok = data.load_tokenizer(tok_path)
     last = tok.decode(stream.ids[(K - 1) * T:K * T].tolist())  # the last context's inputs
     prompt = sample.corpus_prompt(stream, Config(**SMALL), tok, K - 1)
-    assert text.startswith(prompt) and prompt != sample.DEFAULT_PROMPT
+    assert text == prompt and prompt != sample.DEFAULT_PROMPT
     assert "\n" + prompt in last  # a line of the held-out context, from its start
     capsys.readouterr()
     assert train(tmp_path, "--model", model, "--source", str(source), "--steps", "1",
                  "--prompt", "class") == 0
-    assert capsys.readouterr().out.split("sample (")[1].split("):\n", 1)[1].startswith("class")
+    assert sample_prompt(capsys.readouterr().out) == "class"

@@ -185,6 +185,28 @@ def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkey
     assert printed.startswith(prompt)
 
 
+def test_the_continuation_is_handed_on_as_it_is_made(run, monkeypatch, tmp_path):
+    """on_text: pieces as the tokens come (more than one call, each after a
+    new token), adding up to the decoded continuation; none of them ends
+    inside a character."""
+    monkeypatch.chdir(tmp_path)
+    prompt, made, pieces = "def decode(self, s", [], []
+    generate = sample.generate
+
+    def counting(*a, **k):  # how many tokens exist when each piece is handed on
+        inner = a[-1] if len(a) > 7 else k.get("on_token")
+        return generate(*a[:7], on_token=lambda ids: (made.append(len(ids)), inner(ids)))
+
+    monkeypatch.setattr(sample, "generate", counting)
+    text = sample.generate_text(run["ckpt"], prompt=prompt, tokens=12, temperature=0,
+                                on_text=lambda piece: pieces.append((len(made), piece)))
+    assert text.startswith(prompt)
+    assert "".join(p for _, p in pieces) == text[len(prompt):]
+    assert len(pieces) > 1 and [n for n, _ in pieces] == sorted(n for n, _ in pieces)
+    assert pieces[0][0] < 12  # the first piece came before the last token was made
+    assert not any(p.endswith("\ufffd") for _, p in pieces[:-1])
+
+
 def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # nothing in the default cache, runs/data
     lone = tmp_path / "elsewhere" / "checkpoint.bin"
