@@ -119,6 +119,10 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
+# where a smaller vocabulary is chosen: tokenize's option, a model's field
+SMALLER_VOCAB = "tokenize --vocab N, or a model file's vocab = N for train --model"
+
+
 def check_vocab(vocab: int, source_bytes: int | None = None) -> None:
     """A vocabulary a byte-level BPE can have: at least one id per byte
     value, ids that fit uint32, and (given the source's size) no more than
@@ -132,7 +136,7 @@ def check_vocab(vocab: int, source_bytes: int | None = None) -> None:
     if source_bytes is not None and vocab > BYTE_SYMBOLS + source_bytes:
         raise ConfigError(f"vocab={vocab}: a source of {source_bytes} bytes yields at most "
                           f"{BYTE_SYMBOLS + source_bytes} ids; use a larger source or a "
-                          f"smaller --vocab")
+                          f"smaller vocabulary ({SMALLER_VOCAB})")
 
 
 def train_tokenizer(source, vocab: int, name: str | None = None):
@@ -162,7 +166,8 @@ def train_tokenizer(source, vocab: int, name: str | None = None):
     got = tokenizer.get_vocab_size()
     if got != vocab:
         raise StreamError(f"source {name}: yields {got} distinct tokens, fewer than the "
-                          f"vocabulary V={vocab}; use a larger source or a smaller --vocab")
+                          f"vocabulary V={vocab}; use a larger source or a smaller vocabulary "
+                          f"({SMALLER_VOCAB})")
     return tokenizer
 
 

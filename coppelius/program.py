@@ -28,8 +28,9 @@ def register(sub) -> None:
     p.add_argument("--backend", metavar="NAME",
                    help=f"backend ({', '.join(accelerated.BACKENDS)}; default: the best "
                         "available)")
-    p.add_argument("--preset", required=True, metavar="NAME",
-                   help=f"model preset ({', '.join(PRESETS)})")
+    p.add_argument("--preset", metavar="NAME",
+                   help=f"model preset ({', '.join(PRESETS)}; default: the main job's, "
+                        "coppelius with a GPU, else tiny)")
     p.add_argument("--batch", type=int, default=1, metavar="B",
                    help="contexts per step (default: 1)")
     p.add_argument("--precision", choices=PRECISIONS,
@@ -45,6 +46,10 @@ def register(sub) -> None:
 def main(args) -> int:
     if args.batch < 1:
         raise ConfigError(f"--batch={args.batch}: must be a positive integer")
+    if args.preset is None:
+        from coppelius.data import default_preset
+
+        args.preset = default_preset()
     config = preset(args.preset)
     backend = args.backend or accelerated.best_backend()
     module = accelerated.backend_module(backend)  # unknown or unavailable: one line, exit 2

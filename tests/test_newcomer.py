@@ -350,3 +350,38 @@ def test_a_resumed_run_evaluates_and_publishes_on_multiples_of_the_interval(
     assert published == grid + [last]
     evals = results.read_results(str(tmp_path / "results-3.bin")).evals
     assert [step for step, _, _ in evals] == grid + [last]
+
+
+def test_program_alone_reports_the_main_jobs_model(capsys):
+    """`coppelius program` with no --preset is the main job's model (tiny
+    here, without a GPU), not a usage error."""
+    import json
+
+    from coppelius.cli import main
+    from coppelius.data import default_preset
+
+    assert main(["program", "--backend", "reference"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["name"] == f"{default_preset()} B=1 fp32 on reference"
+
+
+def test_a_source_too_small_for_the_vocabulary_names_options_that_exist(tmp_path, capsys):
+    """The hint names where a vocabulary is chosen: tokenize's --vocab and a
+    model file's vocab (train has no --vocab), and both work."""
+    from coppelius.cli import build_parser, main
+
+    small = tmp_path / "small.txt"
+    small.write_text("x = 1\n")
+    assert main(["train", "--source", str(small), "--steps", "1", "--run-dir",
+                 str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tokenize --vocab N" in err and "--model" in err
+    parser = build_parser()
+    assert parser.parse_args(["tokenize", "--vocab", "256", str(small)]).vocab == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--vocab", "256"])
+    model = tmp_path / "m.toml"
+    model.write_text("vocab = 256\ncontext = 4\nd_model = 8\nn_layer = 1\nn_head = 1\n"
+                     "d_ff = 8\n")
+    assert main(["train", "--source", str(small), "--model", str(model), "--steps", "1",
+                 "--run-dir", str(tmp_path / "r2"), "--no-sample"]) == 0
