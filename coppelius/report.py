@@ -121,7 +121,14 @@ def _inspect_results(path) -> None:
         _line("evaluations", f"{len(r.evals)} of {len(r.evals[0][2])} contexts, after "
                              f"{step_ranges(r.eval_steps.tolist())} updates")
     _line("complete", "yes" if r.complete else "no")
-    _line("stopped early", f"yes: {r.stopped}" if r.stopped else "no")
+    if r.stopped:
+        _line("stopped early", f"yes: {r.stopped}")
+    elif not r.complete:  # no final record and no reason: killed, or still being written
+        _line("stopped early", f"unknown: the file ends after step {r.steps[-1][0]} without a "
+                               "final record (the run was killed, or is still running)"
+              if r.steps else "unknown: no step recorded yet")
+    else:
+        _line("stopped early", "no")
 
 
 # --------------------------------------------------------------------- report

@@ -179,6 +179,19 @@ def test_inspect_results(tmp_path, capsys):
     assert re.fullmatch(r"yes: bad CRC at offset \d+", field(out, "stopped early"))
 
 
+def test_inspect_of_a_result_file_without_its_final_record_says_it_does_not_know(tmp_path,
+                                                                                 capsys):
+    """A run killed (or still running) leaves whole records and no final
+    one: that it stopped early is not known, and inspect says so, naming
+    the last step, rather than 'no'."""
+    path = tmp_path / "r.bin"
+    make_results(path, n_steps=5, first_step=3, final=False)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert field(out, "complete") == "no"
+    assert field(out, "stopped early").startswith("unknown: the file ends after step 7 without")
+
+
 @pytest.mark.parametrize("content", [b"", b"hello world, not a checkpoint", b"CPLSRSLT\x01"])
 def test_inspect_unknown_or_broken_file(tmp_path, capsys, content):
     path = tmp_path / "mystery.bin"
