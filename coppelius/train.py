@@ -39,7 +39,8 @@ from coppelius.plan import (EVAL_CONTEXTS, LEARNER_OPTIONS, Plan, _positive, sil
 from coppelius.reference import checkpoint, fsutil, results
 from coppelius.reference.config import PRESETS, SCHEDULES, SEED, Hyper, rational_text
 from coppelius.reference.contract import RECOMPUTE_MODES
-from coppelius.reference.errors import (CoppeliusError, NonFiniteError, ResultFileError, RunError,
+from coppelius.reference.errors import (ConfigError, CoppeliusError, NonFiniteError, ResultFileError,
+                                        RunError,
                                         StreamError)
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
@@ -601,6 +602,11 @@ def _final_record(writer, program, config, last_tokens, updates, state, grads):
 
 def main(args) -> int:
     _positive(args.blas_threads, "blas-threads")  # refused before the data is prepared
+    if args.prompt is not None and not args.no_sample:  # refused before anything is trained
+        sample.check_prompt(args.prompt)
+        if not args.prompt:
+            raise ConfigError("--prompt '': empty; the sample continues a prompt (give some "
+                              "text, or --no-sample)")
     launch = ranks.from_environment()
     if launch is not None:  # one rank of a launcher's (or of --gpus N's)
         if args.gpus is not None and args.gpus != launch.world:

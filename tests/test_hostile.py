@@ -1100,3 +1100,16 @@ def test_report_of_a_run_stopped_by_a_non_finite_first_step(tmp_path, stream, tr
     assert "min loss        none finite" in out and "first loss      nan at step 2" in out
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "r.csv").read_text().splitlines()[1].startswith("2,nan,")
+
+
+def test_an_empty_prompt_is_refused_before_anything_is_trained(tmp_path, stream):
+    """`train --prompt ''` is refused at once, nothing published (it used to
+    train, publish, then exit 2 at the sample)."""
+    run = tmp_path / "run"
+    argv = [a for a in train_argv(stream, run, run / "ck.bin", "--steps", "1")
+            if a != "--no-sample"]
+    status, out, err = cli(*argv, "--prompt", "")
+    one_line_error(status, err, "--prompt")
+    assert not (run / "ck.bin").exists() and not list(run.glob("results-*"))
+    status, out, err = cli(*argv, "--prompt", "def")  # a prompt that is text is taken
+    assert status == 0 and (run / "ck.bin").exists(), err
