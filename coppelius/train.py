@@ -799,9 +799,11 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     leader = dist is None or dist.rank == 0
     if plan.steps == 0:
         if leader:
+            final = plan.remembered.get("final_step", plan.state.t)
+            where = (f"past --until {args.until}" if args.until is not None and final < plan.state.t
+                     else "the run's final step")
             print(f"coppelius train: nothing to do: {plan.checkpoint} is at step "
-                  f"{plan.state.t}, the run's final step (use --steps S or --until N to go "
-                  f"further)")
+                  f"{plan.state.t}, {where} (use --steps S or --until N to go further)")
         return 0
     blas = limit_blas_threads(getattr(args, "blas_threads", None))
     if leader:

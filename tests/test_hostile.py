@@ -1113,3 +1113,15 @@ def test_an_empty_prompt_is_refused_before_anything_is_trained(tmp_path, stream)
     assert not (run / "ck.bin").exists() and not list(run.glob("results-*"))
     status, out, err = cli(*argv, "--prompt", "def")  # a prompt that is text is taken
     assert status == 0 and (run / "ck.bin").exists(), err
+
+
+def test_until_below_the_checkpoints_step_says_the_checkpoint_is_past_it(tmp_path, trained):
+    """--until N below the checkpoint's step: nothing to do, and the line
+    says the checkpoint is past N (not that N is 'the run's final step');
+    nothing is published or remembered."""
+    run = trained.parent
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    status, out, err = cli("train", "--run-dir", run, "--checkpoint", trained, "--until", "1",
+                           "--no-sample")
+    assert status == 0 and "is at step 2, past --until 1" in out, (out, err)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
