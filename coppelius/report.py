@@ -99,11 +99,31 @@ def _inspect_checkpoint(path) -> int:
     _line("file bytes", info.file_size)
     if info.digest_ok:
         print(f"sha256 ok {info.sha256}")
-        return 0
+        return _inspect_binding(info.path, h)
     print(f"sha256 MISMATCH: trailer {info.trailer_sha256}, content {info.sha256}")
     print(f"coppelius inspect: error: checkpoint {info.path}: SHA-256 mismatch: the file is "
           f"damaged and no run will load it", file=sys.stderr)
     return 2
+
+
+def _inspect_binding(path, header: dict) -> int:
+    """Whether the checkpoint's model binds every tensor as `train` binds
+    it (names, shapes, dtypes, moments; reference/binding.py): a file whose
+    digest is right but which no command loads says so, as train would."""
+    from coppelius.reference.binding import bind_vectors
+    from coppelius.reference.config import config_from_identity
+    from coppelius.reference.sources import CheckpointFileSource
+
+    try:
+        config = config_from_identity(header["model"], f"checkpoint {path}")
+        with CheckpointFileSource(path) as source:
+            bind_vectors(source, config, moments=True)
+    except CoppeliusError as e:
+        print(f"binding        refused: {e}")
+        print(f"coppelius inspect: error: {e}", file=sys.stderr)
+        return 2
+    print("binding        ok: every parameter and both moments bind to the model")
+    return 0
 
 
 def _inspect_results(path) -> None:

@@ -1125,3 +1125,30 @@ def test_until_below_the_checkpoints_step_says_the_checkpoint_is_past_it(tmp_pat
                            "--no-sample")
     assert status == 0 and "is at step 2, past --until 1" in out, (out, err)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def transpose_first_matrix(parameters):
+    """The first tensor of two different dims listed with its shape reversed."""
+    matrix = next(p for p in parameters if len(set(p["shape"])) == 2)
+    matrix["shape"] = matrix["shape"][::-1]
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h["parameters"][1].update(name="layers.0.attn_norm.gamma"),  # renamed
+    lambda h: transpose_first_matrix(h["parameters"]),
+], ids=["renamed", "transposed"])
+def test_inspect_says_what_train_says_of_a_checkpoint_that_does_not_bind(tmp_path, trained,
+                                                                          change):
+    """A checkpoint whose digest is right but whose tensors do not bind to
+    its model: inspect refuses it with train's own words, not 'sha256 ok'."""
+    bad = reheader(trained, tmp_path / "bad.bin", change)
+    status, out, err = cli("inspect", bad)
+    assert "sha256 ok" in out and "binding        refused" in out
+    one_line_error(status, err)
+    t_status, _, t_err = cli("train", "--run-dir", tmp_path / "r", "--checkpoint", bad,
+                             "--stream", trained.parent.parent / "s.tokens", "--steps", "1",
+                             "--no-sample", "--backend", "reference")
+    assert t_status == 2
+    assert err.split("error: ", 1)[1] == t_err.split("error: ", 1)[1]
+    status, out, err = cli("inspect", trained)
+    assert status == 0 and "binding        ok" in out
