@@ -9,7 +9,9 @@ import re
 import signal
 import sys
 
-from coppelius.reference.errors import CoppeliusError
+# Nothing of the project, nor NumPy, is imported at this module's top: the
+# console script imports it first, and a Ctrl-C while the rest is imported
+# (about a second) must end as one line, not a traceback (main).
 
 # module -> the subcommands it registers
 MODULES = (
@@ -98,6 +100,18 @@ def _stdout_closed() -> bool:
 
 
 def main(argv=None) -> int:
+    """The command line: its status. A Ctrl-C at any time, the imports
+    included, ends with one line and status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("coppelius: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
+    from coppelius.reference.errors import CoppeliusError
+
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's to refuse, pointing at its own --help

@@ -1152,3 +1152,21 @@ def test_inspect_says_what_train_says_of_a_checkpoint_that_does_not_bind(tmp_pat
     assert err.split("error: ", 1)[1] == t_err.split("error: ", 1)[1]
     status, out, err = cli("inspect", trained)
     assert status == 0 and "binding        ok" in out
+
+
+def test_ctrl_c_while_the_command_line_imports_is_one_line_not_a_traceback():
+    """SIGINT at several moments of the first second (while NumPy and the
+    project are imported, before any work): no traceback; status 130 (or
+    killed by the signal, before Python's handler exists)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for delay in (0.05, 0.2, 0.4, 0.7):
+        p = subprocess.Popen([sys.executable, "-m", "coppelius", "program", "--backend",
+                              "reference", "--preset", "test"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+        assert "Traceback" not in err, (delay, err)
+        assert p.returncode in (130, -signal.SIGINT, 0), (delay, p.returncode, err)
+        if p.returncode == 130:
+            assert err.strip().splitlines()[-1].endswith("interrupted"), err
