@@ -275,6 +275,22 @@ def _target(path) -> str:
     return target
 
 
+def _check_replaceable_here(target: str, what: str, shown: str) -> None:
+    """A publication replaces `target` by a rename, which a folder with the
+    sticky bit (/tmp, shared folders) allows only to the file's owner, the
+    folder's owner and root: another user's file there is refused now,
+    not at the first publication after the work is done (EPERM)."""
+    try:
+        st = os.stat(target)
+        folder = os.stat(os.path.dirname(target) or ".")
+    except FileNotFoundError:
+        return
+    me = os.geteuid()
+    if folder.st_mode & stat.S_ISVTX and me not in (0, st.st_uid, folder.st_uid):
+        raise OutputError(f"{what} {shown}: belongs to user {st.st_uid} in a folder with the "
+                          f"sticky bit, which lets no other user replace it; write elsewhere")
+
+
 def output_target(path, what: str) -> str:
     """Check an output path before any work is done, and return the file a
     publication to it replaces (a symlink's target). Refused with an
@@ -285,7 +301,9 @@ def output_target(path, what: str) -> str:
     if not shown:
         raise OutputError(f"{what}: empty path")
     try:
-        return _target(path)
+        target = _target(path)
+        _check_replaceable_here(target, what, shown)
+        return target
     except (FileNotFoundError, NotADirectoryError):
         return os.path.realpath(shown)  # a parent is missing or a file: found when it is made
     except OSError as e:

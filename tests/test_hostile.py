@@ -1170,3 +1170,23 @@ def test_ctrl_c_while_the_command_line_imports_is_one_line_not_a_traceback():
         assert p.returncode in (130, -signal.SIGINT, 0), (delay, p.returncode, err)
         if p.returncode == 130:
             assert err.strip().splitlines()[-1].endswith("interrupted"), err
+
+
+def test_another_users_checkpoint_in_a_sticky_folder_is_refused_before_training(
+        tmp_path, stream, trained, monkeypatch):
+    """In a folder with the sticky bit only the file's owner, the folder's
+    and root may replace a file: a run as another user is refused at once,
+    naming the checkpoint, not after training at its first publication."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    ckpt = shared / "ck.bin"
+    ckpt.write_bytes(trained.read_bytes())
+    shared.chmod(0o1777)
+    owner = os.stat(ckpt).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 4242)  # neither the file's nor the folder's
+    status, out, err = cli(*train_argv(stream, tmp_path / "r", ckpt, "--steps", "1"))
+    one_line_error(status, err, str(ckpt), "sticky")
+    assert "step 1" not in out
+    monkeypatch.setattr(os, "geteuid", lambda: owner)  # the owner may
+    status, out, err = cli(*train_argv(stream, tmp_path / "r", ckpt, "--steps", "1"))
+    assert status == 0, err
