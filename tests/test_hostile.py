@@ -1157,7 +1157,9 @@ def test_inspect_says_what_train_says_of_a_checkpoint_that_does_not_bind(tmp_pat
 def test_ctrl_c_while_the_command_line_imports_is_one_line_not_a_traceback():
     """SIGINT at several moments of the first second (while NumPy and the
     project are imported, before any work): no traceback; status 130 (or
-    killed by the signal, before Python's handler exists)."""
+    killed by the signal, before Python's handler exists; or, on a loaded
+    machine, the interpreter's own fatal error while it starts, which no
+    program's code can reach)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     for delay in (0.05, 0.2, 0.4, 0.7):
         p = subprocess.Popen([sys.executable, "-m", "coppelius", "program", "--backend",
@@ -1166,6 +1168,8 @@ def test_ctrl_c_while_the_command_line_imports_is_one_line_not_a_traceback():
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=60)[1]
+        if "init_import_site" in err:  # the interpreter's own start, before any of ours
+            continue
         assert "Traceback" not in err, (delay, err)
         assert p.returncode in (130, -signal.SIGINT, 0), (delay, p.returncode, err)
         if p.returncode == 130:
