@@ -14,7 +14,7 @@ report's plot draws them. Each invocation writes a new event file whose
 first event purges what earlier files drew at or after its first step (a
 run resumed from an older checkpoint trains those steps again); the
 held-out loss at the first step, which the earlier invocation evaluated and
-this one does not, is drawn again from the run directory's result files.
+this one does not, is read from the earlier event files and drawn again.
 """
 
 from __future__ import annotations
@@ -161,23 +161,41 @@ def check_writers(options: dict, run_dir) -> None:
                            f"(pip install wandb)")
 
 
-def previous_eval(run_dir, step: int):
-    """The held-out loss an earlier invocation recorded after `step`
-    updates in the run directory's result files (the last written), or None."""
-    from coppelius.reference import results
-    from coppelius.reference.errors import CoppeliusError
+def previous_scalar(tb_dir, tag: str, step: int):
+    """The value of `tag` at `step` that TensorBoard shows now from the
+    directory's event files (in their order, each one's session start
+    purging what earlier ones drew at or after its step), or None. A file
+    cut short (a run killed while writing) is read to its last whole event."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
 
     found = None
-    paths = sorted(glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "results-*.bin")),
-                   key=lambda p: os.stat(p).st_mtime_ns)
-    for path in paths:
+    for path in sorted(glob.glob(os.path.join(glob.escape(os.fspath(tb_dir)),
+                                              "events.out.tfevents.*"))):
         try:
-            r = results.read_results(path)
-        except (CoppeliusError, OSError):
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
             continue
-        for u, mean, _ in r.evals:
-            if u == step:
-                found = float(mean)
+        at = 0
+        while at + 12 <= len(data):  # uint64 length, its CRC, the event, its CRC
+            (n,) = struct.unpack_from("<Q", data, at)
+            if at + 16 + n > len(data):
+                break
+            event = event_pb2.Event()
+            try:
+                event.ParseFromString(data[at + 12:at + 12 + n])
+            except Exception:  # damage: nothing after it is trusted
+                break
+            at += 16 + n
+            if event.HasField("session_log") and event.session_log.status == \
+                    event.session_log.START and event.step <= step:
+                found = None
+            elif event.step == step and event.HasField("summary"):
+                for value in event.summary.value:
+                    if value.tag == tag:
+                        found = float(value.simple_value)
     return found
 
 
@@ -194,9 +212,9 @@ class Live:
             # a file of its own (time, pid) whatever the invocation; its first
             # event purges what earlier ones drew from first_step on
             suffix = f".{time.time_ns()}.{os.getpid()}"
+            earlier = previous_scalar(tb_dir, "eval/loss", first_step) if first_step else None
             self.tb = SummaryWriter(logdir=tb_dir, purge_step=first_step, flush_secs=3600,
                                     filename_suffix=suffix)
-            earlier = previous_eval(run_dir, first_step) if first_step else None
             if earlier is not None:
                 self.tb.add_scalar("eval/loss", earlier, first_step)
         if wandb_project:
