@@ -297,6 +297,13 @@ def report_command(args) -> int:
         _line("tokens/s", "n/a (no timing records)")
     else:
         _line("tokens/s", f"{s['tokens_per_second']:.1f} (median of {s['timed_steps']} steps)")
+    # the metrics records (version 3): stitched files' steps may repeat; each file's own
+    mfu = [m[3] for r in files for m in r.metrics if math.isfinite(m[3])]
+    memory = [m[4] for r in files for m in r.metrics if math.isfinite(m[4])]
+    if mfu:
+        _line("MFU", f"{100 * float(np.median(mfu)):.2f}% (median of {len(mfu)} steps)")
+    if memory:
+        _line("device memory", f"{max(memory) / 2**30:.2f} GiB (the most in use)")
     if s["complete"]:
         _line("completed", "yes")
     else:

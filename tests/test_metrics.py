@@ -57,7 +57,7 @@ def model_flops(config, batch):
     return batch * (6 * N * T + 6 * L * D * T * T)
 
 
-def test_event_files_hold_the_result_file_values(tmp_path, stream):
+def test_event_files_hold_the_result_file_values(tmp_path, stream, capsys):
     assert train(stream, tmp_path, "--steps", "4", "--interval", "2", "--batch", "2",
                  "--schedule", "cosine", "--warmup", "1", "--peak-tflops", "0.5") == 0
     r = results.read_results(tmp_path / "results-0.bin")
@@ -87,6 +87,11 @@ def test_event_files_hold_the_result_file_values(tmp_path, stream):
     assert all(math.isnan(m[4]) for m in r.metrics)  # the reference has no device memory
     assert "train/device_memory_gib" not in got
     assert json.loads((tmp_path / "run.json").read_text())["options"]["peak_tflops"] == 0.5
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["MFU"] == f"{100 * float(np.median(mfu)):.2f}% (median of 4 steps)"
+    assert "device" not in lines  # no device memory on the reference
 
 
 def test_resumed_run_continues_the_curves_without_duplicates(tmp_path, stream):
