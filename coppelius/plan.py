@@ -91,6 +91,8 @@ def resolve_options(args) -> tuple:
             given = True if args.repeat_data else None
         if key in ("source", "stream", "checkpoint", "model", "tokenizer") and given is not None:
             given = os.path.abspath(given)
+        if key == "tensorboard" and isinstance(given, str):
+            given = os.path.abspath(given)
         if given is not None:
             options[key] = given
         elif key in remembered:
@@ -296,6 +298,10 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
+        from coppelius import metrics
+
+        metrics.check_peak(options.get("peak_tflops"))
+        metrics.check_writers(options, run_dir)  # TensorBoard's directory, the wandb package
         if not lock.held:
             lock.acquire()
             if not checkpoint.is_fresh(ckpt):

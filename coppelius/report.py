@@ -27,6 +27,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
 LAST_FRACTION = 0.1  # the by-position curve averages the last 10% of steps (at least one)
 RUN_PLOT = "run.png"  # the plot of `report RUN_DIR`, in the directory, unless --plot says
+COMPARE_PLOT = "compare.png"  # the plot of `report --compare`, unless --plot says
 
 
 def register(subparsers) -> None:
@@ -45,7 +46,11 @@ def register(subparsers) -> None:
                     "of a run directory stitched in step order: a file written later replaces "
                     "the steps an earlier one recorded from its first step on (a run resumed "
                     "from an older checkpoint re-trains them).")
-    p.add_argument("results", metavar="RESULTS|RUN_DIR", type=path_argument)
+    p.add_argument("results", metavar="RESULTS|RUN_DIR", type=path_argument, nargs="?")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", type=path_argument,
+                   help=f"plot the training and held-out loss of these runs (and RUN_DIR's, if "
+                        f"given) on one figure, by step and by tokens, a line per run and "
+                        f"curve, the legend by run name (to --plot, default {COMPARE_PLOT})")
     p.add_argument("--plot", metavar="PNG", type=path_argument,
                    help=f"write the plot (PNG) to this path (a run directory's default: "
                         f"{RUN_PLOT} in it; a file's: none); an existing PNG is replaced, "
@@ -256,6 +261,10 @@ def check_csv_path(path, inputs=()) -> None:
 
 
 def report_command(args) -> int:
+    if args.compare:
+        return compare_command(args)
+    if args.results is None:
+        raise CoppeliusError("report: give RESULTS or RUN_DIR, or --compare RUN_DIR...")
     whole_run = os.path.isdir(args.results)
     inputs = [] if whole_run else [args.results]
     if args.plot is not None:  # before anything is read
@@ -315,6 +324,13 @@ def report_command(args) -> int:
         _line("tokens/s", "n/a (no timing records)")
     else:
         _line("tokens/s", f"{s['tokens_per_second']:.1f} (median of {s['timed_steps']} steps)")
+    # the metrics records (version 3): stitched files' steps may repeat; each file's own
+    mfu = [m[3] for r in files for m in r.metrics if math.isfinite(m[3])]
+    memory = [m[4] for r in files for m in r.metrics if math.isfinite(m[4])]
+    if mfu:
+        _line("MFU", f"{100 * float(np.median(mfu)):.2f}% (median of {len(mfu)} steps)")
+    if memory:
+        _line("device memory", f"{max(memory) / 2**30:.2f} GiB (the most in use)")
     if s["complete"]:
         _line("completed", "yes")
     else:
@@ -481,3 +497,86 @@ def plot_beside(r: results.Results, results_path) -> str:
             return path
         except FileExistsError:
             k += 1
+
+
+# -------------------------------------------------------------------- compare
+
+def compare_command(args) -> int:
+    """`report --compare RUN_DIR...`: the runs' loss curves on one figure."""
+    dirs = ([args.results] if args.results is not None else []) + list(args.compare)
+    if args.csv is not None:
+        raise CoppeliusError("--csv: not with --compare (one run's CSV: report RUN_DIR --csv)")
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise CoppeliusError(f"--compare {d}: not a run directory")
+    png = args.plot or COMPARE_PLOT
+    check_plot_path(png)
+    runs = []
+    for d in dirs:
+        run = stitch(read_run_dir(d))
+        if not len(run.steps):
+            raise CoppeliusError(f"--compare {d}: no step records in its result files")
+        runs.append(run)
+    names = run_names(dirs)
+    fig = compare_figure(runs, names)
+    for d, name, run in zip(dirs, names, runs):
+        held = (f", held-out {float(run.eval_means[-1]):.4f} after {int(run.eval_steps[-1])}"
+                if len(run.eval_steps) else "")
+        _line(name, f"loss {run.loss[-1]:.4f} at step {int(run.steps[-1])}{held} ({d})")
+    _publish_figure(fig, png)
+    _line("plot", png)
+    return 0
+
+
+def run_names(dirs: list) -> list:
+    """Each run's legend name: its directory's name, or its path where two
+    share a name."""
+    base = [os.path.basename(os.path.normpath(os.path.abspath(d))) for d in dirs]
+    return [b if base.count(b) == 1 else os.path.normpath(d) for b, d in zip(base, dirs)]
+
+
+def tokens_of(run: Run, steps: np.ndarray) -> np.ndarray:
+    """Tokens trained on before each step (updates done u: u B T), B and T
+    the run's last file's."""
+    h = run.files[-1].header
+    return np.asarray(steps, dtype=np.float64) * h["batch"] * h["context"]
+
+
+def compare_figure(runs: list, names: list):
+    """The figure of `report --compare`: by step (left) and by tokens
+    (right), per run its smoothed training loss (solid) and its held-out
+    loss (dashed, markers) in one colour."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    by_step, by_tokens = fig.subplots(1, 2, sharey=True)
+    for i, (run, name) in enumerate(zip(runs, names)):
+        color = f"C{i % 10}"
+        smooth = np.concatenate([ema(run.loss[part]) for part in _segments(run.steps)])
+        for ax, x in ((by_step, run.steps), (by_tokens, tokens_of(run, run.steps))):
+            xs, ys = _broken(run.steps, smooth)
+            if ax is by_tokens:
+                xs = tokens_of(run, xs)  # NaN stays NaN
+            ax.plot(xs, ys, lw=1.6, color=color, label=f"{name}: training (EMA {EMA_BETA})")
+            if len(run.eval_steps):
+                ex = run.eval_steps if ax is by_step else tokens_of(run, run.eval_steps)
+                ax.plot(ex, run.eval_means, "o--", ms=4, lw=1.2, color=color,
+                        label=f"{name}: held-out")
+    by_step.set_xlabel("step (updates done)")
+    by_tokens.set_xlabel("tokens trained on")
+    by_step.set_ylabel("loss (nats)")
+    by_step.set_title("by step")
+    by_tokens.set_title("by tokens")
+    for ax in (by_step, by_tokens):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+def _publish_figure(fig, path) -> None:
+    try:
+        publish(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    except OSError as e:
+        raise CoppeliusError(f"plot {path}: cannot write: {e.strerror or e}") from None

@@ -19,7 +19,7 @@ REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "pr
               "gpus", "recompute", "shard_optimizer", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "decay", "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint",
-              "repeat_data", "final_step")
+              "repeat_data", "final_step", "tensorboard", "wandb", "peak_tflops")
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
 RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file
@@ -35,6 +35,9 @@ NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
 SWITCHES = ("shard_optimizer", "repeat_data")
 # --recompute MODE; a file from when it was a switch holds true (gate-up) or false
 RECOMPUTE = ("none", "gate-up", "block")
+# --tensorboard DIR (an absolute path) or --no-tensorboard (false); --wandb
+# PROJECT or --no-wandb (false); --peak-tflops X
+OUTPUTS = ("tensorboard", "wandb")
 RATIONALS = ("lr", "beta1", "beta2", "weight_decay", "epsilon", "floor", "clip")
 
 
@@ -82,6 +85,15 @@ def check_option(key: str, value) -> str | None:
     elif key in SWITCHES:
         if not isinstance(value, bool):
             return "must be true or false"
+    elif key in OUTPUTS:
+        if value is not False and not (isinstance(value, str) and value and "\0" not in value
+                                       and (key != "tensorboard" or os.path.isabs(value))):
+            return ("must be false or " + ("an absolute path (a string)" if key == "tensorboard"
+                                           else "a project name (a string)"))
+    elif key == "peak_tflops":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value < float("inf")):
+            return "must be a positive number (TFLOP/s)"
     elif key in RATIONALS:
         if not isinstance(value, str):
             return 'must be a string of an exact rational or decimal ("3/10000", "3e-4")'

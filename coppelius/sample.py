@@ -1,10 +1,12 @@
 """`coppelius sample`: text from a checkpoint.
 
 The checkpoint's model identity gives the configuration, its data identity
-names the tokenizer by SHA-256 (`tokenizer=<sha256>`). Generation runs the
-reference forward on a sliding window of at most T tokens: each new token
-costs one forward of the window, which is plenty for a few hundred tokens of
-the `tiny` model.
+names the tokenizer by SHA-256 (`tokenizer=<sha256>`). Generation runs a
+forward on a sliding window of at most T tokens: each new token costs one
+forward of the window. The forward is the backend's (`--backend`, default
+the best available: CuPy with a GPU) on its program built on the
+checkpoint's parameters (no update is taken), or the reference's in fp32;
+the sampling rules (pick) are the same on every backend.
 """
 
 from __future__ import annotations
@@ -252,11 +254,32 @@ def check_options(tokens: int, temperature: float, top_k: int, seed: int = 0) ->
         raise ConfigError(f"--seed={seed}: must be >= 0")
 
 
+def backend_logits(backend: str, config: Config, P: np.ndarray, precision: str | None = None):
+    """`logits_of` for generate on `backend` (None: the reference's fp32
+    forward): the backend's program built on the parameters P (N,) at batch
+    1, in `precision` (default the backend's); no update is taken."""
+    from coppelius import accelerated
+    from coppelius.reference.config import Hyper, check_implemented, check_precision
+    from coppelius.reference.state import State
+
+    if backend == "reference":
+        if precision not in (None, "fp32"):
+            raise ConfigError(f"--precision {precision}: the reference samples in fp32")
+        return None
+    module = accelerated.backend_module(backend)  # a clear error when it is not available here
+    check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
+    precision = check_precision(precision or accelerated.capabilities(backend).default_precision)
+    program = module.capture(config, Hyper(), precision, 1, State.fresh(P))
+    return program.logits
+
+
 def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-                  tokenizer=None, logits_of=None, on_text=None) -> str:
-    """The prompt and its continuation, decoded (`logits_of`: see generate).
-    `on_text(piece)`: the continuation handed on as it is made (Continuation)."""
+                  tokenizer=None, logits_of=None, backend: str = "reference",
+                  precision: str | None = None, on_text=None) -> str:
+    """The prompt and its continuation, decoded (`logits_of`: see generate;
+    else `backend`'s forward, backend_logits). `on_text(piece)`: the
+    continuation handed on as it is made (Continuation)."""
     from coppelius.data import load_tokenizer, tokenizer_file, tokenizer_ids
 
     check_options(tokens, temperature, top_k, seed)
@@ -270,6 +293,8 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
         raise StreamError(f"tokenizer {tokenizer_path}: has {tokenizer_ids(tok)} ids, more than "
                           f"the checkpoint's model has (V={config.vocab})")
     ids = tok.encode(prompt, add_special_tokens=False).ids
+    if logits_of is None:
+        logits_of = backend_logits(backend, config, P, precision)
     stream = Continuation(tok, ids, on_text) if on_text is not None else None
     out = generate(config, P, ids, tokens, temperature, top_k, np.random.default_rng(seed),
                    logits_of, stream)
@@ -281,9 +306,17 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "sample", help="generate text from a checkpoint",
-        description="Continue a prompt with a checkpoint's model (reference forward, fp32, "
-                    "a sliding window of the model's context).")
+        description="Continue a prompt with a checkpoint's model (the backend's forward on a "
+                    "sliding window of the model's context; the same sampling rules on "
+                    "every backend).")
     p.add_argument("checkpoint", metavar="CHECKPOINT", type=path_argument)
+    from coppelius import accelerated
+
+    p.add_argument("--backend", choices=sorted(accelerated.BACKENDS),
+                   help="backend of the forward (default: the best available; the reference "
+                        "runs in fp32)")
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="the backend's precision policy (default: its own, bf16 on cupy)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
                    help=f"text to continue (default {DEFAULT_PROMPT!r})")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
@@ -304,7 +337,7 @@ def run_sample(args) -> int:
     started = []
 
     def emit(piece):
-        if not started:  # the prompt as the tokenizer gives it back, once known good
+        if not started:  # the prompt, once the first piece is made
             started.append(True)
             sys.stdout.write(args.prompt)
         sys.stdout.write(piece)
@@ -312,8 +345,16 @@ def run_sample(args) -> int:
 
     text = generate_text(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                         tokenizer=args.tokenizer, on_text=emit)
+                         tokenizer=args.tokenizer,
+                         backend=args.backend or _best_backend(), precision=args.precision,
+                         on_text=emit)
     if not started:  # nothing was generated (or nothing new): the text as decoded
         sys.stdout.write(text)
     print()
     return 0
+
+
+def _best_backend() -> str:
+    from coppelius import accelerated
+
+    return accelerated.best_backend()

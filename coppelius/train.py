@@ -31,12 +31,13 @@ import numpy as np
 
 from coppelius import accelerated
 from coppelius import launch as ranks
-from coppelius import report, sample
+from coppelius import metrics, report, sample
 from coppelius.evaluate import held_out_losses
 from coppelius.plan import (EVAL_CONTEXTS, LEARNER_OPTIONS, Plan, _positive, silence,
                             check_gpus, make_plan, print_safely, publish_tokenizer,
                             resolve_options)
 from coppelius.reference import checkpoint, fsutil, results
+from coppelius.reference.adamw import learning_rates
 from coppelius.reference.config import PRESETS, SCHEDULES, SEED, Hyper, rational_text
 from coppelius.reference.contract import RECOMPUTE_MODES
 from coppelius.reference.errors import (ConfigError, CoppeliusError, NonFiniteError, ResultFileError,
@@ -151,6 +152,22 @@ def register(sub) -> None:
                    help="threads of NumPy's BLAS for the host's products (default: "
                         "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS when set, else 1, the "
                         "fastest on a busy machine; the README says why)")
+    p.add_argument("--tensorboard", metavar="DIR", type=path,
+                   help="write every step's loss, learning rate, gradient norm, tokens/s, MFU "
+                        "and device memory, and every held-out loss, as TensorBoard event files "
+                        "in DIR, flushed at each publication (default: RUN_DIR/tb; "
+                        "--no-tensorboard: none)")
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--wandb", metavar="PROJECT",
+                   help="log the same numbers to Weights & Biases project PROJECT (needs the "
+                        "wandb package; its own settings hold, WANDB_MODE=offline say; "
+                        "--no-wandb turns a remembered one off)")
+    p.add_argument("--no-wandb", dest="wandb", action="store_const", const=False,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--peak-tflops", type=float, metavar="X",
+                   help="the device's peak dense bf16 TFLOP/s for the MFU (default: the "
+                        "README's table by the GPU's name; none on the CPU or MLX)")
     p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     p.add_argument("--prompt", metavar="TEXT",
                    help="the sample's prompt (default: the first line of the stream's last "
@@ -271,19 +288,22 @@ class Progress:
 
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, s, loss, held_out=None):
+    def update(self, s, loss, held_out=None, extra=""):
         """After step s (0-based) of this invocation; `held_out`: the
         held-out loss evaluated after it, printed as a line of its own (a
-        bar's postfix is overwritten by the next step)."""
+        bar's postfix is overwritten by the next step); `extra`: the MFU and
+        device memory (metrics.Meter.text)."""
         rate = (s + 1) * self.tps / max(time.perf_counter() - self.t0, 1e-9)
         try:
             if self.bar is not None:
-                self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tok/s", refresh=False)
+                self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tok/s{extra}",
+                                         refresh=False)
                 self.bar.update(1)
             elif (s + 1) % self.every == 0 or s + 1 == self.total:
                 eta = (self.total - s - 1) * self.tps / rate
                 print(f"step {self.first + s + 1}/{self.first + self.total}  loss {loss:.4f}"
-                      f"  {rate:,.0f} tok/s  eta {eta:.0f}s", file=sys.stderr, flush=True)
+                      f"  {rate:,.0f} tok/s{extra}  eta {eta:.0f}s", file=sys.stderr,
+                      flush=True)
             if held_out is not None:
                 line = (f"step {self.first + s + 1}: held-out loss {held_out:.4f} (perplexity "
                         f"{math.exp(min(held_out, 700)):,.1f})")
@@ -423,10 +443,18 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
         dist.programs.append(program)
     if leader:
         publish_tokenizer(plan.tokenizer, plan.checkpoint)
+        meter = metrics.Meter(config, B, plan.backend, (plan.remembered or {}).get("peak_tflops"),
+                              1 if dist is None else dist.world)
         writer = results.ResultWriter(results_path, header)  # refuses an existing path
         publisher = Publisher(plan)
+        try:
+            live = _live(plan, meter)
+        except BaseException:
+            writer.close()
+            raise
     else:
-        writer = publisher = _Nothing()
+        writer = publisher = live = _Nothing()
+        meter = None
 
     K_train = plan.stream.n_contexts(T) - plan.heldout
 
@@ -436,6 +464,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
 
     def publish_after(steps_done):  # rank 0's: the state copied off the device, then written
         if leader:
+            live.flush()  # the curves so far, as the checkpoint
             publisher.submit(program, c0 + steps_done * B)
         elif sharded:
             program.state()
@@ -500,10 +529,14 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 host_s, t_read = now - t_read, now
                 step_no = first_step + s
                 trained = s + 1 + (following is not None)  # steps the device has taken
+                mfu = memory = math.nan
                 try:
                     writer.step(step_no, row_losses)
                     writer.timing(step_no, host_s, records.device_seconds)
                     writer.norm(step_no, records.grad_norm)
+                    if meter is not None:
+                        mfu, memory = meter.mfu(host_s), meter.memory()
+                        writer.metrics(step_no, meter.flops, meter.peak or math.nan, mfu, memory)
                 except ResultFileError:
                     # the telemetry is lost (a full disk, say); the training is not
                     # (sharded, the state is every rank's to gather: rank 0's failure
@@ -517,6 +550,12 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     raise NonFiniteError(f"step {step_no}: non-finite row loss; "
                                          f"{plan.checkpoint} is left as it was")
                 losses.append(float(loss))
+                if meter is not None:
+                    live.scalars(step_no, {
+                        "train/loss": loss, "train/grad_norm": records.grad_norm,
+                        "train/learning_rate": learning_rates(plan.hyper, step_no + 1)[0],
+                        "train/tokens_per_second": B * T / host_s if host_s > 0 else math.nan,
+                        "train/mfu": mfu, "train/device_memory_gib": memory / metrics.GIB})
                 done = s + 1
                 last = done == plan.steps
                 stop = asked()  # read once: a signal may land any time
@@ -531,8 +570,10 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     writer.eval(first_step + done, per_context)
                     evaluated = float(per_context.astype(np.float64).mean())
                     held_out.append((first_step + done, evaluated))
+                    # the mean the record holds (results.eval_mean), to TensorBoard and W&B
+                    live.scalars(first_step + done, {"eval/loss": results.eval_mean(per_context)})
                 if progress:
-                    progress.update(s, loss, evaluated)
+                    progress.update(s, loss, evaluated, metrics.Meter.text(mfu, memory))
                 if stream_error is not None:
                     # the stream changed under the run (truncated, say): keep what is trained
                     if not on_grid(done, plan.interval):
@@ -563,6 +604,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     finally:
         if progress:
             progress.close()
+        live.close()
         writer.close()
         if leader and publisher._thread is not None:  # leaving by an error: it still ends
             publisher._thread.join()
@@ -576,6 +618,16 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
             "finish_seconds": t_end - t_trained,
             "signal": stopper.signum if dist is None else (stopper.signum or (
                 signal.SIGTERM if done < plan.steps else None)), "program": program}
+
+
+def _live(plan: Plan, meter) -> metrics.Live:
+    """The invocation's TensorBoard event file and W&B run (rank 0's)."""
+    options = plan.remembered or {}
+    about = {"model": _model_name(plan), "backend": plan.backend, "precision": plan.precision,
+             "batch": plan.batch, "first_step": int(plan.state.t), "steps": plan.steps,
+             "flops_per_step": meter.flops, "device": meter.device, **plan.identities}
+    return metrics.Live(metrics.tensorboard_dir(options, plan.run_dir), options.get("wandb"),
+                        plan.run_dir, int(plan.state.t), about)
 
 
 def _final_record(writer, program, config, last_tokens, updates, state, grads):

@@ -9,8 +9,8 @@ The file is appended as the run proceeds: each record is written whole and
 flushed, so a reader during training or after a crash sees every complete
 record and stops cleanly at the first incomplete one or the first bad CRC.
 
-The writer writes version 2 (kinds 1 to 6); the reader reads versions 1
-(kinds 1 to 4) and 2. Damage (a cut, a flipped bit: anything the CRC or a
+The writer writes version 3 (kinds 1 to 7); the reader reads versions 1
+(kinds 1 to 4), 2 (kinds 1 to 6) and 3. Damage (a cut, a flipped bit: anything the CRC or a
 length check catches) stops the reader; a record whose CRC is good but
 whose content is not what this version writes (an unknown kind, an
 evaluation's K that disagrees with its length, a mean that is not the mean
@@ -33,14 +33,16 @@ from .errors import ConfigError, ResultFileError
 from .fsutil import open_regular
 
 MAGIC = b"CPLSRSLT"
-VERSION = 2  # what the writer writes
+VERSION = 3  # what the writer writes
 MAX_HEADER = 16 * 1024 * 1024  # a longer header length field is refused unread
 ALIGN = 4096
 
-FORWARD, STEP, TIMING, FINAL, EVAL, NORM = 1, 2, 3, 4, 5, 6
+FORWARD, STEP, TIMING, FINAL, EVAL, NORM, METRICS = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = {FORWARD: "forward", STEP: "step", TIMING: "timing", FINAL: "final", EVAL: "eval",
-              NORM: "norm"}
-KINDS = {1: (FORWARD, STEP, TIMING, FINAL), 2: (FORWARD, STEP, TIMING, FINAL, EVAL, NORM)}  # version ->
+              NORM: "norm", METRICS: "metrics"}
+KINDS = {1: (FORWARD, STEP, TIMING, FINAL), 2: (FORWARD, STEP, TIMING, FINAL, EVAL, NORM),
+         3: (FORWARD, STEP, TIMING, FINAL, EVAL, NORM, METRICS)}  # version -> its kinds
+FIRST_VERSION = {kind: min(v for v, kinds in KINDS.items() if kind in kinds) for kind in KIND_NAMES}
 MAX_STEP = 2**63 - 1  # step numbers are uint64 on disk; larger ones are refused (no run gets there)
 
 PREFIX = struct.Struct("<8sII")  # magic, version, header length Hn
@@ -52,6 +54,9 @@ PREDICTIONS = struct.Struct("<6I")  # per prediction row: argmax token, validity
 EVAL_HEAD = struct.Struct("<QIf")  # updates done, K, mean held-out loss; then (K,) float32
 EVAL_K = struct.Struct("<QI")  # the head's first two fields
 NORM_BODY = struct.Struct("<Qf")  # step, gradient norm before clipping
+# step, model FLOP of the step, the device's peak FLOP/s, MFU, device memory
+# bytes in use (each float64; NaN where unknown)
+METRICS_BODY = struct.Struct("<Qdddd")
 
 HEADER_STRINGS = ("model", "learner", "data", "backend")
 HEADER_STRINGS_V2 = ("initialization",)  # version 2 also names the initialization (SPEC 11)
@@ -101,6 +106,7 @@ def payload_sizes(B: int, T: int, V: int) -> dict:
         TIMING: TIMING_BODY.size,
         FINAL: 4 * T * 4 + V * 4 + PREDICTIONS.size,  # (4,T), (V,), 3 x (argmax, valid)
         NORM: NORM_BODY.size,
+        METRICS: METRICS_BODY.size,
     }
 
 
@@ -214,6 +220,15 @@ class ResultWriter:
         self._record(NORM, STEP_HEAD.pack(_step_number(step, self.path))
                      + np.float32(norm).astype("<f4").tobytes())
 
+    def metrics(self, step: int, flops: float, peak_flops: float, mfu: float,
+                memory_bytes: float) -> None:
+        """Step `step`'s model FLOP, the peak FLOP/s it is measured against,
+        its model FLOP utilisation and the device memory in use (NaN: not
+        known). Not deterministic, like a timing record."""
+        self._record(METRICS, METRICS_BODY.pack(_step_number(step, self.path), float(flops),
+                                                float(peak_flops), float(mfu),
+                                                float(memory_bytes)))
+
     def final(self, loss_block, logits_last, predictions) -> None:
         """loss_block (4,T), logits of row T-1 after the final update (V,), and
         [(argmax, valid)] for the three prediction rows."""
@@ -254,6 +269,7 @@ class Results:
     timings: list = field(default_factory=list)  # [(step, host_s, device_s)]
     evals: list = field(default_factory=list)  # [(updates done, mean float32, losses (K,) float32)]
     norms: list = field(default_factory=list)  # [(step, gradient norm float32)]
+    metrics: list = field(default_factory=list)  # [(step, flops, peak FLOP/s, MFU, memory bytes)]
     final: dict | None = None  # loss_block (4,T), logits_last (V,), predictions [(argmax, valid)]*3
     complete: bool = False  # a final record was read
     stopped: str | None = None  # why reading stopped before the end of the file, if it did
@@ -399,7 +415,8 @@ def _read_records(path, f, size: int, offset: int, out: Results) -> None:
         # The CRC is good: the writer wrote this record as it is, so what
         # follows is refused rather than read past (no crash makes it).
         if kind not in known:
-            name = f" ({KIND_NAMES[kind]}, a version-2 kind)" if kind in KIND_NAMES else ""
+            name = (f" ({KIND_NAMES[kind]}, a version-{FIRST_VERSION[kind]} kind)"
+                    if kind in KIND_NAMES else "")
             raise refuse(f"unknown record kind {kind}{name}: a version-{out.version} file has kinds "
                          f"{', '.join(map(str, known))}")
         if kind == FORWARD:
@@ -429,6 +446,8 @@ def _read_records(path, f, size: int, offset: int, out: Results) -> None:
             out.final = {"loss_block": block, "logits_last": logits,
                          "predictions": [(flat[0], flat[1]), (flat[2], flat[3]), (flat[4], flat[5])]}
             out.complete = True
+        elif kind == METRICS:
+            out.metrics.append(METRICS_BODY.unpack(payload))
         elif kind == EVAL:
             out.evals.append(_eval_record(payload, n, step_number(payload), out, refuse))
         else:  # NORM

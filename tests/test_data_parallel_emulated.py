@@ -258,7 +258,16 @@ def test_rank_zero_alone_writes(tmp_path, stream):
     before = sorted(os.listdir(tmp_path))
     assert ranks_run([train_argv(stream, a, *argv), train_argv(stream, elsewhere, *argv)]) \
         == [0, 0]
-    assert sorted(os.listdir(a)) == ["ck.bin", "results-0.bin", "results-0.png", "run.json"]
+    assert sorted(os.listdir(a)) == ["ck.bin", "results-0.bin", "results-0.png", "run.json",
+                                     "tb"]
+    assert len(os.listdir(a / "tb")) == 1  # rank 0's event file alone
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(a / "tb"))
+    events.Reload()
+    memory = [e.value for e in events.Scalars("train/device_memory_gib")]  # the CuPy pool's
+    assert len(memory) == 4 and min(memory) > 0
+    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2, 3]
     assert not elsewhere.exists()
     assert sorted(os.listdir(tmp_path)) == sorted(before + ["a"])
 

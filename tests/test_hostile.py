@@ -914,7 +914,7 @@ def test_a_250_character_checkpoint_name_trains_and_a_300_one_is_refused(tmp_pat
     assert main(train_argv(stream, run, ck, "--steps", "2", "--interval", "1")) == 0
     assert validate(ck).header["step"] == 2
     assert sorted(os.listdir(run)) == sorted([ck.name, "results-0.bin", "results-0.png",
-                                              "run.json"])
+                                              "run.json", "tb"])
     status, _, err = cli(*train_argv(stream, tmp_path / "r2", tmp_path / "r2" / ("c" * 300),
                                          "--steps", "1"))
     one_line_error(status, err, "the name is 300 bytes, longer than the file system allows")

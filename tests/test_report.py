@@ -168,7 +168,7 @@ def test_inspect_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert field(out, "records") == "forward 1, steps 4, timings 4, norms 0, evals 0, final 1"
     assert field(out, "backend") == "reference" and field(out, "first_step") == "8"
-    assert field(out, "step range") == "8..11" and field(out, "version") == "2"
+    assert field(out, "step range") == "8..11" and field(out, "version") == "3"
     assert field(out, "complete") == "yes" and field(out, "stopped early") == "no"
     data = bytearray(path.read_bytes())
     data[-10] ^= 1  # inside the final record

@@ -113,7 +113,7 @@ def run(tmp_path_factory):
 def test_layout_matches_spec(run):
     _, rec, data, bounds = run
     magic, version, hn = struct.unpack_from("<8sII", data, 0)
-    assert magic == b"CPLSRSLT" and version == 2
+    assert magic == b"CPLSRSLT" and version == 3
     raw = data[16:16 + hn]
     h = json.loads(raw)
     assert raw == json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
@@ -148,7 +148,7 @@ def test_round_trip_every_kind(run):
     assert r.final["loss_block"].tobytes() == rec["loss_block"].tobytes()
     assert r.final["logits_last"].tobytes() == rec["logits_last"].tobytes()
     assert r.final["predictions"] == rec["predictions"]
-    assert r.version == 2
+    assert r.version == 3
     assert r.norm_steps.tolist() == [4, 5, 6] and r.norm_steps.dtype == np.int64
     assert r.norm_values.tobytes() == np.array([n for _, n in rec["norms"]], "<f4").tobytes()
     assert r.eval_steps.tolist() == [6, 7] == sorted(rec["evals"])
@@ -342,17 +342,17 @@ def test_version_2_header_needs_the_initialization(tmp_path):
 def test_unknown_kind_is_refused_by_name(tmp_path, run):
     _, _, data, bounds = run
     path = tmp_path / "future.bin"
-    path.write_bytes(data[:bounds[2]] + record(7, b"news from a later version"))
+    path.write_bytes(data[:bounds[2]] + record(8, b"news from a later version"))
     with pytest.raises(ResultFileError) as e:
         read_results(path)
     msg = str(e.value)
-    assert msg == (f"result file {path}: record at offset {bounds[2]}: unknown record kind 7: "
-                   f"a version-2 file has kinds 1, 2, 3, 4, 5, 6")
+    assert msg == (f"result file {path}: record at offset {bounds[2]}: unknown record kind 8: "
+                   f"a version-3 file has kinds 1, 2, 3, 4, 5, 6, 7")
 
 
 def test_unknown_kind_with_a_bad_crc_is_damage(tmp_path, run):
     _, _, data, bounds = run
-    bad = bytearray(record(7, b"x" * 40))
+    bad = bytearray(record(8, b"x" * 40))
     bad[-1] ^= 1
     path = tmp_path / "damaged.bin"
     path.write_bytes(data[:bounds[2]] + bytes(bad))
@@ -360,7 +360,7 @@ def test_unknown_kind_with_a_bad_crc_is_damage(tmp_path, run):
     assert r.stopped == f"bad CRC at offset {bounds[2]}" and r.end == bounds[2]
 
 
-@pytest.mark.parametrize("kind", [2, 5, 7])
+@pytest.mark.parametrize("kind", [2, 5, 8])
 def test_a_length_past_the_end_of_the_file_is_not_read(tmp_path, run, kind):
     # the reader compares n with the file size first, so a hostile length
     # (here 4 GiB - 4) allocates nothing: it reads as a cut record
@@ -425,7 +425,7 @@ def test_eval_and_norm_round_trip(tmp_path_factory, evals, k, norms, seed):
         for step, norm in norms:
             w.norm(step, norm)
     r = read_results(path)
-    assert r.stopped is None and r.version == 2
+    assert r.stopped is None and r.version == 3
     assert r.eval_steps.tolist() == [s for s, _ in written]
     assert r.eval_losses.reshape(-1).tobytes() == b"".join(x.tobytes() for _, x in written)
     for got, (_, losses) in zip(r.eval_means, written):

@@ -426,3 +426,15 @@ def test_the_corpus_prompt_falls_back_to_def_on_a_blank_context(run):
     config = Config(vocab=BPE.vocab, context=16, d_model=32, n_layer=1, n_head=2, d_ff=8)
     stream, K = lines_stream(tok, ["   "] * 100, 16)
     assert K > 0 and sample.corpus_prompt(stream, config, tok, K - 1) == sample.DEFAULT_PROMPT
+
+
+@pytest.mark.mlx
+def test_cli_samples_on_another_backend_as_on_the_reference(run, capsys, monkeypatch, tmp_path):
+    pytest.importorskip("mlx.core")
+    monkeypatch.chdir(tmp_path)
+    texts = []
+    for backend in ("reference", "mlx"):
+        assert main(["sample", str(run["ckpt"]), "--prompt", "def decode(self, s", "--tokens",
+                     "10", "--temperature", "0", "--backend", backend]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > len("def decode(self, s") + 5
