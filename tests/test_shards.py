@@ -291,3 +291,34 @@ def test_an_eval_source_without_a_tokenizer_is_refused(tmp_path, capsys):
                    f"--eval-source {text}", "no tokenizer")
     one_line_error(capsys, train_args(stream, run, "--eval-stream", str(tmp_path / "nope.bin")),
                    "nope.bin")
+
+
+def test_an_eval_source_is_tokenized_with_the_runs_tokenizer(tmp_path, monkeypatch):
+    """--eval-source: encoded by the tokenizer beside the run's stream; its
+    first K contexts are those of the ids `tokenizers` itself gives."""
+    from tokenizers import Tokenizer, models
+
+    from coppelius import reference
+
+    monkeypatch.chdir(tmp_path)  # the source's stream is cached under runs/data here
+    letters = "abcdefghijklmnopqrstuvwxyz ,.\n"
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(letters)}, merges=[]))
+    folder = tmp_path / "train"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    stream = own_stream(folder / "train.tokens", known_ids(6) % len(letters))
+    text = "the quick brown fox jumps over the lazy dog, again and again.\n" * 3
+    (tmp_path / "val.txt").write_text(text)
+    want_ids = np.array(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids)
+    assert len(want_ids) == len(text)  # one id a character: the encoding is the letters
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "test", "--backend", "reference", "--stream", stream,
+                 "--run-dir", str(run), "--no-sample", "--batch", "2", "--steps", "2",
+                 "--eval-source", str(tmp_path / "val.txt"), "--eval-contexts", "4"]) == 0
+    ck = load_state(str(run / "checkpoint.bin"), CFG)
+    sha = hashlib.sha256(want_ids.astype("<u4").tobytes()).hexdigest()
+    assert ck.header["data"].endswith(f"|eval={sha}")
+    r = results.read_results(str(run / "results-0.bin"))
+    want = reference.row_losses(CFG, ck.state.P, windows(want_ids, T)[:4]).astype(
+        np.float64).mean(axis=1)
+    assert [e[0] for e in r.evals] == [2] and np.allclose(r.evals[0][2], want, rtol=1e-6)
