@@ -3,8 +3,9 @@
 The checkpoint's identities say everything the evaluation needs: the model,
 the policy (learner identity), the batch and how many contexts the run held
 out (data identity, `heldout=K`). The stream is the run's (run.json beside
-the checkpoint) unless --stream names another. The loss is computed by a
-backend's forward-only evaluation program, B contexts at a time, exactly as
+the checkpoint; a run's --eval-source or --eval-stream: that set's first K
+contexts, SPEC 22) unless --stream names another (any stream or shard form).
+The loss is computed by a backend's forward-only evaluation program, B contexts at a time, exactly as
 training evaluates: each context's mean row loss in float64, then their mean.
 """
 
@@ -28,7 +29,8 @@ def register(sub) -> None:
                                    "print the mean loss and its perplexity (SPEC §18).")
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("--stream", metavar="STREAM",
-                   help="a token stream (default: the run's, from run.json beside the checkpoint)")
+                   help="a token stream, shard, or folder or glob of shards (default: the "
+                        "run's, from run.json beside the checkpoint)")
     p.add_argument("--contexts", type=int, metavar="K",
                    help="evaluate the stream's last K contexts (default: the run's held-out K; a "
                         "run's --eval-source or --eval-stream: its first K)")
@@ -39,7 +41,8 @@ def register(sub) -> None:
 
 def held_out_losses(program, stream, T: int, K: int, first: int | None = None) -> np.ndarray:
     """(K,) float32: the mean row loss of each of the stream's last K
-    contexts (or K from context `first`: an eval stream's first K, SPEC 22), from the program's forward-only evaluation, B contexts at a time
+    contexts (or K from context `first`: an eval stream's first K, SPEC 22),
+    from the program's forward-only evaluation, B contexts at a time
     (SPEC 18). The last group is filled up with its last context, whose extra
     rows are dropped: the evaluation keeps its one captured shape. Each
     context's mean is taken in float64 and rounded once."""

@@ -68,8 +68,9 @@ def register(sub) -> None:
     path = fsutil.path_argument  # an empty path is refused, not taken for "not given"
     data.add_argument("--source", metavar="PATH", type=path,
                       help="a text file, or a folder of text files, to tokenize and train on")
-    data.add_argument("--stream", metavar="STREAM", type=path, help="a token stream file, an llm.c or raw uint16 .bin shard, or a "
-                           "folder or glob of shards, to train on (SPEC §22)")
+    data.add_argument("--stream", metavar="STREAM", type=path,
+                      help="a token stream file, an llm.c or raw uint16 .bin shard, or a folder "
+                           "or glob of shards, to train on (SPEC §22)")
     p.add_argument("--tokenizer", metavar="PATH", type=path,
                    help="encode --source with this tokenizer.json (or the one in this Hugging "
                         "Face directory) instead of training a BPE on it; its ids must be below "
@@ -833,8 +834,8 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                      f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "
                      f"{plan.stream.path} ({K - plan.heldout} contexts for training"
                      f"{', repeated' if plan.repeat else ''}, {plan.heldout} held out"
-                     f"{'' if plan.eval_stream is None else f', eval stream {plan.eval_stream.path}'}"
-                     f"); data "
+                     f"{'' if plan.eval_stream is None else ', eval stream '}"
+                     f"{'' if plan.eval_stream is None else plan.eval_stream.path}); data "
                      f"and state ready in {prepared:.1f} s")
     summary = train(plan, quiet=not leader, dist=dist)
     losses = summary["losses"]

@@ -11,7 +11,7 @@ import pytest
 
 from coppelius import shards
 from coppelius.cli import main
-from coppelius.reference import checkpoint, results
+from coppelius.reference import results
 from coppelius.reference.binding import load_state
 from coppelius.reference.config import PRESETS
 from coppelius.reference.stream import write_stream
