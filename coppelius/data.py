@@ -557,12 +557,13 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
             raise ConfigError(f"--tokenizer {os.fspath(tokenizer)}: encodes a --source; a "
                               f"--stream is encoded already (its tokenizer is the "
                               f"{TOKENIZER_NAME} beside it)")
+        from coppelius import shards  # llm.c and nanoGPT shards, folders and globs (SPEC 22)
+
         stream = os.fspath(stream)
-        if os.path.isdir(stream):
-            raise StreamError(f"stream {stream}: is a directory, not a token stream")
-        if not os.path.exists(stream):
+        if not os.path.isdir(stream) and not shards.is_pattern(stream) \
+                and not os.path.exists(stream):
             raise StreamError(f"stream {stream}: no such token stream")
-        tokenizer_path = tokenizer_beside(stream)
+        tokenizer_path = shards.tokenizer_place(stream)
         # whatever is there is the stream's tokenizer: checked (not ignored) by its reader
         return stream, tokenizer_path if os.path.lexists(tokenizer_path) else None
     stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress,

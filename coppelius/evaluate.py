@@ -3,8 +3,9 @@
 The checkpoint's identities say everything the evaluation needs: the model,
 the policy (learner identity), the batch and how many contexts the run held
 out (data identity, `heldout=K`). The stream is the run's (run.json beside
-the checkpoint) unless --stream names another. The loss is computed by a
-backend's forward-only evaluation program, B contexts at a time, exactly as
+the checkpoint; a run's --eval-source or --eval-stream: that set's first K
+contexts, SPEC 22) unless --stream names another (any stream or shard form).
+The loss is computed by a backend's forward-only evaluation program, B contexts at a time, exactly as
 training evaluates: each context's mean row loss in float64, then their mean.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 from coppelius import accelerated
 from coppelius.reference.config import Hyper, config_from_identity
 from coppelius.reference.errors import RunError
-from coppelius.reference.stream import open_stream
+from coppelius.shards import open_any as open_stream
 
 
 def register(sub) -> None:
@@ -28,22 +29,25 @@ def register(sub) -> None:
                                    "print the mean loss and its perplexity (SPEC §18).")
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("--stream", metavar="STREAM",
-                   help="a token stream (default: the run's, from run.json beside the checkpoint)")
+                   help="a token stream, shard, or folder or glob of shards (default: the "
+                        "run's, from run.json beside the checkpoint)")
     p.add_argument("--contexts", type=int, metavar="K",
-                   help="evaluate the stream's last K contexts (default: the run's held-out K)")
+                   help="evaluate the stream's last K contexts (default: the run's held-out K; a "
+                        "run's --eval-source or --eval-stream: its first K)")
     p.add_argument("--backend", choices=sorted(accelerated.BACKENDS),
                    help="backend (default: the best available)")
     p.set_defaults(func=main)
 
 
-def held_out_losses(program, stream, T: int, K: int) -> np.ndarray:
+def held_out_losses(program, stream, T: int, K: int, first: int | None = None) -> np.ndarray:
     """(K,) float32: the mean row loss of each of the stream's last K
-    contexts, from the program's forward-only evaluation, B contexts at a time
+    contexts (or K from context `first`: an eval stream's first K, SPEC 22),
+    from the program's forward-only evaluation, B contexts at a time
     (SPEC 18). The last group is filled up with its last context, whose extra
     rows are dropped: the evaluation keeps its one captured shape. Each
     context's mean is taken in float64 and rounded once."""
     B = program.batch
-    first = stream.n_contexts(T) - K
+    first = stream.n_contexts(T) - K if first is None else first
     out = []
     for start in range(0, K, B):
         index = np.arange(first + start, first + min(start + B, K))  # (b,) b <= B
@@ -72,6 +76,7 @@ def main(args) -> int:
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {path}")
         state = state_from_source(source, config).state
+    first = None  # the stream's last K contexts; an eval stream's first K (SPEC 22)
     if args.stream:
         stream_path = args.stream
     else:
@@ -80,11 +85,20 @@ def main(args) -> int:
             raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
                            "(pass --stream)")
         options = read_run_file(run_dir)  # neither source nor stream: the embedded corpus
-        stream_path, _ = data.prepare_stream(source=options.get("source"),
-                                             stream=options.get("stream"), vocab=config.vocab)
+        stream_path, tokenizer = data.prepare_stream(source=options.get("source"),
+                                                     stream=options.get("stream"),
+                                                     vocab=config.vocab)
+        if options.get("eval_stream"):
+            stream_path, first = options["eval_stream"], 0
+        elif options.get("eval_source"):
+            stream_path, _ = data.prepare_stream(source=options["eval_source"],
+                                                 vocab=config.vocab, tokenizer=tokenizer)
+            first = 0
     stream = open_stream(stream_path, config.vocab)
     K_stream = stream.n_contexts(config.context)
     K = args.contexts if args.contexts is not None else int(_part(header["data"], "heldout") or 0)
+    if first == 0 and args.contexts is None:
+        K = options.get("eval_contexts") or min(64, K_stream)  # plan.eval_count's rule
     if not 0 < K <= K_stream:
         raise RunError(f"--contexts={K}: the stream {stream_path} holds {K_stream} contexts; "
                        f"evaluate from 1 to {K_stream}")
@@ -92,9 +106,10 @@ def main(args) -> int:
     batch = int(_part(header["data"], "batch") or 1)
     backend = args.backend or accelerated.best_backend()
     program = accelerated.backend_module(backend).capture(config, Hyper(), precision, batch, state)
-    losses = held_out_losses(program, stream, config.context, K)
+    losses = held_out_losses(program, stream, config.context, K, first)
     mean = float(losses.astype(np.float64).mean())
-    print(f"{path}: step {header['step']}, the last {K} of {K_stream} contexts of "
+    print(f"{path}: step {header['step']}, the {'first' if first == 0 else 'last'} {K} of "
+          f"{K_stream} contexts of "
           f"{stream_path}, backend {backend}, {precision}")
     print(f"held-out loss {mean:.4f}, perplexity {math.exp(min(mean, 700)):,.2f}")
     return 0

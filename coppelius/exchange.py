@@ -513,7 +513,8 @@ def _import_identities(meta: dict, config: Config, precision, batch, tokenizer_s
             heldout = int(f.get("heldout", 0))  # SPEC 18: written only when K > 0
             ok = (0 < len(f["batch"]) <= 40 and int(f["batch"]) > 0
                   and len(f.get("heldout", "0")) <= 40
-                  and data_identity(config, int(f["batch"]), tok, f["stream"], heldout)
+                  and data_identity(config, int(f["batch"]), tok, f["stream"], heldout,
+                                    f.get("eval"))  # SPEC 22: a validation set's digest
                   == meta["data"])
         except (KeyError, ValueError):
             ok = False

@@ -22,7 +22,7 @@ from coppelius.reference.contract import recompute_mode
 from coppelius.reference.errors import IdentityMismatch, RunError
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
-from coppelius.reference.stream import open_stream
+from coppelius.shards import open_any as open_stream
 from coppelius.run_file import REMEMBERED, read_run_file
 
 LEARNER_OPTIONS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
@@ -52,6 +52,8 @@ class Plan:
     contexts: int  # consumed before this invocation (c0)
     default_data: bool
     heldout: int = 0  # K: the stream's last K contexts, held out (SPEC 18)
+    eval_stream: object = None  # --eval-source/--eval-stream: its first `evaluate` contexts
+    evaluate: int = 0  # K evaluated: the held-out count, or the eval stream's first K (SPEC 22)
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
     remembered: dict | None = None  # what run.json will hold
     recompute: str | None = None  # reference/contract.py RECOMPUTE_MODES, None: off
@@ -89,7 +91,8 @@ def resolve_options(args) -> tuple:
         given = getattr(args, key, None)
         if key == "repeat_data":
             given = True if args.repeat_data else None
-        if key in ("source", "stream", "checkpoint", "model", "tokenizer") and given is not None:
+        if key in ("source", "stream", "checkpoint", "model", "tokenizer", "eval_source",
+                   "eval_stream") and given is not None:
             given = os.path.abspath(given)
         if key == "tensorboard" and isinstance(given, str):
             given = os.path.abspath(given)
@@ -110,6 +113,10 @@ def resolve_options(args) -> tuple:
         options.pop("stream", None)
     if args.stream is not None:
         options.pop("source", None)
+    if getattr(args, "eval_source", None) is not None:
+        options.pop("eval_stream", None)
+    if getattr(args, "eval_stream", None) is not None:
+        options.pop("eval_source", None)
         if getattr(args, "tokenizer", None) is None:  # a stream's tokenizer lies beside it
             options.pop("tokenizer", None)
     return run_dir, options
@@ -168,6 +175,39 @@ def heldout_count(options: dict, K_stream: int, path) -> int:
         raise RunError(f"--eval-contexts={K}: the stream {path} holds {K_stream} contexts; "
                        f"hold out from 0 to {K_stream - 1}")
     return K
+
+
+def eval_count(options: dict, K_eval: int, path) -> int:
+    """SPEC 22: the eval stream's first K contexts, --eval-contexts or 64, all
+    of them when it holds fewer."""
+    K = options.get("eval_contexts")
+    if K is None:
+        K = min(EVAL_CONTEXTS, K_eval)
+    if not 0 < K <= K_eval:
+        raise RunError(f"--eval-contexts={K}: the eval stream {path} holds {K_eval} contexts; "
+                       f"evaluate from 1 to {K_eval}")
+    return K
+
+
+def open_eval_stream(options: dict, vocab: int, tokenizer, leader: dict | None):
+    """The validation set (SPEC 22): --eval-stream as it is, or --eval-source
+    tokenized with the run's tokenizer (rank 0 prepares it; the others read
+    the stream it names in `leader`)."""
+    from coppelius import data
+
+    if leader is not None and leader.get("eval_stream"):
+        path = leader["eval_stream"]
+    elif options.get("eval_stream"):
+        path = options["eval_stream"]
+        data.prepare_stream(stream=path, vocab=vocab)  # a missing path is named as one
+    else:
+        if tokenizer is None:
+            raise RunError(f"--eval-source {options['eval_source']}: the run has no tokenizer "
+                           f"to encode it with (its stream has no tokenizer.json beside it; pass "
+                           f"--eval-stream)")
+        path, _ = data.prepare_stream(source=options["eval_source"], vocab=vocab,
+                                      tokenizer=tokenizer)
+    return open_stream(path, vocab)
 
 
 def check_gpus(backend: str, world: int) -> None:
@@ -242,7 +282,14 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     K_stream = stream.n_contexts(config.context)
     if K_stream == 0:
         raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
-    heldout = heldout_count(options, K_stream, stream_path)
+    eval_stream = None
+    if options.get("eval_source") or options.get("eval_stream"):
+        eval_stream = open_eval_stream(options, config.vocab, tokenizer, leader)
+        resources.callback(eval_stream.close)
+        heldout = 0  # SPEC 22: the validation set is held out, none of the training stream
+        evaluate = eval_count(options, eval_stream.n_contexts(config.context), eval_stream.path)
+    else:
+        heldout = evaluate = heldout_count(options, K_stream, stream_path)
     # The checkpoint is locked before it is read (or, when its folder does
     # not exist yet, as soon as the folder is made: a refused plan leaves no
     # folder), and stays locked until the run ends: no other run publishes
@@ -273,7 +320,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         # and so is wsd's decay length: a later --total moves the decay, keeping its length
         options.setdefault("decay", hyper.decay)
     ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
-                                stream.sha256, seed, heldout)
+                                stream.sha256, seed, heldout,
+                                None if eval_stream is None else eval_stream.sha256)
     if checkpoint.is_fresh(ckpt):
         state, c0 = State.fresh(initialize(config, seed)), 0
     else:
@@ -313,6 +361,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
                 heldout=heldout, eval_every=eval_every, remembered=options,
+                eval_stream=eval_stream, evaluate=evaluate,
                 recompute=recompute_mode(options.get("recompute")), model_source=model_source,
                 shard_optimizer=bool(options.get("shard_optimizer", False)))
 
@@ -374,7 +423,8 @@ def load_checkpoint(path, config, identities, new_data=False, new_learner=False)
 # identity part -> the option that sets it (SPEC 10's identities, SPEC 7, 18)
 _OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "beta1": "--beta1",
               "beta2": "--beta2", "weight_decay": "--weight-decay", "epsilon": "--epsilon",
-              "clip": "--clip", "heldout": "--eval-contexts", "seed": "--seed",
+              "clip": "--clip", "heldout": "--eval-contexts",
+              "eval": "--eval-source or --eval-stream", "seed": "--seed",
               "accumulate": "--accumulate"}
 
 

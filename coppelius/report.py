@@ -31,12 +31,15 @@ COMPARE_PLOT = "compare.png"  # the plot of `report --compare`, unless --plot sa
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("inspect", help="check a checkpoint, result file, safetensors file "
-                                              "or Hugging Face directory and describe it",
+    p = subparsers.add_parser("inspect", help="check a checkpoint, result file, safetensors file, "
+                                              "token stream or shards, or Hugging Face "
+                                              "directory and describe it",
                               description="Recognise a checkpoint, a result file or a safetensors "
                                           "file by its magic, or a Hugging Face model directory, "
                                           "check it, and print its envelope or its tensors and "
-                                          "the model they describe.")
+                                          "the model they describe; a token stream, shard "
+                                          "(.tokens, .bin), folder or glob of shards: each "
+                                          "shard's format, id type and count, and the digest.")
     p.add_argument("path", metavar="PATH", type=path_argument)
     p.set_defaults(func=inspect_command)
     p = subparsers.add_parser(
@@ -69,7 +72,10 @@ def _line(key: str, value) -> None:
 
 def inspect_command(args) -> int:
     from coppelius import exchange  # safetensors files and Hugging Face directories
+    from coppelius import shards  # token streams and shards (SPEC 8, 22)
 
+    if shards.is_pattern(args.path) or _shard_folder(args.path):
+        return _inspect_stream(args.path)
     if os.path.isdir(args.path):
         exchange.inspect_hf(args.path, _line)
         return 0
@@ -84,9 +90,46 @@ def inspect_command(args) -> int:
         _inspect_results(args.path)
     elif magic[8:] == b"{":  # safetensors: a little-endian header length, then its JSON
         exchange.inspect_safetensors(args.path, _line)
+    elif magic[:4] == shards.LLMC_MAGIC.to_bytes(4, "little") or \
+            args.path.endswith(shards.SHARD_SUFFIXES):
+        return _inspect_stream(args.path)
     else:
-        raise CoppeliusError(f"{args.path}: not a checkpoint, result file, safetensors file or "
-                             f"Hugging Face directory (magic {magic[:8]!r})")
+        raise CoppeliusError(f"{args.path}: not a checkpoint, result file, safetensors file, "
+                             f"token stream (.tokens), shard (.bin) or Hugging Face directory "
+                             f"(magic {magic[:8]!r})")
+    return 0
+
+
+def _shard_folder(path) -> bool:
+    """A folder of shards: no config.json or safetensors file, and files
+    ending in .bin or .tokens none of which is a checkpoint or result file
+    (a run directory is not a stream)."""
+    from coppelius import shards
+
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    if any(n == "config.json" or n.endswith(".safetensors") for n in names):
+        return False
+    found = False
+    for n in names:
+        if n.endswith(shards.SHARD_SUFFIXES) and not n.startswith("."):
+            try:
+                with open_regular(os.path.join(path, n)) as f:
+                    magic = f.read(8)
+            except OSError:
+                continue
+            if magic in (checkpoint.MAGIC, results.MAGIC):
+                return False
+            found = True
+    return found
+
+
+def _inspect_stream(path) -> int:
+    from coppelius import shards
+
+    for key, value in shards.describe(path):  # every shard checked before anything is printed
+        _line(key, value)
     return 0
 
 

@@ -18,8 +18,9 @@ from coppelius.reference.errors import RunError
 REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "precision", "batch", "accumulate",
               "gpus", "recompute", "shard_optimizer", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
-              "decay", "floor", "clip", "eval_contexts", "eval_every", "seed", "checkpoint",
-              "repeat_data", "final_step", "tensorboard", "wandb", "peak_tflops")
+              "decay", "floor", "clip", "eval_contexts", "eval_every", "eval_source", "eval_stream",
+              "seed", "checkpoint", "repeat_data", "final_step", "tensorboard", "wandb",
+              "peak_tflops")
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
 RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file
@@ -29,7 +30,7 @@ MAX_COUNT = 2**62  # the command line's bound on steps, batches and intervals (p
 # What each remembered option must be, checked before any is used (the
 # command line's own types and ranges, so that a hand-edited file cannot
 # pass what `coppelius train` would refuse).
-PATHS = ("source", "stream", "tokenizer", "model", "checkpoint")  # absolute paths
+PATHS = ("source", "stream", "tokenizer", "model", "checkpoint", "eval_source", "eval_stream")  # absolute paths
 POSITIVE = ("batch", "accumulate", "gpus", "interval", "total", "decay")
 NONNEGATIVE = ("warmup", "eval_contexts", "eval_every", "final_step")
 SWITCHES = ("shard_optimizer", "repeat_data")

@@ -70,7 +70,9 @@ def register(sub) -> None:
     path = fsutil.path_argument  # an empty path is refused, not taken for "not given"
     data.add_argument("--source", metavar="PATH", type=path,
                       help="a text file, or a folder of text files, to tokenize and train on")
-    data.add_argument("--stream", metavar="STREAM", type=path, help="a token stream file to train on")
+    data.add_argument("--stream", metavar="STREAM", type=path,
+                      help="a token stream file, an llm.c or raw uint16 .bin shard, or a folder "
+                           "or glob of shards, to train on (SPEC §22)")
     p.add_argument("--tokenizer", metavar="PATH", type=path,
                    help="encode --source with this tokenizer.json (or the one in this Hugging "
                         "Face directory) instead of training a BPE on it; its ids must be below "
@@ -140,6 +142,13 @@ def register(sub) -> None:
     p.add_argument("--eval-every", type=int, metavar="E",
                    help="evaluate the held-out contexts every E steps and after the last "
                         "(default: the checkpoint interval; 0: never)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--eval-source", metavar="PATH", type=path,
+                      help="a validation set to tokenize with the run's tokenizer and evaluate "
+                           "(its first K contexts; none of the stream is then held out; SPEC §22)")
+    held.add_argument("--eval-stream", metavar="STREAM", type=path,
+                      help="a validation set already tokenized (any --stream form), evaluated "
+                           "like --eval-source")
     p.add_argument("--seed", type=int, help=f"initialization seed (default {SEED})")
     p.add_argument("--repeat-data", action="store_true",
                    help="read context c as c mod K when the stream is too short")
@@ -493,7 +502,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
 
     def boundary(n):  # after n steps the host acts on the state: nothing may be queued
         return (n == plan.steps or on_grid(n, plan.interval)
-                or bool(plan.heldout and plan.eval_every and on_grid(n, plan.eval_every)))
+                or bool(plan.evaluate and plan.eval_every and on_grid(n, plan.eval_every)))
 
     try:
         with Stopper(announce=not quiet) as stopper:
@@ -564,9 +573,12 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                     # the final record's gradient, read before the evaluation
                     # (on CuPy it shares storage with the activations)
                     last_gradients = program.gradients()
-                if plan.heldout and plan.eval_every and (last or on_grid(done, plan.eval_every)) \
+                if plan.evaluate and plan.eval_every and (last or on_grid(done, plan.eval_every)) \
                         and not stop:
-                    per_context = held_out_losses(program, plan.stream, T, plan.heldout)
+                    per_context = (held_out_losses(program, plan.stream, T, plan.heldout)
+                                   if plan.eval_stream is None else  # SPEC 22: its first K
+                                   held_out_losses(program, plan.eval_stream, T, plan.evaluate,
+                                                   first=0))
                     writer.eval(first_step + done, per_context)
                     evaluated = float(per_context.astype(np.float64).mean())
                     held_out.append((first_step + done, evaluated))
@@ -697,7 +709,8 @@ def plan_summary(plan: Plan) -> dict:
             "steps": plan.steps, "interval": plan.interval, "eval_every": plan.eval_every,
             "heldout": plan.heldout, "repeat": plan.repeat,
             "shard_optimizer": plan.shard_optimizer, "stream": plan.stream.path,
-            "tokenizer": plan.tokenizer}
+            "tokenizer": plan.tokenizer,
+            "eval_stream": None if plan.eval_stream is None else plan.eval_stream.path}
 
 
 def plan_difference(mine: dict, leader: dict) -> str:
@@ -880,7 +893,9 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
                      f"{plan.backend}, precision {plan.precision}, batch {plan.batch}{gpus}, "
                      f"steps {plan.state.t}..{plan.state.t + plan.steps}{schedule}, stream "
                      f"{plan.stream.path} ({K - plan.heldout} contexts for training"
-                     f"{', repeated' if plan.repeat else ''}, {plan.heldout} held out); data "
+                     f"{', repeated' if plan.repeat else ''}, {plan.heldout} held out"
+                     f"{'' if plan.eval_stream is None else ', eval stream '}"
+                     f"{'' if plan.eval_stream is None else plan.eval_stream.path}); data "
                      f"and state ready in {prepared:.1f} s")
     summary = train(plan, quiet=not leader, dist=dist)
     losses = summary["losses"]
@@ -902,7 +917,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     if summary["held_out"]:
         step, loss = summary["held_out"][-1]
         print_safely(f"held-out loss at step {step}: {loss:.4f} (perplexity "
-                     f"{math.exp(min(loss, 700)):,.1f}) over {plan.heldout} contexts", out)
+                     f"{math.exp(min(loss, 700)):,.1f}) over {plan.evaluate} contexts", out)
     from coppelius.data import documents_summary
 
     documents = documents_summary(plan.stream.path)  # None for a stream given as is

@@ -75,13 +75,14 @@ class Checkpoint:
 
 
 def identities(config: Config, hyper, precision: str, batch: int, tokenizer_sha: str | None,
-               stream_sha: str, seed: int = SEED, heldout: int = 0) -> dict:
+               stream_sha: str, seed: int = SEED, heldout: int = 0,
+               eval_sha: str | None = None) -> dict:
     """The identity keys of the envelope, as a run computes them."""
     return {
         "schema": schema_identity(config),
         "model": config.identity(),
         "learner": hyper.identity(precision),
-        "data": data_identity(config, batch, tokenizer_sha, stream_sha, heldout),
+        "data": data_identity(config, batch, tokenizer_sha, stream_sha, heldout, eval_sha),
         "initialization": initialization_identity(seed),
         "chunk_bytes": CHUNK_BYTES,
     }
@@ -368,10 +369,10 @@ def _without(identity: str, prefixes: tuple) -> list:
 
 
 # What each lifting option may change (SPEC 9): --new-data the stream (and
-# so how many of its contexts are held out); --new-learner the learning
+# so how many of its contexts are held out, and the validation set); --new-learner the learning
 # rate, the schedule, clipping and the other AdamW hyperparameters, never
 # the precision policy (SPEC 6: a run resumes only under its policy).
-LIFTED = {"data": ("stream=", "heldout="),
+LIFTED = {"data": ("stream=", "heldout=", "eval="),
           "learner": ("lr=", "beta1=", "beta2=", "weight_decay=", "epsilon=", "schedule=",
                       "clip=", "accumulate=")}
 

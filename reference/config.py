@@ -574,12 +574,14 @@ def schema_identity(config: Config) -> str:
 
 
 def data_identity(config: Config, batch: int, tokenizer_sha: str | None, stream_sha: str,
-                  heldout: int = 0) -> str:
+                  heldout: int = 0, eval_sha: str | None = None) -> str:
     """SPEC 10; `|heldout=K` when the stream's last K contexts are held out
-    for evaluation (SPEC 18), nothing when K = 0."""
+    for evaluation (SPEC 18), nothing when K = 0; `|eval=<sha256>` when a
+    validation set of its own is evaluated (SPEC 22)."""
     return (f"coppelius-token-stream|vocabulary={config.vocab}|context={config.context}"
             f"|header=16|token=4|batch={batch}|tokenizer={tokenizer_sha or 'none'}"
-            f"|stream={stream_sha}" + (f"|heldout={heldout}" if heldout else ""))
+            f"|stream={stream_sha}" + (f"|heldout={heldout}" if heldout else "")
+            + (f"|eval={eval_sha}" if eval_sha else ""))
 
 
 def initialization_identity(seed: int = SEED) -> str:
@@ -640,12 +642,14 @@ def data_from_identity(data, config: Config, where: str) -> dict:
     tokenizer = f.get("tokenizer")
     stream = f.get("stream")
     heldout = _count_text(f.get("heldout"), least=1) if "heldout" in f else 0  # SPEC 18
+    eval_sha = f.get("eval")  # SPEC 22
     ok = (batch is not None and heldout is not None and isinstance(tokenizer, str)
           and isinstance(stream, str)
           and (tokenizer == "none" or _is_sha256(tokenizer))
           and (stream == "none" or _is_sha256(stream))
+          and (eval_sha is None or _is_sha256(eval_sha))
           and data_identity(config, batch, None if tokenizer == "none" else tokenizer,
-                            stream, heldout) == data)
+                            stream, heldout, eval_sha) == data)
     if not ok:
         raise ConfigError(f"{where}: data identity {data!r} is not one this version writes "
                           f"for this model (vocabulary={config.vocab}, context={config.context}, "

@@ -282,8 +282,9 @@ def test_a_given_stream_is_used_as_is(tmp_path, counted):
     assert counted == []
     with pytest.raises(StreamError, match="nothere.tokens: no such token stream"):
         data.prepare_stream(stream=tmp_path / "nothere.tokens", vocab=V)
-    with pytest.raises(StreamError, match=f"stream {tmp_path}: is a directory"):
-        data.prepare_stream(stream=tmp_path, vocab=V)
+    # a folder is a folder of shards (SPEC 22), its tokenizer.json inside it
+    assert data.prepare_stream(stream=tmp_path, vocab=V) == (
+        str(tmp_path), os.path.join(tmp_path, "tokenizer.json"))
 
 
 def test_a_missing_source_is_refused_naming_it(tmp_path):
