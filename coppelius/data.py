@@ -77,7 +77,7 @@ ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Enc
 # The streaming tokenizer (documents with a separator, structured sources)
 # encodes batches of at most BATCH_CHARS characters or BATCH_DOCUMENTS
 # documents: what it holds at once, whatever the size of the corpus.
-BATCH_CHARS = 1 << 22
+BATCH_CHARS = 1 << 20
 BATCH_DOCUMENTS = 4096
 ENDOFTEXT = "<|endoftext|>"  # the separator a tokenizer defines when it names none (SPEC 22)
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -339,3 +339,48 @@ def test_a_changed_tokenizer_is_named_with_the_continued_pretraining_command():
     run = dict(header, data="stream=b|tokenizer=bbb")
     hint = identity_hint(header, run, {"data": True})
     assert "tokenizer aaa" in hint and "--tokenizer" in hint and "--new-data" in hint
+
+
+def test_continued_pretraining_keeps_the_runs_tokenizer(tmp_path, capsys, monkeypatch):
+    """train --run-dir D --source NEW --tokenizer <the run's tokenizer.json>
+    --new-data goes on; another tokenizer is refused, naming the one the
+    checkpoint was trained with and that command."""
+    from tokenizers import Tokenizer
+
+    from tests.test_run import imported_llama
+
+    from coppelius.reference import checkpoint
+    from coppelius.reference.stream import open_stream
+
+    monkeypatch.chdir(tmp_path)
+    imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
+    run_dir = tmp_path / "run"
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    write_jsonl(first, text.split("\n\n"))
+    new_documents = [t for t in text.split("\n") if t][::-1]
+    write_jsonl(second, new_documents, opener=gzip.open)
+    common = ["--new-data", "--steps", "1", "--backend", "reference", "--no-sample"]
+    assert main(["train", "--checkpoint", str(imported), "--run-dir", str(run_dir), "--source",
+                 str(first), "--tokenizer", str(hf_dir), *common]) == 0, capsys.readouterr().err
+    own = data.tokenizer_beside(imported)  # the run's copy of its tokenizer
+    assert open(own, "rb").read() == (hf_dir / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run_dir), "--source", str(second), "--tokenizer",
+                 own, *common]) == 0, capsys.readouterr().err
+    assert checkpoint.validate(imported).header["step"] == 2
+    [stream_path] = [p for p in (tmp_path / "runs" / "data").glob("b-*/*.tokens")]
+    stream = open_stream(stream_path, config.vocab)
+    assert np.array_equal(stream.ids, library_ids(own, new_documents, eos=None))
+    stream.close()
+    # another tokenizer: refused on the data identity, the hint says how to go on
+    other = Tokenizer.from_file(own)
+    other.add_tokens(["zzzq"])
+    other_path = tmp_path / "other" / "tokenizer.json"
+    other_path.parent.mkdir()
+    other.save(str(other_path))
+    capsys.readouterr()
+    status = main(["train", "--run-dir", str(run_dir), "--source", str(second), "--tokenizer",
+                   str(other_path), *common])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert data.tokenizer_sha(own) in err and "--tokenizer RUN_DIR/tokenizer.json" in err, err
