@@ -666,8 +666,7 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
                 done = listing.done if listing.kind == RECORDS else min(seen, listing.size)
                 bar.update(max(done - bar.n, 0))
                 rate = counts["ids"] / max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix_str(f"{counts['documents']:,} documents, {rate:,.0f} ids/s",
-                                    refresh=False)
+                bar.set_postfix_str(f"{counts['documents']:,} documents, {rate:,.0f} ids/s")
         record["count"] = counts["documents"]  # published after the stream (publish_pair)
         return h.hexdigest()
 
@@ -918,8 +917,9 @@ def register(subparsers) -> None:
                     "order (binary files skipped and counted). A stream that is up to date "
                     "with its source is reused.")
     p.add_argument("source", nargs="?", metavar="SOURCE", type=path_argument,
-                   help="a UTF-8 text file, or a folder of them (default: the embedded "
-                        "standard-library corpus; SPEC §8)")
+                   help="a UTF-8 text file, a .jsonl(.gz|.zst) or .parquet file of records, "
+                        "or a folder of either (default: the embedded standard-library "
+                        "corpus; SPEC §8, §22)")
     p.add_argument("--out", metavar="STREAM", type=path_argument,
                    help="the stream file (default: in the cache directory)")
     p.add_argument("--preset", choices=sorted(PRESETS),

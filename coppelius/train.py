@@ -67,7 +67,8 @@ def register(sub) -> None:
     data = p.add_mutually_exclusive_group()
     path = fsutil.path_argument  # an empty path is refused, not taken for "not given"
     data.add_argument("--source", metavar="PATH", type=path,
-                      help="a text file, or a folder of text files, to tokenize and train on")
+                      help="a text file, a .jsonl(.gz|.zst) or .parquet file of records, or a "
+                           "folder of either, to tokenize and train on")
     data.add_argument("--stream", metavar="STREAM", type=path, help="a token stream file to train on")
     p.add_argument("--tokenizer", metavar="PATH", type=path,
                    help="encode --source with this tokenizer.json (or the one in this Hugging "
