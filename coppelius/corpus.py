@@ -36,12 +36,27 @@ machine with the same Python; a file the process may not read is left out.
 
 A listing's stamp is the newest document's modification time (ns) and the
 documents' total size in bytes: the stream header's two fields.
+
+Structured sources (SPEC 22): a `.jsonl` file (also `.jsonl.gz`, `.jsonl.zst`)
+holds one JSON object per line, a `.parquet` file a string column; each
+record's text field (`text`, or the one named) is a document. Such a file,
+or a folder holding any, is a listing of kind RECORDS: its files are taken
+in sorted relative-path order and shuffled by section 8's key like a
+folder's documents, and each file's records keep their order within it;
+other files of such a folder are skipped and counted. Records are read as
+a stream (compressed files decompressed on the fly, Parquet by row group),
+never held whole: iter_documents yields them one at a time. A record's text
+is used as it is (no marker line).
 """
 
 from __future__ import annotations
 
+import gzip
+import io
+import json
 import os
 import platform
+import zlib
 import stat
 import sysconfig
 from dataclasses import dataclass, field
@@ -58,7 +73,16 @@ DOCUMENT_SEED = 20260925
 SNIFF_BYTES = 8192  # the prefix looked at for a NUL before reading a file whole
 MARKER = "# file: {}\n"
 
-EMBEDDED, FOLDER, FILE = "embedded", "folder", "file"
+EMBEDDED, FOLDER, FILE, RECORDS = "embedded", "folder", "file", "records"
+TEXT_FIELD = "text"  # a record's document, unless --text-field names another
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_SUFFIX = ".parquet"
+STRUCTURED_SUFFIXES = JSONL_SUFFIXES + (PARQUET_SUFFIX,)
+
+
+def is_structured(path) -> bool:
+    """Whether a file's name makes it a structured source (JSONL or Parquet)."""
+    return os.fspath(path).endswith(STRUCTURED_SUFFIXES)
 
 
 @dataclass
@@ -78,6 +102,8 @@ class Listing:
     skipped: list = field(default_factory=list)
     mtime_ns: int = 0  # the newest document's modification time
     size: int = 0  # the documents' total size in bytes
+    text_field: str = TEXT_FIELD  # RECORDS: the field that is a record's document
+    done: int = 0  # RECORDS: bytes of its files read so far by iter_documents
 
     @property
     def stamp(self) -> tuple:
@@ -93,7 +119,34 @@ class Listing:
 
     def summary(self) -> str:
         """'1,234 documents, 2 binary files skipped' for the command line."""
+        if self.kind == RECORDS:
+            text = f"{len(self.documents):,} file{'s' if len(self.documents) != 1 else ''} of records"
+            if self.skipped:
+                text += f", {len(self.skipped):,} other entr" \
+                        f"{'ies' if len(self.skipped) != 1 else 'y'} skipped"
+            return text
         return summary(len(self.documents), len(self.binary), len(self.skipped))
+
+    def iter_documents(self):
+        """The documents' texts in the order of the stream, one at a time: a
+        record's text as it is; a file of text, or a folder's or the
+        embedded corpus's document behind its marker line. For RECORDS,
+        `done` counts the bytes of the files read so far (for progress)."""
+        if self.kind == FILE:
+            yield from self.texts
+        elif self.kind != RECORDS:
+            for rel, text in zip(self.documents, self.texts):
+                yield MARKER.format(rel) + text
+        else:
+            self.done = 0
+            for rel in self.documents:
+                path = self.root if len(self.documents) == 1 and not os.path.isdir(self.root) \
+                    else os.path.join(self.root, *rel.split("/"))
+                before = self.done
+                for text, position in read_records(path, self.text_field):
+                    self.done = before + position
+                    yield text
+                self.done = before + os.path.getsize(path)
 
 
 def summary(documents: int, binary: int, skipped: int) -> str:
@@ -301,9 +354,142 @@ def file_listing(path) -> Listing:
                                                  len(body))])
 
 
-def list_source(source=None) -> Listing:
+# ---------------------------------------------------------------------------
+# Structured sources: JSONL and Parquet records
+
+def _record_error(path, where: str, why: str) -> StreamError:
+    return StreamError(f"source {os.fspath(path)}: {where}: {why}")
+
+
+def _open_bytes(path):
+    """A binary stream of the file's bytes (decompressed for .gz / .zst) and
+    the raw file under it, whose position says how far the file is read."""
+    raw = open(path, "rb")
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)), raw
+    return raw, raw
+
+
+def _jsonl_records(path: str, field_name: str):
+    """(text, raw bytes read) of each line of a JSONL file, in order."""
+    try:
+        import zstandard
+
+        corrupt = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+    except ImportError:
+        corrupt = (OSError, EOFError, zlib.error)
+    try:
+        f, raw = _open_bytes(path)
+    except OSError as e:
+        raise _fs_error(f"source {path}: cannot read", e) from None
+    with raw, f:
+        number = 0
+        while True:
+            try:
+                line = f.readline()
+            except corrupt as e:
+                raise _record_error(path, f"line {number + 1}",
+                                    f"cannot decompress ({e})") from None
+            if not line:
+                return
+            number += 1
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise _record_error(path, f"line {number}", f"not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise _record_error(path, f"line {number}",
+                                    f"not a JSON object (a {type(record).__name__})")
+            if field_name not in record:
+                raise _record_error(path, f"line {number}", f"no field {field_name!r}")
+            text = record[field_name]
+            if not isinstance(text, str):
+                raise _record_error(path, f"line {number}",
+                                    f"field {field_name!r} is not a string "
+                                    f"(a {type(text).__name__})")
+            yield text, raw.tell()
+
+
+def _parquet_records(path: str, field_name: str):
+    """(text, bytes read so far) of each row of a Parquet file's string
+    column, read one row group at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise _record_error(path, "not a Parquet file", str(e).splitlines()[0]) from None
+    schema = pf.schema_arrow
+    if field_name not in schema.names:
+        raise _record_error(path, f"column {field_name!r}",
+                            f"no such column (it has {', '.join(schema.names) or 'none'})")
+    kind = schema.field(field_name).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise _record_error(path, f"column {field_name!r}", f"not a string column ({kind})")
+    size = os.path.getsize(path)
+    groups = pf.metadata.num_row_groups
+    row = 0
+    for g in range(groups):
+        try:
+            column = pf.read_row_group(g, columns=[field_name]).column(0)
+        except (OSError, pa.ArrowException) as e:
+            raise _record_error(path, f"row group {g}", str(e).splitlines()[0]) from None
+        position = size * (g + 1) // groups
+        for text in column.to_pylist():
+            if text is None:
+                raise _record_error(path, f"row {row}", f"column {field_name!r} is null")
+            row += 1
+            yield text, position
+        del column
+
+
+def read_records(path, field_name: str = TEXT_FIELD):
+    """(text, bytes of the file read so far) of each record of a structured
+    file, in the file's order. A record that is not an object with the
+    string field, bad JSON, a corrupt compressed file or a column that is
+    not a string column is a StreamError naming the file and the line (row,
+    row group or column)."""
+    path = os.fspath(path)
+    if path.endswith(PARQUET_SUFFIX):
+        return _parquet_records(path, field_name)
+    return _jsonl_records(path, field_name)
+
+
+def records_listing(root: str, files: list, skipped: list, text_field: str) -> Listing:
+    """A RECORDS Listing of the structured `files` (relative paths, sorted)
+    under the folder `root`, or of the one file `root` (files == [its name])."""
+    found = []
+    for rel in files:
+        path = root if files == [os.path.basename(root)] and not os.path.isdir(root) \
+            else os.path.join(root, *rel.split("/"))
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise _fs_error(f"source {path}: cannot read", e) from None
+        found.append((rel, None, st.st_mtime_ns, st.st_size))
+    if os.path.isdir(root):
+        name = (os.path.basename(os.path.normpath(os.path.abspath(root))) or "root") + "-dir"
+    else:
+        name = os.path.basename(root)
+        for suffix in STRUCTURED_SUFFIXES:
+            if name.endswith(suffix):
+                name = name[:-len(suffix)]
+                break
+    listing = _ordered(Listing(RECORDS, root, name, skipped=sorted(skipped),
+                               text_field=text_field), found)
+    listing.texts = []
+    return listing
+
+
+def list_source(source=None, text_field: str | None = None) -> Listing:
     """The Listing of a source: None for the embedded corpus, else a folder
-    or a file path. Anything else is refused, naming it."""
+    or a file path (a structured one, or a folder holding one, gives a
+    RECORDS listing of its `text_field`). Anything else is refused, naming it."""
     if source is None:
         return embedded_listing()
     source = os.fspath(source)
@@ -313,8 +499,16 @@ def list_source(source=None) -> Listing:
         raise StreamError(f"source {source}: no such file or folder") from None
     except OSError as e:
         raise _fs_error(f"source {source}: cannot read", e) from None
+    field_name = TEXT_FIELD if text_field is None else text_field
     if stat.S_ISDIR(st.st_mode):
+        files, skipped = folder_entries(source)
+        structured = [rel for rel in files if is_structured(rel)]
+        if structured:
+            others = [rel for rel in files if not is_structured(rel)]
+            return records_listing(source, structured, skipped + others, field_name)
         return folder_listing(source)
     if not stat.S_ISREG(st.st_mode):
         raise StreamError(f"source {source}: not a regular file or a folder")
+    if is_structured(source):
+        return records_listing(source, [os.path.basename(source)], [], field_name)
     return file_listing(source)

@@ -56,14 +56,14 @@ import time
 
 import numpy as np
 
-from coppelius.corpus import (EMBEDDED, FILE, FOLDER, Listing, file_listing,
-                              list_source, summary)
+from coppelius.corpus import (EMBEDDED, FILE, FOLDER, RECORDS, TEXT_FIELD, Listing,
+                              file_listing, list_source, summary)
 from coppelius.reference.config import PRESETS, preset
 from coppelius.reference.errors import ConfigError, InUseError, StreamError
 from coppelius.reference.fsutil import (Lock, kind, open_regular, output_target, path_argument,
                                         publish, remove_stale, same_file, stage)
-from coppelius.reference.stream import (HEADER_BYTES, TOKEN_BYTES, open_stream, read_stream_header,
-                              stream_body)
+from coppelius.reference.stream import (HEADER, HEADER_BYTES, TOKEN, TOKEN_BYTES, open_stream,
+                                        read_stream_header, stream_body)
 
 TOKENIZER_NAME = "tokenizer.json"
 STREAM_SUFFIX = ".tokens"
@@ -74,6 +74,13 @@ MAX_VOCAB = 2**32 - 1
 BYTE_SYMBOLS = 256  # a byte-level BPE starts from one symbol per byte value
 PIECE_CHARS = 1 << 16  # the text is trained on and encoded in pieces of about 64 K characters
 ENCODE_PIECES = 64  # pieces per encode_batch call: bounds the memory of the Encoding objects
+# The streaming tokenizer (documents with a separator, structured sources)
+# encodes batches of at most BATCH_CHARS characters or BATCH_DOCUMENTS
+# documents: what it holds at once, whatever the size of the corpus.
+BATCH_CHARS = 1 << 20
+BATCH_DOCUMENTS = 4096
+ENDOFTEXT = "<|endoftext|>"  # the separator a tokenizer defines when it names none (SPEC 22)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # A piece boundary where the byte-level pre-tokenizer would split anyway, so
 # that pieces encode exactly as the whole text does: right after a newline that
@@ -139,11 +146,13 @@ def check_vocab(vocab: int, source_bytes: int | None = None) -> None:
                           f"smaller vocabulary ({SMALLER_VOCAB})")
 
 
-def train_tokenizer(source, vocab: int, name: str | None = None):
+def train_tokenizer(source, vocab: int, name: str | None = None, eos: str | None = None):
     """A byte-level BPE with exactly `vocab` ids trained on `source` (a path,
     or an iterable of strings). A source too small to yield `vocab` ids is
     refused, naming it and the count (padding with unused ids would make
-    tokens no text ever produces).
+    tokens no text ever produces). `eos` (--eos) is made a special token of
+    its own, one of the `vocab` ids. The source is consumed as an iterator,
+    a piece at a time: training holds the BPE's counts, not the text.
 
     The whole source is trained on: for the 31.6 MB default corpus that is
     about 4 s (V=2048) to 6 s (V=12288) on two idle cores, against about
@@ -160,7 +169,8 @@ def train_tokenizer(source, vocab: int, name: str | None = None):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos] if eos else [],
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     got = tokenizer.get_vocab_size()
@@ -266,6 +276,50 @@ def tokenizer_beside(stream_path) -> str:
     return os.path.join(os.path.dirname(os.fspath(stream_path)), TOKENIZER_NAME)
 
 
+def configured_eos(path) -> str | None:
+    """The end-of-text token a --tokenizer PATH names (SPEC 22): for a
+    Hugging Face directory, its tokenizer_config.json's `eos_token` (a
+    string, or an added token's {"content": ...}); None where it names none."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    config = os.path.join(path, TOKENIZER_CONFIG)
+    try:
+        with open_regular(config) as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise StreamError(f"--tokenizer {path}: cannot read {TOKENIZER_CONFIG} ({e})") from None
+    eos = record.get("eos_token") if isinstance(record, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def separator(tokenizer, eos: str | None, given_path=None, listing: Listing | None = None):
+    """(token, id) that follows each document in the stream, or None.
+
+    `eos` (--eos TOKEN) must be a token of the tokenizer. Without it, a
+    given tokenizer (--tokenizer `given_path`) brings its own: the one its
+    directory's configuration names, else `<|endoftext|>` where its
+    vocabulary holds it. The project's own BPE and the embedded corpus get
+    none unless --eos is given: their streams stay as they were."""
+    if eos is not None:
+        token_id = tokenizer.token_to_id(eos)
+        if token_id is None:
+            raise ConfigError(f"--eos {eos!r}: not a token of the tokenizer"
+                              f"{' ' + os.fspath(given_path) if given_path else ''}")
+        return eos, token_id
+    if given_path is None or (listing is not None and listing.kind == EMBEDDED):
+        return None
+    named = configured_eos(given_path)
+    for token in (named, ENDOFTEXT):
+        if token is not None and tokenizer.token_to_id(token) is not None:
+            return token, tokenizer.token_to_id(token)
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Source -> stream, with the cache
 
@@ -331,11 +385,17 @@ def documents_beside(stream_path) -> str:
     return os.path.splitext(os.fspath(stream_path))[0] + ".documents.json"
 
 
-def documents_record(listing: Listing) -> dict:
+def documents_record(listing: Listing, streamed: dict | None = None) -> dict:
     """What the document list beside a stream holds: the kind of source, its
-    documents in the keyed order, and what was skipped (for the summaries)."""
-    return {"format": DOCUMENTS_FORMAT, "kind": listing.kind, "documents": listing.documents,
-            "binary": listing.binary, "skipped": listing.skipped}
+    documents in the keyed order, and what was skipped (for the summaries).
+    A stream written document by document (tokenize_documents) records
+    `streamed` too: its separator, the records' field and its tokenizer's
+    SHA-256, which pair it with its source and tokenizer."""
+    record = {"format": DOCUMENTS_FORMAT, "kind": listing.kind, "documents": listing.documents,
+              "binary": listing.binary, "skipped": listing.skipped}
+    if streamed is not None:
+        record.update(streamed)
+    return record
 
 
 def read_documents(stream_path) -> dict | None:
@@ -363,11 +423,14 @@ def documents_summary(stream_path) -> str | None:
     return summary(len(record["documents"]), len(record["binary"]), len(record["skipped"]))
 
 
-def is_fresh(stream_path, source, vocab: int, given: str | None = None) -> bool:
+def is_fresh(stream_path, source, vocab: int, given: str | None = None,
+             streamed: dict | None = None) -> bool:
     """Whether the cached stream was made from the source as it is now, by
     the tokenizer of `vocab` ids that lies beside it (or, `given` the text of
     a --tokenizer file, by that one, byte for byte). `source`: a Listing,
-    or what list_source takes (None for the embedded corpus, a path)."""
+    or what list_source takes (None for the embedded corpus, a path).
+    `streamed`: a stream written document by document, with that separator
+    and field (its record names its tokenizer's SHA-256)."""
     listing = source if isinstance(source, Listing) else list_source(source)
     try:
         if read_stream_header(stream_path) != listing.stamp:
@@ -375,6 +438,13 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None) -> bool:
         record = read_documents(stream_path)
         if record is None or (record["kind"], record["documents"]) != (listing.kind,
                                                                        listing.documents):
+            return False
+        if streamed is not None:
+            if any(record.get(k) != v for k, v in streamed.items()):
+                return False
+            if record.get("tokenizer") != tokenizer_sha(tokenizer_beside(stream_path)):
+                return False
+        elif "tokenizer" in record:
             return False
         tokenizer_path = tokenizer_beside(stream_path)
         if not os.path.isfile(tokenizer_path):
@@ -390,16 +460,17 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None) -> bool:
         try:
             if stream.sha256 != read_digest(stream_path):
                 return False
-            return encodes_to(tokenizer, listing.text(), stream.ids)
+            return streamed is not None or encodes_to(tokenizer, listing.text(), stream.ids)
         finally:
             stream.close()
     except StreamError:
         return False
 
 
-def publish_documents(stream_path, listing: Listing) -> None:
+def publish_documents(stream_path, listing: Listing, record: dict | None = None) -> None:
     path = documents_beside(stream_path)
-    body = json.dumps(documents_record(listing), indent=1, ensure_ascii=False) + "\n"
+    record = documents_record(listing) if record is None else record
+    body = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
     try:
         publish(path, lambda f: f.write(body.encode("utf-8")))
     except OSError as e:
@@ -449,12 +520,17 @@ def ids_sha256(ids: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
-                 tokenizer_json: str, listing: Listing | None = None) -> str:
+def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
+                 tokenizer_json: str, listing: Listing | None = None,
+                 write_ids=None, record: dict | None = None) -> str:
     """Publish a stream of `ids` (N,), its tokenizer.json, the digest of its
     ids and (given the source's `listing`) its document list -> the
-    tokenizer path. Files cannot be renamed at once, so the order is chosen
-    for what any failure or crash leaves behind:
+    tokenizer path. With `write_ids` instead of `ids`, the ids are written
+    as they come: `write_ids(f)` writes them to the temporary and returns
+    their SHA-256; the header is written at the end. `record`: the
+    document list to publish (default documents_record(listing)). Files
+    cannot be renamed at once, so the order is chosen for what any failure
+    or crash leaves behind:
 
       1. the whole stream is written and synced to a temporary;
       2. the tokenizer is published (written, synced, renamed);
@@ -483,7 +559,19 @@ def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
     staged = None
     try:
         os.makedirs(directory, exist_ok=True)
-        staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
+        digest = None
+        if write_ids is None:
+            staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
+        else:
+            def write_body(f):
+                nonlocal digest
+                f.write(bytes(HEADER_BYTES))  # a placeholder, until every id is written
+                digest = write_ids(f)
+                f.seek(0)
+                f.write(stream_header(mtime_ns, size))
+                f.seek(0, os.SEEK_END)
+
+            staged = stage(stream_path, write_body)  # 1
         payload = tokenizer_json.encode("utf-8")
         try:
             publish(tokenizer_path, lambda f: f.write(payload))  # 2
@@ -496,13 +584,104 @@ def publish_pair(stream_path, ids: np.ndarray, mtime_ns: int, size: int,
         if staged is not None:
             staged.discard()
     if listing is not None:
-        publish_documents(stream_path, listing)  # 4
-    digest = (ids_sha256(ids) + "\n").encode("ascii")
+        publish_documents(stream_path, listing, record)  # 4
+    digest = ((digest or ids_sha256(ids)) + "\n").encode("ascii")
     try:
         publish(digest_path, lambda f: f.write(digest))  # 5
     except OSError as e:
         raise fs_error(f"stream digest {digest_path}: cannot write", digest_path, e) from None
     return tokenizer_path
+
+
+def stream_header(mtime_ns: int, size: int) -> bytes:
+    """A stream's 16-byte header (SPEC 8)."""
+    return np.array([(mtime_ns, size)], dtype=HEADER).tobytes()
+
+
+def document_batches(documents, size: int | None = None):
+    """Lists of consecutive documents of `documents` (an iterator of
+    strings), each of at most BATCH_DOCUMENTS documents and, but for a
+    single long document, about BATCH_CHARS characters."""
+    size = size or BATCH_CHARS
+    batch, chars = [], 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if chars >= size or len(batch) >= BATCH_DOCUMENTS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool = False,
+                       given: tuple | None = None, eos: str | None = None,
+                       streamed: dict | None = None) -> dict:
+    """Tokenize a source document by document, in bounded memory (SPEC 22):
+    train the BPE from an iterator of its documents (or take `given`), then
+    encode batches of documents with the batch encoder (every core), each
+    document followed by the separator (`eos`, see separator), writing the
+    ids to the stream's temporary as they come; publish_pair then publishes
+    the stream with its tokenizer, document list and digest. An exception
+    midway (an interrupt, a bad record) removes the temporary: nothing
+    published changes."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    if given is None:
+        if progress:
+            print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
+                  f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
+        tokenizer = train_tokenizer(listing.iter_documents(), vocab, name=listing.root, eos=eos)
+        tokenizer_text = tokenizer.to_str()
+        given_path = None
+    else:
+        tokenizer, tokenizer_text = given[:2]
+        given_path = given[2] if len(given) > 2 else None
+    sep = separator(tokenizer, eos, given_path, listing)
+    tail = np.array([] if sep is None else [sep[1]], dtype=TOKEN)
+    batch_encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets
+    own = given is None  # the project's BPE: a long document may be encoded in pieces (exact)
+    counts = {"documents": 0, "ids": 0}
+
+    def write_ids(f):
+        h = hashlib.sha256()
+        with tqdm(total=listing.size, unit="B", unit_scale=True, desc="tokenizing",
+                  disable=not progress, leave=False, file=sys.stderr) as bar:
+            seen = 0
+            for batch in document_batches(listing.iter_documents()):
+                texts, owners = [], []
+                for d, text in enumerate(batch):
+                    parts = list(pieces(text)) if own and len(text) > PIECE_CHARS else [text]
+                    texts.extend(parts)
+                    owners.extend([d] * len(parts))
+                    seen += len(text)  # characters: about the bytes where records are read
+                encodings = batch_encode(texts, add_special_tokens=False)
+                chunks = []
+                for i, encoding in enumerate(encodings):
+                    chunks.append(np.array(encoding.ids, dtype=TOKEN))
+                    if i + 1 == len(owners) or owners[i + 1] != owners[i]:
+                        chunks.append(tail)  # the end of a document
+                del encodings
+                body = np.concatenate(chunks).astype(TOKEN, copy=False).tobytes()
+                f.write(body)
+                h.update(body)
+                counts["documents"] += len(batch)
+                counts["ids"] += len(body) // TOKEN_BYTES
+                done = listing.done if listing.kind == RECORDS else min(seen, listing.size)
+                bar.update(max(done - bar.n, 0))
+                rate = counts["ids"] / max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"{counts['documents']:,} documents, {rate:,.0f} ids/s")
+        record["count"] = counts["documents"]  # published after the stream (publish_pair)
+        return h.hexdigest()
+
+    record = documents_record(listing, dict(streamed or {}, tokenizer=hashlib.sha256(
+        tokenizer_text.encode("utf-8")).hexdigest()))
+    tokenizer_path = publish_pair(stream_path, None, listing.mtime_ns, listing.size,
+                                  tokenizer_text, listing, write_ids=write_ids, record=record)
+    return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": counts["ids"],
+            "documents": counts["documents"], "separator": sep and sep[0],
+            "seconds": time.perf_counter() - started}
 
 
 def describe(listing: Listing) -> str:
@@ -529,7 +708,7 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
         tokenizer = train_tokenizer([text], vocab, name=listing.root)
         tokenizer_text = tokenizer.to_str()
     else:
-        tokenizer, tokenizer_text = given
+        tokenizer, tokenizer_text = given[:2]
     ids = encode(tokenizer, text, progress=progress)  # (N,)
     tokenizer_path = publish_pair(stream_path, ids, listing.mtime_ns, listing.size,
                                   tokenizer_text, listing)
@@ -538,7 +717,8 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
 
 
 def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=None,
-                   progress: bool = False, tokenizer=None) -> tuple:
+                   progress: bool = False, tokenizer=None, eos: str | None = None,
+                   text_field: str | None = None) -> tuple:
     """The stream a run reads -> (stream path, tokenizer path or None).
 
     With `stream`, use it as is (with the tokenizer.json beside it, if any).
@@ -549,7 +729,8 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
     tokenizer.json or a directory holding one) encodes the source instead of
     a BPE trained on it; its stream is cached apart, under
     `<stem>-v<vocab>-t<the first 12 digits of its SHA-256>`, with a copy of
-    it beside the stream."""
+    it beside the stream. `eos` (--eos) and `text_field` (--text-field):
+    see tokenize_documents and coppelius.corpus."""
     if stream is not None:
         if source is not None:
             raise ConfigError("give a source or a stream, not both")
@@ -567,7 +748,7 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
         # whatever is there is the stream's tokenizer: checked (not ignored) by its reader
         return stream, tokenizer_path if os.path.lexists(tokenizer_path) else None
     stream, tokenizer_path, _, _ = stream_for_source(source, vocab, out, cache_dir, progress,
-                                                     tokenizer)
+                                                     tokenizer, eos, text_field)
     return stream, tokenizer_path
 
 
@@ -591,19 +772,43 @@ def check_source_kind(source) -> None:
         raise StreamError(f"source {path}: is {kind(st.st_mode)}, not a regular file or a folder")
 
 
+def _short_hash(text: str, digits: int = 12) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:digits]
+
+
 def stream_for_source(source, vocab: int, out=None, cache_dir=None,
-                      progress: bool = False, tokenizer=None) -> tuple:
+                      progress: bool = False, tokenizer=None, eos: str | None = None,
+                      text_field: str | None = None) -> tuple:
     """prepare_stream's work for a source -> (stream, tokenizer, rebuilt?, Listing)."""
-    given = None if tokenizer is None else given_tokenizer(tokenizer, vocab)
+    if eos is not None and not eos:
+        raise ConfigError("--eos: an empty token")
+    if text_field is not None and not text_field:
+        raise ConfigError("--text-field: an empty name")
+    given = None if tokenizer is None else given_tokenizer(tokenizer, vocab) + (tokenizer,)
     if given is None:
         check_vocab(vocab)
     cache_dir = os.fspath(default_cache_dir() if cache_dir is None else cache_dir)
     check_source_kind(source)
-    listing = list_source(source)  # a missing or empty source is refused before anything is written
+    # a missing or empty source is refused before anything is written
+    listing = list_source(source, text_field)
+    if text_field is not None and listing.kind != RECORDS:
+        raise ConfigError(f"--text-field {text_field}: names a field of .jsonl or .parquet "
+                          f"records; {describe(listing)} holds none")
+    # the separator, known before the cache is looked at (the trained BPE has --eos only)
+    sep = eos if given is None else (separator(given[0], eos, tokenizer, listing) or (None,))[0]
+    streamed = None
+    if listing.kind == RECORDS or sep is not None:
+        streamed = {"eos": sep}
+        if listing.kind == RECORDS:
+            streamed["text_field"] = listing.text_field
     if out is None:
         stem = cache_stem(listing, vocab)
         if given is not None:
-            stem += "-t" + hashlib.sha256(given[1].encode("utf-8")).hexdigest()[:12]
+            stem += "-t" + _short_hash(given[1])
+        if eos is not None:
+            stem += "-e" + _short_hash(eos, 8)
+        if text_field is not None and text_field != TEXT_FIELD:
+            stem += "-f" + _short_hash(text_field, 8)
         out = os.path.join(cache_dir, stem, stem + STREAM_SUFFIX)
     out = os.fspath(out)
     if os.path.isdir(out):
@@ -612,13 +817,17 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
     with _cache_lock(out):
         for leftover in (out, tokenizer_beside(out), digest_beside(out), documents_beside(out)):
             remove_stale(leftover)  # temporaries of a run killed while it published
-        rebuilt = not is_fresh(out, listing, vocab, given and given[1])
+        rebuilt = not is_fresh(out, listing, vocab, given and given[1], streamed)
         if rebuilt:
             check_folder_is_its_own(out)
             check_can_write(out)
             check_replaceable(out)
-            tokenize_source(listing, out, vocab, progress=progress, given=given)
-        elif read_documents(out) != documents_record(listing):
+            if streamed is None:
+                tokenize_source(listing, out, vocab, progress=progress, given=given)
+            else:
+                tokenize_documents(listing, out, vocab, progress=progress, given=given, eos=eos,
+                                   streamed=streamed)
+        elif streamed is None and read_documents(out) != documents_record(listing):
             # the same documents, other files skipped (a binary file added, say):
             # the stream stands, the list's counts are brought up to date
             publish_documents(out, listing)
@@ -714,8 +923,9 @@ def register(subparsers) -> None:
                     "order (binary files skipped and counted). A stream that is up to date "
                     "with its source is reused.")
     p.add_argument("source", nargs="?", metavar="SOURCE", type=path_argument,
-                   help="a UTF-8 text file, or a folder of them (default: the embedded "
-                        "standard-library corpus; SPEC §8)")
+                   help="a UTF-8 text file, a .jsonl(.gz|.zst) or .parquet file of records, "
+                        "or a folder of either (default: the embedded standard-library "
+                        "corpus; SPEC §8, §22)")
     p.add_argument("--out", metavar="STREAM", type=path_argument,
                    help="the stream file (default: in the cache directory)")
     p.add_argument("--preset", choices=sorted(PRESETS),
@@ -725,7 +935,22 @@ def register(subparsers) -> None:
     p.add_argument("--cache-dir", metavar="DIR", type=path_argument,
                    help="where cached corpora and streams live (default: runs/data, the "
                         "cache `coppelius train` uses)")
+    add_source_options(p)
     p.set_defaults(func=run_tokenize)
+
+
+def add_source_options(p, tokenizer: bool = True) -> None:
+    """--tokenizer, --eos and --text-field (SPEC 22), shared by `tokenize` and `train`."""
+    if tokenizer:
+        p.add_argument("--tokenizer", metavar="PATH", type=path_argument,
+                       help="encode SOURCE with this tokenizer.json (or the one in this Hugging "
+                            "Face directory) instead of training a BPE on it (SPEC §22)")
+    p.add_argument("--eos", metavar="TOKEN",
+                   help="follow each document with this token (default: a --tokenizer's own "
+                        "eos_token or <|endoftext|>; none for the project's own BPE)")
+    p.add_argument("--text-field", metavar="NAME",
+                   help="the field of .jsonl / .parquet records that is a document "
+                        "(default: text)")
 
 
 def run_tokenize(args) -> int:
@@ -734,7 +959,8 @@ def run_tokenize(args) -> int:
     vocab = config.vocab if args.vocab is None else args.vocab
     started = time.perf_counter()
     stream_path, tokenizer_path, rebuilt, listing = stream_for_source(
-        args.source, vocab, args.out, args.cache_dir, progress=sys.stderr.isatty())
+        args.source, vocab, args.out, args.cache_dir, progress=sys.stderr.isatty(),
+        tokenizer=args.tokenizer, eos=args.eos, text_field=args.text_field)
     seconds = time.perf_counter() - started
     n = (os.path.getsize(stream_path) - HEADER_BYTES) // TOKEN_BYTES
     K = max(n - 1, 0) // config.context
@@ -742,6 +968,13 @@ def run_tokenize(args) -> int:
           f"{K:,} contexts of T={config.context} ({preset_name} preset), vocabulary V={vocab}")
     print(f"{describe(listing)}: {listing.summary()}; their order: "
           f"{documents_beside(stream_path)}")
+    record = read_documents(stream_path) or {}
+    if isinstance(record.get("count"), int):  # written document by document
+        after = "no separator" if record.get("eos") is None else \
+            f"each followed by {record['eos']!r}"
+        print(f"{record['count']:,} documents, {after}")
+    if n:
+        print(f"{listing.size / n:.2f} source bytes per id")
     print(f"{tokenizer_path}: sha256 {tokenizer_sha(tokenizer_path)}")
     print(f"{seconds:.1f} s")
     return 0

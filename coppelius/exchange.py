@@ -227,7 +227,9 @@ def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str
         files = {}
         if fmt == "hf" and not no_tokenizer:  # before the work: a missing one is refused first
             files[hf.TOKENIZER] = _run_tokenizer(checkpoint, header, config, tokenizer)
-            files[hf.TOKENIZER_CONFIG] = hf.json_bytes(hf.tokenizer_config_json(config))
+            eos = hf.tokenizer_eos(files[hf.TOKENIZER])
+            files[hf.TOKENIZER_CONFIG] = hf.json_bytes(hf.tokenizer_config_json(config,
+                                                                                eos and eos[0]))
         values = bind_vectors(source, config, moments=moments)  # views of the mapping
         reg = registry(config)
         names = hf.hf_names(config) if fmt == "hf" else {s.name: s.name for s in reg.specs}
@@ -246,7 +248,9 @@ def export(checkpoint, out, moments: bool = False, force: bool = False, fmt: str
         if fmt == "hf":
             files[hf.WEIGHTS] = body
             files[hf.CONFIG] = hf.json_bytes(hf.config_json(config, dtype))
-            files[hf.GENERATION_CONFIG] = hf.json_bytes(hf.generation_config_json())
+            eos = hf.TOKENIZER in files and hf.tokenizer_eos(files[hf.TOKENIZER])
+            files[hf.GENERATION_CONFIG] = hf.json_bytes(hf.generation_config_json(
+                eos[1] if eos else None))
             hf.publish_directory(out, dict(sorted(files.items())), replace)
         else:
             publish(out, lambda f: f.write(body))

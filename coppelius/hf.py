@@ -310,17 +310,36 @@ def config_json(config: Config, dtype: str) -> dict:
     return out
 
 
-def tokenizer_config_json(config: Config) -> dict:
-    return {
+def tokenizer_eos(body: bytes):
+    """(token, id) of the end-of-text token a tokenizer.json defines, or
+    None (SPEC 22): `<|endoftext|>` where it is a token of it, else its one
+    special added token (a run's BPE trained with --eos has exactly that)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(body.decode("utf-8"))
+    token_id = tokenizer.token_to_id("<|endoftext|>")
+    if token_id is not None:
+        return "<|endoftext|>", token_id
+    special = [t for t in json.loads(body).get("added_tokens") or [] if t.get("special")]
+    if len(special) == 1 and isinstance(special[0].get("content"), str):
+        return special[0]["content"], tokenizer.token_to_id(special[0]["content"])
+    return None
+
+
+def tokenizer_config_json(config: Config, eos: str | None = None) -> dict:
+    out = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
         "model_max_length": config.context,
     }
+    if eos is not None:  # the documents' separator: generate stops at it
+        out["eos_token"] = eos
+    return out
 
 
-def generation_config_json() -> dict:
+def generation_config_json(eos_id: int | None = None) -> dict:
     return {"do_sample": True, "temperature": 0.8, "top_k": 40,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+            "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None}
 
 
 def json_bytes(value: dict) -> bytes:

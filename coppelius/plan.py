@@ -272,7 +272,8 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if writes:
         stream_path, tokenizer = data.prepare_stream(
             source=options.get("source"), stream=options.get("stream"),
-            vocab=config.vocab, tokenizer=options.get("tokenizer"))  # cached under runs/data
+            vocab=config.vocab, tokenizer=options.get("tokenizer"), eos=options.get("eos"),
+            text_field=options.get("text_field"))  # cached under runs/data
     else:  # the stream rank 0 prepared: its digest is compared through the data identity
         stream_path, tokenizer = leader["stream"], leader["tokenizer"]
     stream = open_stream(stream_path, config.vocab)
@@ -453,6 +454,10 @@ def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
             elif part == "stream":
                 said.append("another stream (repeat its --source or --stream, or pass "
                             "--new-data)")
+            elif part == "tokenizer" and have.get(part) not in (None, "none"):
+                said.append(f"the tokenizer {have[part]} (to go on with it on a new source: "
+                            f"coppelius train --run-dir RUN_DIR --source NEW --tokenizer "
+                            f"RUN_DIR/tokenizer.json --new-data)")
             elif part in _OPTION_OF:
                 value = have.get(part)
                 if value is None:  # the run adds a part the checkpoint lacks

@@ -20,7 +20,7 @@ REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "pr
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "decay", "floor", "clip", "eval_contexts", "eval_every", "eval_source", "eval_stream",
               "seed", "checkpoint", "repeat_data", "final_step", "tensorboard", "wandb",
-              "peak_tflops")
+              "peak_tflops", "eos", "text_field")
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
 RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file
@@ -102,6 +102,9 @@ def check_option(key: str, value) -> str | None:
             _learner_check(key, parse_rational(value, key))
         except ConfigError as e:
             return f"refused ({e})"
+    elif key in ("eos", "text_field"):  # a token, a field name (SPEC 22)
+        if not isinstance(value, str) or not value:
+            return "must be a non-empty string"
     else:  # a name among choices
         choices = _choices()[key]
         if value not in choices:

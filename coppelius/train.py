@@ -69,7 +69,8 @@ def register(sub) -> None:
     data = p.add_mutually_exclusive_group()
     path = fsutil.path_argument  # an empty path is refused, not taken for "not given"
     data.add_argument("--source", metavar="PATH", type=path,
-                      help="a text file, or a folder of text files, to tokenize and train on")
+                      help="a text file, a .jsonl(.gz|.zst) or .parquet file of records, or a "
+                           "folder of either, to tokenize and train on")
     data.add_argument("--stream", metavar="STREAM", type=path,
                       help="a token stream file, an llm.c or raw uint16 .bin shard, or a folder "
                            "or glob of shards, to train on (SPEC §22)")
@@ -77,6 +78,9 @@ def register(sub) -> None:
                    help="encode --source with this tokenizer.json (or the one in this Hugging "
                         "Face directory) instead of training a BPE on it; its ids must be below "
                         "the model's V (SPEC §22)")
+    from coppelius.data import add_source_options
+
+    add_source_options(p, tokenizer=False)
     p.add_argument("--checkpoint", metavar="PATH", type=path,
                    help="checkpoint to resume from and publish to (default: RUN_DIR/checkpoint.bin); "
                         "locked while the run uses it. With neither --preset nor --model, the "
