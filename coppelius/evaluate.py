@@ -27,7 +27,8 @@ def register(sub) -> None:
                        description="Evaluate CHECKPOINT on the last K contexts of a stream "
                                    "(by default the run's own stream and held-out count) and "
                                    "print the mean loss and its perplexity (SPEC §18).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint, or a run directory (its run's checkpoint, as report takes)")
     p.add_argument("--stream", metavar="STREAM",
                    help="a token stream, shard, or folder or glob of shards (default: the "
                         "run's, from run.json beside the checkpoint)")
@@ -71,7 +72,14 @@ def main(args) -> int:
     from coppelius.reference.sources import CheckpointFileSource
     from coppelius.run_file import RUN_FILE, read_run_file
 
-    path = args.checkpoint
+    path, run_dir = args.checkpoint, None
+    if os.path.isdir(path):  # a run directory, as `report` takes: its run's checkpoint
+        run_dir = path
+        remembered = read_run_file(run_dir) if os.path.isfile(os.path.join(run_dir, RUN_FILE)) \
+            else {}
+        path = remembered.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
+        if not os.path.exists(path):
+            raise RunError(f"run directory {run_dir}: holds no checkpoint ({path} is missing)")
     with CheckpointFileSource(path) as source:  # validated once, then bound by name
         header = source.header
         config = config_from_identity(header["model"], f"checkpoint {path}")
@@ -80,7 +88,7 @@ def main(args) -> int:
     if args.stream:
         stream_path = args.stream
     else:
-        run_dir = os.path.dirname(os.path.abspath(path))
+        run_dir = run_dir or os.path.dirname(os.path.abspath(path))
         if not os.path.isfile(os.path.join(run_dir, RUN_FILE)):
             raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
                            "(pass --stream)")

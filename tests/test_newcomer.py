@@ -385,3 +385,21 @@ def test_a_source_too_small_for_the_vocabulary_names_options_that_exist(tmp_path
                      "d_ff = 8\n")
     assert main(["train", "--source", str(small), "--model", str(model), "--steps", "1",
                  "--run-dir", str(tmp_path / "r2"), "--no-sample"]) == 0
+
+
+def test_eval_takes_a_run_directory_as_report_does(tmp_path, stream, capsys):
+    """`eval RUN_DIR` evaluates the run's checkpoint (the one its run.json
+    names, or checkpoint.bin), giving the same line as `eval CHECKPOINT`."""
+    from coppelius.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "test", "--backend", "reference", "--stream", str(stream),
+                 "--run-dir", str(run), "--steps", "2", "--no-sample"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run / "checkpoint.bin"), "--backend", "reference"]) == 0
+    by_file = capsys.readouterr().out
+    assert main(["eval", str(run), "--backend", "reference"]) == 0
+    assert capsys.readouterr().out == by_file and "loss" in by_file
+    assert main(["eval", str(tmp_path), "--backend", "reference"]) == 2  # no run there
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no checkpoint" in err
