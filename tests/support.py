@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
+import pytest
 
 from coppelius.reference.stream import write_stream
 
@@ -74,3 +78,26 @@ def check_family_fields_reach_the_step(backend: str) -> None:
     rms = Config(**shape, norm="rmsnorm")
     with pytest.raises(ConfigError, match=rf"{backend}: config field norm='rmsnorm'"):
         module.capture(rms, Hyper(), "fp32", 2, random_state(rms, 3))
+
+
+# Test modules run whole on the CuPy backend's CPU stand-ins: a module's
+# tests marked `inside` run only under dev/cuda/emulate.py, which the
+# module's own run_inside_the_emulator(__file__) starts in a process of its own.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMULATE = os.path.join(ROOT, "dev", "cuda", "emulate.py")
+EMULATED = getattr(sys.modules.get("cupy"), "__version__", None) == "emulated"
+inside = pytest.mark.skipif(not EMULATED, reason="runs under dev/cuda/emulate.py, started by "
+                                                 "test_on_the_emulated_backend")
+
+
+def run_inside_the_emulator(test_file: str, timeout: int) -> None:
+    """The module `test_file`'s tests on the stand-ins, in a process of
+    their own; every one must pass."""
+    if EMULATED:
+        pytest.skip("the run itself")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, EMULATE, "--pytest-files", os.path.abspath(test_file),
+                        "-q", "-x", "-p", "no:randomly"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    assert " passed" in p.stdout and "failed" not in p.stdout, p.stdout[-2000:]

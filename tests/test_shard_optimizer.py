@@ -15,32 +15,16 @@ three ranks do not divide (the last shard shorter)."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.support import on_threads, pattern_stream
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMULATE = os.path.join(ROOT, "dev", "cuda", "emulate.py")
-EMULATED = getattr(sys.modules.get("cupy"), "__version__", None) == "emulated"
-inside = pytest.mark.skipif(not EMULATED, reason="runs under dev/cuda/emulate.py, started by "
-                                                 "test_on_the_emulated_backend")
-
+from tests.support import (EMULATED, inside, on_threads, pattern_stream,
+                           run_inside_the_emulator)
 
 def test_on_the_emulated_backend():
-    if EMULATED:
-        pytest.skip("the run itself")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, EMULATE, "--pytest-files", os.path.abspath(__file__),
-                        "-q", "-x", "-p", "no:randomly"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    assert " passed" in p.stdout and "failed" not in p.stdout, p.stdout[-2000:]
+    run_inside_the_emulator(__file__, timeout=900)
 
 
 from coppelius import cli  # noqa: E402
