@@ -94,6 +94,23 @@ def regular_or_absent(path):
     return st
 
 
+def _open_nonblocking_regular(path: str) -> int:
+    """A descriptor of the regular file `path`, opened without blocking:
+    checked before the open (a FIFO or a device is never opened) and again
+    on the open file (one swapped in between is closed, refused)."""
+    if regular_or_absent(path) is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_regular(path):
     """`path` open for reading (binary), refused with an OSError
     (NotRegularFile, IsADirectoryError) unless it is a regular file.
@@ -103,13 +120,8 @@ def open_regular(path):
     effects of its own); opened without blocking and checked again on the
     open file, so that a FIFO swapped in between cannot block either."""
     path = os.fspath(path)
-    if regular_or_absent(path) is None:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = _open_nonblocking_regular(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, st.st_mode)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -124,13 +136,8 @@ def read_bounded(path, limit: int) -> bytes:
     may never come (/proc/kmsg) is an OSError (EAGAIN), not a hang. The
     errors are open_regular's."""
     path = os.fspath(path)
-    if regular_or_absent(path) is None:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = _open_nonblocking_regular(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, st.st_mode)
         pieces, got = [], 0
         while got <= limit:
             try:
