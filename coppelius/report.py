@@ -261,46 +261,38 @@ def decimal_text(q) -> str:
     return f"{sign}{digits[:-places]}.{digits[-places:]}".rstrip("0").rstrip(".")
 
 
-def check_plot_path(path, inputs=()) -> None:
-    """An explicit plot path: a regular file or absent, none of the command's
-    `inputs`, and if it exists, a PNG (a plot a run or report wrote): any
-    other file is not this command's to replace."""
-    output_target(path, "plot")
+def _check_own_output(path, what: str, start: bytes, inputs, kind: str, option: str) -> None:
+    """An output path of this command: a regular file or absent, none of
+    the command's `inputs`, and if it exists, a file that begins with
+    `start` (`kind`: one this command or a run wrote); any other file is not
+    the command's to replace."""
+    output_target(path, what)
     for other in inputs:
         if same_file(path, other):
-            raise OutputError(f"plot {path}: is {other}, an input of this command")
+            raise OutputError(f"{what} {path}: is {other}, an input of this command (or its other output)")
     try:
         with open_regular(path) as f:
-            magic = f.read(len(PNG_MAGIC))
+            found = f.read(len(start))
     except FileNotFoundError:
         return
     except OSError as e:
-        raise OutputError(f"plot {path}: cannot read what is there ({e.strerror or e})") from None
-    if magic != PNG_MAGIC:
-        raise OutputError(f"plot {path}: exists and is not a PNG; refusing to replace it "
-                          f"(give --plot another path)")
+        raise OutputError(f"{what} {path}: cannot read what is there ({e.strerror or e})") from None
+    if found != start:
+        raise OutputError(f"{what} {path}: exists and is not {kind}; refusing to replace it "
+                          f"(give {option} another path)")
+
+
+def check_plot_path(path, inputs=()) -> None:
+    """An explicit plot path: if it exists, a PNG (a plot a run or report wrote)."""
+    _check_own_output(path, "plot", PNG_MAGIC, inputs, "a PNG", "--plot")
 
 
 def check_csv_path(path, inputs=()) -> None:
-    """The --csv path: a regular file or absent, none of the command's
-    `inputs` (its result files, its plot), and if it exists, a CSV this
-    command wrote (its first line the CSV_COLUMNS header): any other file
-    is not this command's to replace."""
-    output_target(path, "csv")
-    for other in inputs:
-        if same_file(path, other):
-            raise OutputError(f"csv {path}: is {other}, an input or output of this command")
-    header = (",".join(CSV_COLUMNS) + "\n").encode()
-    try:
-        with open_regular(path) as f:
-            start = f.read(len(header))
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise OutputError(f"csv {path}: cannot read what is there ({e.strerror or e})") from None
-    if start != header:
-        raise OutputError(f"csv {path}: exists and is not a CSV of `coppelius report`; refusing "
-                          f"to replace it (give --csv another path)")
+    """The --csv path (`inputs`: the command's result files and its plot):
+    if it exists, a CSV this command wrote (its first line the CSV_COLUMNS
+    header)."""
+    _check_own_output(path, "csv", (",".join(CSV_COLUMNS) + "\n").encode(), inputs,
+                      "a CSV of `coppelius report`", "--csv")
 
 
 def report_command(args) -> int:
