@@ -15,7 +15,7 @@ import sys
 
 # module -> the subcommands it registers
 MODULES = (
-    "coppelius.data",  # tokenize
+    "coppelius.tokenize",  # tokenize
     "coppelius.train",  # train
     "coppelius.evaluate",  # eval
     "coppelius.report",  # inspect, report

@@ -76,14 +76,12 @@ def _nonnegative(value, name):
 def resolve_options(args) -> tuple:
     """(run_dir, options): the command line over run.json over nothing.
     Paths are remembered absolute, so a run continues from any directory."""
-    from coppelius import data  # tokenizers is imported only when a run needs it
-
     if args.model:
         default_name = os.path.splitext(os.path.basename(args.model))[0]
     elif args.preset is None and args.checkpoint is not None:  # the checkpoint's model, below
         default_name = os.path.splitext(os.path.basename(args.checkpoint))[0]
     else:
-        default_name = args.preset or data.default_preset()
+        default_name = args.preset or default_preset()
     run_dir = args.run_dir or os.path.join("runs", default_name)
     remembered = read_run_file(run_dir)
     options = {}
@@ -233,7 +231,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     backend = options.get("backend") or accelerated.best_backend()
     check_gpus(backend, world)
     module = accelerated.backend_module(backend)  # a clear error when it is not available here
-    name = options.get("preset") or data.default_preset()
+    name = options.get("preset") or default_preset()
     if name not in PRESETS:
         raise RunError(f"preset {name!r}: unknown (choose from {', '.join(sorted(PRESETS))})")
     ckpt = options.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin")
@@ -480,6 +478,17 @@ def _schedule_options(value) -> str:
     decay = f"--decay {inside.get('decay')} " if kind == "wsd" else ""
     return (f"--schedule {kind} --warmup {inside.get('warmup')} --total {inside.get('total')} "
             f"{decay}--floor {inside.get('floor')}")
+
+
+def default_preset() -> str:
+    """`coppelius` where the best backend has a CUDA device (a GPU with CuPy),
+    else `tiny` (SPEC section 15)."""
+    import platform
+
+    from coppelius.accelerated import best_backend, capabilities
+
+    return "coppelius" if capabilities(best_backend()).device_on(platform.system()) == "cuda" \
+        else "tiny"
 
 
 def print_safely(text: str, file=None, end: str = "\n") -> None:

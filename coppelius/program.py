@@ -47,7 +47,7 @@ def main(args) -> int:
     if args.batch < 1:
         raise ConfigError(f"--batch={args.batch}: must be a positive integer")
     if args.preset is None:
-        from coppelius.data import default_preset
+        from coppelius.plan import default_preset
 
         args.preset = default_preset()
     config = preset(args.preset)

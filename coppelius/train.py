@@ -78,7 +78,7 @@ def register(sub) -> None:
                    help="encode --source with this tokenizer.json (or the one in this Hugging "
                         "Face directory) instead of training a BPE on it; its ids must be below "
                         "the model's V (SPEC §22)")
-    from coppelius.data import add_source_options
+    from coppelius.tokenize import add_source_options
 
     add_source_options(p, tokenizer=False)
     p.add_argument("--checkpoint", metavar="PATH", type=path,

@@ -358,7 +358,7 @@ def test_program_alone_reports_the_main_jobs_model(capsys):
     import json
 
     from coppelius.cli import main
-    from coppelius.data import default_preset
+    from coppelius.plan import default_preset
 
     assert main(["program", "--backend", "reference"]) == 0
     doc = json.loads(capsys.readouterr().out)
