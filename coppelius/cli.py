@@ -16,7 +16,7 @@ import sys
 # module -> the subcommands it registers
 MODULES = (
     "coppelius.tokenize",  # tokenize
-    "coppelius.train",  # train
+    "coppelius.train_options",  # train (its run loop: coppelius.train)
     "coppelius.evaluate",  # eval
     "coppelius.report",  # inspect, report
     "coppelius.sample",  # sample
