@@ -1,0 +1,293 @@
+"""The project's own matrix-product kernel on Hopper (kernels/gemm_sm90.cu):
+row-major C (M,N) float32 = A (M,K) @ B (N,K)^T with bfloat16 operands, the
+forward's products (x @ W^T), and the same product with the SwiGLU of the
+gate/up projections done in its epilogue.
+
+The kernel needs sm_90a (wgmma, setmaxnreg), which CuPy's RawModule does
+not target (it names the device's plain architecture itself), so this
+module compiles its source with NVRTC directly (ctypes: the library CuPy
+loads) to a cubin and loads that with CuPy. Operands reach the kernel
+through tensor maps (the copy engine's descriptors), encoded on the host by
+the driver (cuTensorMapEncodeTiled, ctypes into libcuda) and kept in a
+device buffer: a map names one buffer's address, so a product is planned
+once for its buffers (`plan`) and launched as often as needed (`launch`),
+inside a captured graph too.
+
+`map_geometry` and `check_shape`, the pure arithmetic, run without a GPU
+(tests/test_gemm_sm90.py); the rest needs CuPy and a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .compile import KERNEL_DIR
+
+try:
+    import cupy
+except ImportError:  # the backend is simply unavailable
+    cupy = None
+
+FILES = ("common.cuh", "swiglu.cu", "gemm_sm90.cu")  # the module's source, in order
+BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
+
+# name -> Variant; kernels/gemm_sm90.cu's instantiations
+@dataclass(frozen=True)
+class Variant:
+    mt: int  # 64-row blocks of a warpgroup's tile (ping-pong), else 1
+    bn: int  # a tile's columns
+    stages: int
+    epilogue: str  # "f32" or "swiglu"
+    pingpong: bool
+
+    @property
+    def bm(self) -> int:  # a tile's rows
+        return 64 * self.mt if self.pingpong else 128
+
+
+VARIANTS = {
+    "gemm_f32_c_n256_s4": Variant(1, 256, 4, "f32", False),
+    "gemm_f32_c_n128_s6": Variant(1, 128, 6, "f32", False),
+    "gemm_f32_p_m2n128_s6": Variant(2, 128, 6, "f32", True),
+    "gemm_f32_p_m1n256_s5": Variant(1, 256, 5, "f32", True),
+    "gemm_f32_p_m1n128_s8": Variant(1, 128, 8, "f32", True),
+    "gemm_swiglu_c_n256_s4": Variant(1, 256, 4, "swiglu", False),
+    "gemm_swiglu_c_n128_s6": Variant(1, 128, 6, "swiglu", False),
+    "gemm_swiglu_p_m2n128_s6": Variant(2, 128, 6, "swiglu", True),
+    "gemm_swiglu_p_m1n256_s5": Variant(1, 256, 5, "swiglu", True),
+}
+
+# CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
+# CUtensorMapL2promotion, CUtensorMapFloatOOBfill (cuda.h)
+BFLOAT16 = 9
+INTERLEAVE_NONE, SWIZZLE_128B, L2_256B, OOB_ZERO = 0, 3, 3, 0
+MAP_BYTES = 128
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class GemmError(RuntimeError):
+    pass
+
+
+def shared_bytes(v: Variant) -> int:
+    """The dynamic shared memory a variant asks for: the stages, their two
+    barriers each, the two order barriers, and up to 1024 bytes to align
+    the first stage."""
+    return v.stages * (v.bm + v.bn) * BK * 2 + (v.stages + 1) * 16 + 1024
+
+
+@dataclass(frozen=True)
+class MapGeometry:
+    """The arguments of cuTensorMapEncodeTiled for a row-major (rows, cols)
+    bfloat16 matrix of row stride ld (elements): innermost dimension first."""
+
+    dims: tuple  # (cols, rows)
+    strides: tuple  # (ld * 2,) bytes, the row stride (the innermost is implied)
+    box: tuple  # (64, box_rows)
+
+
+def map_geometry(rows: int, cols: int, ld: int, box_rows: int) -> MapGeometry:
+    """The tensor map of a (rows, cols) K-major operand read in boxes of 64
+    K-columns (128 bytes: the 128-byte swizzle's row) by box_rows rows."""
+    if ld < cols:
+        raise ValueError(f"row stride {ld} below the {cols} columns")
+    if (ld * 2) % 16:
+        raise ValueError(f"row stride {ld} elements: the copy engine needs a multiple of 8")
+    if not 1 <= box_rows <= 256:
+        raise ValueError(f"box of {box_rows} rows: 1 to 256")
+    return MapGeometry(dims=(cols, rows), strides=(ld * 2,), box=(BK, box_rows))
+
+
+def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
+    """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
+    16-byte strides and the epilogue's pairs); with the SwiGLU epilogue N is
+    2F, F even."""
+    if min(M, N, K) < 1:
+        raise ValueError(f"empty product {M}x{N}x{K}")
+    if K % 8 or N % 8:
+        raise ValueError(f"product {M}x{N}x{K}: N and K must be multiples of 8")
+    if epilogue == "swiglu" and (N // 2) % 2:
+        raise ValueError(f"swiglu epilogue: N = 2F = {N} needs F even")
+
+
+def tiles(M: int, N: int, v: Variant) -> int:
+    """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
+    columns and as many up columns)."""
+    cols, width = (N // 2, v.bn // 2) if v.epilogue == "swiglu" else (N, v.bn)
+    return -(-M // v.bm) * -(-cols // width)
+
+
+# ---------------------------------------------------------------------------
+# compilation (NVRTC, ctypes) and the driver's tensor maps
+# ---------------------------------------------------------------------------
+
+def module_source() -> str:
+    parts = []
+    for name in FILES:
+        with open(os.path.join(KERNEL_DIR, name), encoding="utf-8") as f:
+            parts.append(f'#line 1 "accelerated/cuda/kernels/{name}"\n{f.read()}')
+    return "\n".join(parts)
+
+
+def compile_options(watchdog: bool = False) -> list:
+    return ["--gpu-architecture=sm_90a", "-std=c++17", "-DOPERAND_BF16",
+            *(["-DGEMM_WATCHDOG"] if watchdog else [])]
+
+
+def _load(kind: str, names: list):
+    """A CUDA library by its candidates' names, after the one the CUDA
+    pathfinder of CuPy 14 finds."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        names = [load_nvidia_dynamic_lib(kind).abs_path, *names]
+    except Exception:
+        pass
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(str(e))
+    raise GemmError(f"lib{kind} not found: " + "; ".join(errors[-3:]))
+
+
+def nvrtc_library():
+    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            names += sorted(glob.glob(os.path.join(base, "*", "lib", "libnvrtc.so*")))
+    except ImportError:
+        pass
+    return _load("nvrtc", names)
+
+
+def compile_cubin(lib=None, source: str | None = None, options: list | None = None):
+    """(cubin bytes, the compiler's log) of the module's source for sm_90a."""
+    lib = lib or nvrtc_library()
+    source = module_source() if source is None else source
+    options = compile_options() if options is None else options
+    prog = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemm_sm90.cu", 0,
+                                    None, None)
+    if status:
+        raise GemmError(f"nvrtcCreateProgram: status {status}")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
+        if status:
+            raise GemmError(f"gemm_sm90.cu did not compile (status {status}):\n{text}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        status = lib.nvrtcGetCUBIN(prog, cubin)
+        if status:
+            raise GemmError(f"nvrtcGetCUBIN: status {status}")
+        return cubin.raw, text
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+_DRIVER = None
+
+
+def driver():
+    global _DRIVER
+    if _DRIVER is None:
+        lib = _load("cuda", ["libcuda.so.1", "libcuda.so"])
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        lib.cuTensorMapEncodeTiled.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
+            u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        _DRIVER = lib
+    return _DRIVER
+
+
+def encode_map(address: int, geometry: MapGeometry) -> bytes:
+    """The 128 bytes of the tensor map of a bfloat16 matrix at address."""
+    out = (ctypes.c_uint8 * MAP_BYTES)()
+    dims = (ctypes.c_uint64 * 2)(*geometry.dims)
+    strides = (ctypes.c_uint64 * 1)(*geometry.strides)
+    box = (ctypes.c_uint32 * 2)(*geometry.box)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    status = driver().cuTensorMapEncodeTiled(
+        ctypes.addressof(out), BFLOAT16, 2, ctypes.c_void_p(address), dims, strides, box, unit,
+        INTERLEAVE_NONE, SWIZZLE_128B, L2_256B, OOB_ZERO)
+    if status:
+        raise GemmError(f"cuTensorMapEncodeTiled: CUresult {status} for {geometry}")
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------------
+# the kernels
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Planned:
+    """One product bound to its buffers: the kernel, its launch and its
+    arguments (the tensor maps live in `maps`, which the plan keeps)."""
+
+    function: object
+    grid: int
+    shared: int
+    args: tuple
+    maps: object  # the device buffer of the two tensor maps
+
+    def launch(self, stream=None) -> None:
+        self.function((self.grid,), (THREADS,), self.args, shared_mem=self.shared,
+                      stream=stream)
+
+
+class Kernels:
+    """The module, compiled and loaded once (needs a Hopper GPU)."""
+
+    def __init__(self, watchdog: bool = False):
+        cubin, self.log = compile_cubin(options=compile_options(watchdog))
+        self.module = cupy.cuda.function.Module()
+        self.module.load(cubin)
+        self.functions = {}
+        for name, v in VARIANTS.items():
+            f = self.module.get_function(name)
+            cupy.cuda.driver.funcSetAttribute(f.ptr, MAX_DYNAMIC_SHARED, shared_bytes(v))
+            self.functions[name] = f
+        self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def plan(self, variant: str, A, B, C, H=None) -> Planned:
+        """C (M,N) float32 = A (M,K) @ B (N,K)^T, A and B bfloat16 (any
+        2-D CuPy arrays of 2-byte items with unit column stride); the
+        SwiGLU variants also write H (M, N/2) bfloat16 bits."""
+        v = VARIANTS[variant]
+        epilogue = v.epilogue
+        (M, K), (N, K2) = A.shape, B.shape
+        if K2 != K or C.shape != (M, N) or C.dtype != np.float32:
+            raise ValueError(f"product shapes: A {A.shape}, B {B.shape}, C {C.shape} {C.dtype}")
+        check_shape(M, N, K, epilogue)
+        if (epilogue == "swiglu") != (H is not None):
+            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+        for x in (A, B):
+            if x.itemsize != 2 or x.strides[1] != 2:
+                raise ValueError("operands: bfloat16 rows with unit column stride")
+        if C.strides[1] != 4:
+            raise ValueError("C: float32 rows with unit column stride")
+        box_b = v.bn // 2 if epilogue == "swiglu" else v.bn
+        maps = cupy.asarray(np.frombuffer(
+            encode_map(A.data.ptr, map_geometry(M, K, A.strides[0] // 2, v.bm))
+            + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, box_b)),
+            dtype=np.uint8))
+        assert maps.data.ptr % 64 == 0
+        grid = min(self.multiprocessors, tiles(M, N, v))
+        args = (maps, np.int32(M), np.int32(N), np.int32(K), C, np.int32(C.strides[0] // 4),
+                H if H is not None else np.uint64(0))
+        return Planned(self.functions[variant], grid, shared_bytes(v), args, maps)

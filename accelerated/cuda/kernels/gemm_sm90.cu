@@ -1,0 +1,370 @@
+// ---------------------------------------------------------------- gemm_sm90
+
+// Row-major C (M,N) float32 = A (M,K) @ B (N,K)^T: bfloat16 operands, float32
+// accumulation, on Hopper (sm_90a), as the forward's products compute them
+// (x @ W^T, W (out, in) row-major: both operands K-major). A module of its
+// own (accelerated/cuda/gemm.py), compiled for sm_90a after common.cuh and
+// swiglu.cu, whose formula the SwiGLU epilogue shares.
+//
+// The design (dev/cuda/NOTES.md, "A product kernel of the project's own"):
+// - a persistent grid (one block per multiprocessor), the (BM x BN) output
+//   tiles taken in row-major order, tile i by block i mod gridDim.x;
+// - three warpgroups: the first, one thread, loads the K-slabs of A (BM x 64)
+//   and B (BN x 64) with the tensor copy engine (TMA, 128-byte swizzle)
+//   into a ring of STAGES shared-memory stages, each completing on its
+//   `full` barrier; the other two each multiply 64 rows of the tile with
+//   wgmma (m64nBNk16, both operands from shared memory), keep one batch in
+//   flight, and hand a stage back on its `empty` barrier;
+// - the K order is fixed (slab after slab, 16 at a time within a slab) and
+//   no atomics: a replay gives the same bits;
+// - the epilogue works on the float32 accumulators in registers: EPI_F32
+//   stores them; EPI_SWIGLU (B the fused (2F, D) gate/up weights, each tile
+//   BN/2 gate columns and the same BN/2 up columns) stores gu (M, 2F) and
+//   a (M, F) = silu(g) * u as the swiglu kernel computes it, as bfloat16.
+//
+// Shapes: K and N multiples of 8 (TMA's 16-byte row strides), M any; the
+// last tiles' rows and columns past the matrix are read as zeros (TMA) and
+// not stored.
+
+typedef unsigned long long u64;
+
+// A CUtensorMap, encoded on the host (gemm.py: cuTensorMapEncodeTiled) and
+// kept in device memory, 64-byte aligned.
+struct __align__(64) TensorMap { u64 word[16]; };
+
+#define GEMM_BM 128
+#define GEMM_BK 64
+#define GEMM_THREADS 384
+#define EPI_F32 0
+#define EPI_SWIGLU 1
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// -- barriers (mbarrier, in shared memory) ---------------------------------
+__device__ __forceinline__ void bar_init(u64* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// the arrival of the thread that issues the copies, and the bytes they bring
+__device__ __forceinline__ void bar_expect(u64* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+                 "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ bool bar_try(u64* bar, unsigned parity) {
+    unsigned done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done;
+}
+
+// wait until the barrier's phase of this parity has completed (a fresh
+// barrier counts its phase "-1", of parity 1, as completed). With
+// GEMM_WATCHDOG defined (dev/cuda/gemm_check.py), a wait of more than two
+// seconds prints where it waits and traps, instead of hanging the device.
+__device__ __forceinline__ void bar_wait(u64* bar, unsigned parity) {
+#ifdef GEMM_WATCHDOG
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (unsigned spins = 1; !bar_try(bar, parity); spins++) {
+        if (spins % 1024 == 0) {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - start > 2000000000ull) {
+                printf("gemm watchdog: block %d thread %d waits on barrier %u parity %u\n",
+                       blockIdx.x, threadIdx.x, smem_addr(bar), parity);
+                __trap();
+            }
+        }
+    }
+#else
+    while (!bar_try(bar, parity)) {
+    }
+#endif
+}
+
+// -- the tensor copy engine ---------------------------------------------------
+// the box of `map` at element coordinates (x along K, y along rows) -> dst,
+// completing on bar
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* bar, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
+        "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y) : "memory");
+}
+
+// -- wgmma ------------------------------------------------------------------------
+// The shared-memory matrix descriptor of a K-major tile in TMA's 128-byte
+// swizzle: rows of 64 bfloat16 (128 bytes), 8-row groups 1024 bytes apart;
+// p the first element of the 16 K-columns a wgmma reads (a step of 16 along
+// K is 32 bytes into the swizzled row, as the hardware applies the swizzle
+// to the address).
+__device__ __forceinline__ u64 smem_desc(const void* p) {
+    u64 a = smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// D (64 x 256) += A (64 x 16) B (16 x 256): 128 float32 accumulators a thread
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D (64 x 128) += A (64 x 16) B (16 x 128): 64 float32 accumulators a thread
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+
+template <int BN>
+__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], u64 a, u64 b, int accumulate) {
+    if constexpr (BN == 256) wgmma_n256(d, a, b, accumulate);
+    else wgmma_n128(d, a, b, accumulate);
+}
+
+// -- the kernel -------------------------------------------------------------------
+// The epilogue of one warpgroup's 64 x BN accumulators d, rows from `row`
+// (this thread's first; its second is row + 8), the tile's first column
+// col0 (EPI_SWIGLU: its first gate column).
+template <int BN, int EPI>
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row, int col0, int M,
+                                           int N, float* __restrict__ C, int ldc,
+                                           unsigned short* __restrict__ H) {
+    const int lane = threadIdx.x % 32;
+    if constexpr (EPI == EPI_F32) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int col = col0 + j * 8 + 2 * (lane % 4);
+            if (col < N) {
+                if (row < M)
+                    *reinterpret_cast<float2*>(C + (long long)row * ldc + col) =
+                        make_float2(d[4 * j], d[4 * j + 1]);
+                if (row + 8 < M)
+                    *reinterpret_cast<float2*>(C + (long long)(row + 8) * ldc + col) =
+                        make_float2(d[4 * j + 2], d[4 * j + 3]);
+            }
+        }
+    } else {
+        constexpr int UP = BN / 16;  // the up columns' first index j
+        const int F = N / 2;
+#pragma unroll
+        for (int j = 0; j < BN / 16; j++) {
+            const int col = col0 + j * 8 + 2 * (lane % 4);
+            if (col < F) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = row + 8 * h;
+                    if (r < M) {
+                        const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
+                        const float u0 = d[4 * (j + UP) + 2 * h], u1 = d[4 * (j + UP) + 2 * h + 1];
+                        float* gu = C + (long long)r * ldc;
+                        *reinterpret_cast<float2*>(gu + col) = make_float2(g0, g1);
+                        *reinterpret_cast<float2*>(gu + F + col) = make_float2(u0, u1);
+                        *reinterpret_cast<unsigned*>(H + (long long)r * F + col) =
+                            pack_bf16x2(swiglu_value(g0, sigmoid(g0), u0),
+                                        swiglu_value(g1, sigmoid(g1), u1));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Two schedules of the multiplying warpgroups over the block's tiles:
+// - cooperative (PINGPONG false, MT 1): a tile is 128 x BN, each warpgroup
+//   its 64 rows, both on every slab (a stage goes back when both are done);
+// - ping-pong: a tile is 64*MT x BN, and the warpgroups take the block's
+//   tiles in turn, each on the slabs of its own tiles only (the ring
+//   holds them in tile order), so one's epilogue runs while the other
+//   multiplies. Their mainloops take turns (the `order` barriers: each
+//   starts when the other's is done), which also keeps every wait on a
+//   stage's barrier at most one phase ahead of it, as a parity wait needs.
+// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU: 64 x BN/2).
+// EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
+// H = a (M, F) bfloat16 bits.
+template <int MT, int BN, int STAGES, int EPI, bool PINGPONG>
+__device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
+                                        float* __restrict__ C, int ldc,
+                                        unsigned short* __restrict__ H) {
+    static_assert(PINGPONG || MT == 1, "the cooperative tile is two warpgroups' 64 rows");
+    constexpr int BM = PINGPONG ? 64 * MT : 128;  // a tile's rows
+    constexpr int A_BYTES = BM * GEMM_BK * 2, B_BYTES = BN * GEMM_BK * 2;
+    constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    // the swizzle's atoms are 1024 bytes: the stages start 1024-aligned
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES);
+    u64* empty = full + STAGES;
+    u64* order = empty + STAGES;  // ping-pong: order[c], warpgroup c's turn to multiply
+
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int F = N / 2;                                // EPI_SWIGLU
+    const int cols = EPI == EPI_SWIGLU ? F : N;         // the tiles cover these columns
+    const int width = EPI == EPI_SWIGLU ? BN / 2 : BN;  // of them, a tile's
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (cols + width - 1) / width;
+    const int tiles = tiles_m * tiles_n, slabs = (K + GEMM_BK - 1) / GEMM_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            bar_init(&full[s], 1);                  // the loading thread's arrival (and the bytes)
+            bar_init(&empty[s], PINGPONG ? 1 : 2);  // the multiplying warpgroups' arrivals
+        }
+        bar_init(&order[0], 1);
+        bar_init(&order[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // the loads
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (t == 0) {
+            int s = 0;
+            unsigned phase = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int tm = tile / tiles_n, tn = tile % tiles_n;
+                for (int kb = 0; kb < slabs; kb++) {
+                    bar_wait(&empty[s], phase ^ 1);
+                    bar_expect(&full[s], STAGE_BYTES);
+                    unsigned char* sa = smem + s * STAGE_BYTES;
+                    tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
+                    if constexpr (EPI == EPI_SWIGLU) {
+                        tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tn * width);
+                        tma_load(sa + A_BYTES + B_BYTES / 2, &maps[1], &full[s], kb * GEMM_BK,
+                                 F + tn * width);
+                    } else {
+                        tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tn * width);
+                    }
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {  // the products
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = wg - 1, warp = t / 32, lane = t % 32;
+        float d[MT][BN / 2];
+        int s = 0, turn = 0, mine = 0;  // the block's tiles so far, and this warpgroup's
+        unsigned phase = 0;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, turn++) {
+            if (PINGPONG && (turn & 1) != c) {  // the other warpgroup's: skip its slabs
+                const int at = s + slabs;
+                phase ^= (at / STAGES) & 1;
+                s = at % STAGES;
+                continue;
+            }
+            const int tm = tile / tiles_n, tn = tile % tiles_n;
+            if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
+                bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
+            int held = -1;  // the stage the batch in flight reads
+            for (int kb = 0; kb < slabs; kb++) {
+                bar_wait(&full[s], phase);
+                unsigned char* sa = smem + s * STAGE_BYTES + (PINGPONG ? 0 : c * 64 * 128);
+                unsigned char* sb = smem + s * STAGE_BYTES + A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < GEMM_BK / 16; k++)
+#pragma unroll
+                    for (int m = 0; m < MT; m++)
+                        wgmma_tile<BN>(d[m], smem_desc(sa + m * 64 * 128 + 32 * k),
+                                       smem_desc(sb + 32 * k), kb > 0 || k > 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous batch is done: its stage goes back
+                if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+                held = s;
+                if (++s == STAGES) s = 0, phase ^= 1;
+            }
+            wgmma_wait<0>();
+            if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+            if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
+            mine++;
+            // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows apart
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+                store_tile<BN, EPI>(d[m],
+                                    tm * BM + (PINGPONG ? m * 64 : c * 64) + warp * 16 + lane / 4,
+                                    tn * width, M, N, C, ldc, H);
+        }
+    }
+}
+
+// the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong; m the
+// 64-row blocks of a warpgroup's tile, n the tile's columns, s the stages
+#define GEMM_KERNEL(NAME, MT, BN, STAGES, EPI, PINGPONG)                                      \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                             \
+        NAME(const TensorMap* __restrict__ maps, int M, int N, int K, float* __restrict__ C, \
+             int ldc, unsigned short* __restrict__ H) {                                       \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG>(maps, M, N, K, C, ldc, H);                     \
+    }
+
+GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
+GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
+GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
+GEMM_KERNEL(gemm_f32_p_m1n256_s5, 1, 256, 5, EPI_F32, true)
+GEMM_KERNEL(gemm_f32_p_m1n128_s8, 1, 128, 8, EPI_F32, true)
+GEMM_KERNEL(gemm_swiglu_c_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
+GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
+GEMM_KERNEL(gemm_swiglu_p_m2n128_s6, 2, 128, 6, EPI_SWIGLU, true)
+GEMM_KERNEL(gemm_swiglu_p_m1n256_s5, 1, 256, 5, EPI_SWIGLU, true)
