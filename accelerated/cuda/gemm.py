@@ -44,22 +44,30 @@ class Variant:
     stages: int
     epilogue: str  # "f32" or "swiglu"
     pingpong: bool
+    cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
 
     @property
     def bm(self) -> int:  # a tile's rows
         return 64 * self.mt if self.pingpong else 128
+
+    @property
+    def box_b(self) -> int:  # the rows of B one copy brings
+        return self.bn // 2 if self.epilogue == "swiglu" or self.cluster == 2 else self.bn
 
 
 VARIANTS = {
     "gemm_f32_c_n256_s4": Variant(1, 256, 4, "f32", False),
     "gemm_f32_c_n128_s6": Variant(1, 128, 6, "f32", False),
     "gemm_f32_p_m2n128_s6": Variant(2, 128, 6, "f32", True),
-    "gemm_f32_p_m1n256_s5": Variant(1, 256, 5, "f32", True),
     "gemm_f32_p_m1n128_s8": Variant(1, 128, 8, "f32", True),
+    "gemm_f32_c2_n256_s4": Variant(1, 256, 4, "f32", False, 2),
+    "gemm_f32_c2_n128_s6": Variant(1, 128, 6, "f32", False, 2),
+    "gemm_f32_p2_m2n128_s6": Variant(2, 128, 6, "f32", True, 2),
     "gemm_swiglu_c_n256_s4": Variant(1, 256, 4, "swiglu", False),
     "gemm_swiglu_c_n128_s6": Variant(1, 128, 6, "swiglu", False),
-    "gemm_swiglu_p_m2n128_s6": Variant(2, 128, 6, "swiglu", True),
-    "gemm_swiglu_p_m1n256_s5": Variant(1, 256, 5, "swiglu", True),
+    "gemm_swiglu_c2_n256_s4": Variant(1, 256, 4, "swiglu", False, 2),
+    "gemm_swiglu_c2_n128_s6": Variant(1, 128, 6, "swiglu", False, 2),
+    "gemm_swiglu_p2_m2n128_s6": Variant(2, 128, 6, "swiglu", True, 2),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -105,21 +113,28 @@ def map_geometry(rows: int, cols: int, ld: int, box_rows: int) -> MapGeometry:
 
 def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
-    16-byte strides and the epilogue's pairs); with the SwiGLU epilogue N is
-    2F, F even."""
+    16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
+    epilogue N is 2F, so F is a multiple of 4)."""
+    if epilogue not in ("f32", "swiglu"):
+        raise ValueError(f"epilogue {epilogue!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
     if K % 8 or N % 8:
         raise ValueError(f"product {M}x{N}x{K}: N and K must be multiples of 8")
-    if epilogue == "swiglu" and (N // 2) % 2:
-        raise ValueError(f"swiglu epilogue: N = 2F = {N} needs F even")
 
 
 def tiles(M: int, N: int, v: Variant) -> int:
     """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
-    columns and as many up columns)."""
+    columns and as many up columns; in clusters of two, a pair of tiles
+    one above the other counts as two, the lower one past M too)."""
     cols, width = (N // 2, v.bn // 2) if v.epilogue == "swiglu" else (N, v.bn)
-    return -(-M // v.bm) * -(-cols // width)
+    return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
+
+
+def grid(M: int, N: int, v: Variant, multiprocessors: int) -> int:
+    """Blocks of the persistent grid: one per multiprocessor, at most one
+    per tile, a multiple of the cluster."""
+    return min(multiprocessors, tiles(M, N, v)) // v.cluster * v.cluster
 
 
 # ---------------------------------------------------------------------------
@@ -281,13 +296,12 @@ class Kernels:
                 raise ValueError("operands: bfloat16 rows with unit column stride")
         if C.strides[1] != 4:
             raise ValueError("C: float32 rows with unit column stride")
-        box_b = v.bn // 2 if epilogue == "swiglu" else v.bn
         maps = cupy.asarray(np.frombuffer(
             encode_map(A.data.ptr, map_geometry(M, K, A.strides[0] // 2, v.bm))
-            + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, box_b)),
+            + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, v.box_b)),
             dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
-        grid = min(self.multiprocessors, tiles(M, N, v))
         args = (maps, np.int32(M), np.int32(N), np.int32(K), C, np.int32(C.strides[0] // 4),
                 H if H is not None else np.uint64(0))
-        return Planned(self.functions[variant], grid, shared_bytes(v), args, maps)
+        return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors),
+                       shared_bytes(v), args, maps)

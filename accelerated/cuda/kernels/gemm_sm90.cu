@@ -93,6 +93,28 @@ __device__ __forceinline__ void bar_wait(u64* bar, unsigned parity) {
 #endif
 }
 
+// the arrival on barrier `bar` of the block of rank `cta` in the cluster
+// (the same shared-memory offset there)
+__device__ __forceinline__ void bar_arrive_cta(u64* bar, unsigned cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
+            smem_addr(bar)),
+        "r"(cta) : "memory");
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// every thread of the cluster's blocks (not necessarily converged)
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 // -- the tensor copy engine ---------------------------------------------------
 // the box of `map` at element coordinates (x along K, y along rows) -> dst,
 // completing on bar
@@ -101,6 +123,16 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* b
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
         "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y) : "memory");
+}
+
+// the same box into dst of every block of the cluster in `mask`, each
+// completing on its own barrier at bar's offset
+__device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* map, u64* bar, int x,
+                                                   int y, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+        "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y), "h"(mask) : "memory");
 }
 
 // -- wgmma ------------------------------------------------------------------------
@@ -234,6 +266,18 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row, in
     }
 }
 
+// a stage handed back: to this block's loads, and with CL 2 to the peer's
+// too (whose copies write into this block's stage)
+template <int CL>
+__device__ __forceinline__ void release(u64* bar) {
+    if constexpr (CL == 2) {
+        bar_arrive_cta(bar, 0);
+        bar_arrive_cta(bar, 1);
+    } else {
+        bar_arrive(bar);
+    }
+}
+
 // Two schedules of the multiplying warpgroups over the block's tiles:
 // - cooperative (PINGPONG false, MT 1): a tile is 128 x BN, each warpgroup
 //   its 64 rows, both on every slab (a stage goes back when both are done);
@@ -243,10 +287,14 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], int row, in
 //   multiplies. Their mainloops take turns (the `order` barriers: each
 //   starts when the other's is done), which also keeps every wait on a
 //   stage's barrier at most one phase ahead of it, as a parity wait needs.
-// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU: 64 x BN/2).
+// - CL = 2: clusters of two blocks, on tiles (tm, tn) and (tm + 1, tn),
+//   share B's slabs: each block loads half of a slab and the copy engine
+//   writes it into both (multicast), so a stage goes back when the
+//   warpgroups of both blocks are done with it.
+// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2).
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits.
-template <int MT, int BN, int STAGES, int EPI, bool PINGPONG>
+template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL>
 __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
                                         float* __restrict__ C, int ldc,
                                         unsigned short* __restrict__ H) {
@@ -266,32 +314,42 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     const int cols = EPI == EPI_SWIGLU ? F : N;         // the tiles cover these columns
     const int width = EPI == EPI_SWIGLU ? BN / 2 : BN;  // of them, a tile's
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (cols + width - 1) / width;
-    const int tiles = tiles_m * tiles_n, slabs = (K + GEMM_BK - 1) / GEMM_BK;
+    const int slabs = (K + GEMM_BK - 1) / GEMM_BK;
+    // the block's work: items first, first + step, ... of `items`; item i is
+    // the tile (CL * (i / tiles_n) + rank, i % tiles_n)
+    const unsigned rank = CL == 2 ? cluster_rank() : 0;
+    const int items = (tiles_m + CL - 1) / CL * tiles_n;
+    const int first = blockIdx.x / CL, step = gridDim.x / CL;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             bar_init(&full[s], 1);                  // the loading thread's arrival (and the bytes)
-            bar_init(&empty[s], PINGPONG ? 1 : 2);  // the multiplying warpgroups' arrivals
+            bar_init(&empty[s], (PINGPONG ? 1 : 2) * CL);  // the multiplying warpgroups' arrivals
         }
         bar_init(&order[0], 1);
         bar_init(&order[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    if constexpr (CL == 2) cluster_sync();  // the peer's barriers are ready too
+    else __syncthreads();
 
     if (wg == 0) {  // the loads
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (t == 0) {
             int s = 0;
             unsigned phase = 0;
-            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-                const int tm = tile / tiles_n, tn = tile % tiles_n;
+            for (int i = first; i < items; i += step) {
+                const int tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
                 for (int kb = 0; kb < slabs; kb++) {
                     bar_wait(&empty[s], phase ^ 1);
                     bar_expect(&full[s], STAGE_BYTES);
                     unsigned char* sa = smem + s * STAGE_BYTES;
                     tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
-                    if constexpr (EPI == EPI_SWIGLU) {
+                    if constexpr (CL == 2) {  // this block's half of B, into both blocks
+                        const int rows = rank * (EPI == EPI_SWIGLU ? F : BN / 2) + tn * width;
+                        tma_load_multicast(sa + A_BYTES + rank * (B_BYTES / 2), &maps[1], &full[s],
+                                           kb * GEMM_BK, rows, 0x3);
+                    } else if constexpr (EPI == EPI_SWIGLU) {
                         tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tn * width);
                         tma_load(sa + A_BYTES + B_BYTES / 2, &maps[1], &full[s], kb * GEMM_BK,
                                  F + tn * width);
@@ -308,14 +366,14 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
         float d[MT][BN / 2];
         int s = 0, turn = 0, mine = 0;  // the block's tiles so far, and this warpgroup's
         unsigned phase = 0;
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, turn++) {
+        for (int i = first; i < items; i += step, turn++) {
             if (PINGPONG && (turn & 1) != c) {  // the other warpgroup's: skip its slabs
                 const int at = s + slabs;
                 phase ^= (at / STAGES) & 1;
                 s = at % STAGES;
                 continue;
             }
-            const int tm = tile / tiles_n, tn = tile % tiles_n;
+            const int tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
             int held = -1;  // the stage the batch in flight reads
@@ -332,15 +390,17 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                        smem_desc(sb + 32 * k), kb > 0 || k > 0);
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous batch is done: its stage goes back
-                if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+                if (held >= 0 && t == 0) release<CL>(&empty[held]);
                 held = s;
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
             wgmma_wait<0>();
-            if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+            if (held >= 0 && t == 0) release<CL>(&empty[held]);
             if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
             mine++;
-            // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows apart
+            // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
+            // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
+            if (ldc > 0)
 #pragma unroll
             for (int m = 0; m < MT; m++)
                 store_tile<BN, EPI>(d[m],
@@ -348,23 +408,35 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                     tn * width, M, N, C, ldc, H);
         }
     }
+    // no block leaves while its peer may still arrive on its barriers
+    if constexpr (CL == 2) cluster_sync();
 }
 
-// the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong; m the
-// 64-row blocks of a warpgroup's tile, n the tile's columns, s the stages
+// the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong, c2 and
+// p2 in clusters of two; m the 64-row blocks of a warpgroup's tile, n the
+// tile's columns, s the stages
 #define GEMM_KERNEL(NAME, MT, BN, STAGES, EPI, PINGPONG)                                      \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                             \
         NAME(const TensorMap* __restrict__ maps, int M, int N, int K, float* __restrict__ C, \
              int ldc, unsigned short* __restrict__ H) {                                       \
-        gemm_tn<MT, BN, STAGES, EPI, PINGPONG>(maps, M, N, K, C, ldc, H);                     \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, C, ldc, H);                  \
+    }
+#define GEMM_KERNEL_PAIR(NAME, MT, BN, STAGES, EPI, PINGPONG)                                 \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
+        NAME(const TensorMap* __restrict__ maps, int M, int N, int K, float* __restrict__ C, \
+             int ldc, unsigned short* __restrict__ H) {                                       \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 2>(maps, M, N, K, C, ldc, H);                  \
     }
 
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
-GEMM_KERNEL(gemm_f32_p_m1n256_s5, 1, 256, 5, EPI_F32, true)
 GEMM_KERNEL(gemm_f32_p_m1n128_s8, 1, 128, 8, EPI_F32, true)
+GEMM_KERNEL_PAIR(gemm_f32_c2_n256_s4, 1, 256, 4, EPI_F32, false)
+GEMM_KERNEL_PAIR(gemm_f32_c2_n128_s6, 1, 128, 6, EPI_F32, false)
+GEMM_KERNEL_PAIR(gemm_f32_p2_m2n128_s6, 2, 128, 6, EPI_F32, true)
 GEMM_KERNEL(gemm_swiglu_c_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
 GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
-GEMM_KERNEL(gemm_swiglu_p_m2n128_s6, 2, 128, 6, EPI_SWIGLU, true)
-GEMM_KERNEL(gemm_swiglu_p_m1n256_s5, 1, 256, 5, EPI_SWIGLU, true)
+GEMM_KERNEL_PAIR(gemm_swiglu_c2_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
+GEMM_KERNEL_PAIR(gemm_swiglu_c2_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
+GEMM_KERNEL_PAIR(gemm_swiglu_p2_m2n128_s6, 2, 128, 6, EPI_SWIGLU, true)

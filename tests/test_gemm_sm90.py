@@ -1,0 +1,98 @@
+"""The product kernel of the project's own (accelerated/cuda/gemm.py and
+kernels/gemm_sm90.cu) without a GPU: the host's arithmetic (tensor-map
+geometry, the shapes taken, the tiles and the grid) against brute-force
+counts, each variant's shared memory within Hopper's limit, the variants'
+table against the source's instantiations, and, where NVIDIA's NVRTC is
+installed, the source compiled for sm_90a with the wgmma instructions
+kept. The kernels themselves run in tests/cuda/test_gemm_sm90.py (on an
+H100/H200) and dev/cuda/gemm_check.py."""
+
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from coppelius.accelerated.cuda import gemm
+
+SHARED_LIMIT = 227 * 1024  # a Hopper block's dynamic shared memory at most
+
+
+def test_every_variant_fits_a_hopper_multiprocessor():
+    for name, v in gemm.VARIANTS.items():
+        stage = (v.bm + v.bn) * gemm.BK * 2
+        assert gemm.shared_bytes(v) >= v.stages * stage + 1024, name
+        assert gemm.shared_bytes(v) <= SHARED_LIMIT, (name, gemm.shared_bytes(v))
+        # at most 128 float32 accumulators a thread: what 232 registers hold
+        assert v.mt * v.bn // 2 <= 128, name
+
+
+def test_the_variants_are_the_sources_instantiations():
+    with open(f"{gemm.KERNEL_DIR}/gemm_sm90.cu", encoding="utf-8") as f:
+        source = f.read()
+    found = {}
+    for macro, name, mt, bn, stages, epi, pingpong in re.findall(
+            r"^(GEMM_KERNEL(?:_PAIR)?)\((\w+), (\d+), (\d+), (\d+), EPI_(\w+), (true|false)\)",
+            source, re.M):
+        found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(),
+                                   pingpong == "true", 2 if macro.endswith("PAIR") else 1)
+    assert found == gemm.VARIANTS
+
+
+def test_map_geometry_is_innermost_first_in_bytes():
+    g = gemm.map_geometry(rows=1000, cols=200, ld=264, box_rows=128)
+    assert g.dims == (200, 1000) and g.strides == (528,) and g.box == (64, 128)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemm.map_geometry(10, 20, 20, 64)  # 40-byte rows
+    with pytest.raises(ValueError, match="below"):
+        gemm.map_geometry(10, 64, 56, 64)
+    with pytest.raises(ValueError, match="1 to 256"):
+        gemm.map_geometry(10, 64, 64, 512)
+
+
+def test_shapes_the_kernel_refuses():
+    gemm.check_shape(1, 8, 8, "f32")
+    for M, N, K in ((0, 8, 8), (8, 12, 8), (8, 8, 20)):
+        with pytest.raises(ValueError):
+            gemm.check_shape(M, N, K, "f32")
+
+
+@settings(max_examples=200, deadline=None)
+@given(M=st.integers(1, 3000), N=st.integers(1, 400).map(lambda n: 8 * n),
+       name=st.sampled_from(sorted(gemm.VARIANTS)), sms=st.integers(2, 200))
+def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, sms):
+    """The kernel's tiles, counted by walking the output: each (row,
+    column) of C (of gu's gate half with the SwiGLU epilogue, whose tiles
+    also carry the up half) lies in exactly one tile, and in clusters of
+    two the tiles come in vertical pairs."""
+    v = gemm.VARIANTS[name]
+    cols, width = (N // 2, v.bn // 2) if v.epilogue == "swiglu" else (N, v.bn)
+    origins = set()
+    r = 0
+    while r < M:
+        c = 0
+        while c < cols:
+            origins.add((r, c))
+            c += width
+        r += v.bm
+    pairs_m = -(-M // (v.bm * v.cluster))
+    assert gemm.tiles(M, N, v) == (len(origins) if v.cluster == 1 else
+                                   pairs_m * v.cluster * -(-cols // width))
+    assert gemm.tiles(M, N, v) >= len(origins)
+    g = gemm.grid(M, N, v, sms)
+    assert g % v.cluster == 0 and 0 < g <= sms or gemm.tiles(M, N, v) < v.cluster
+    assert g <= gemm.tiles(M, N, v)
+
+
+def test_the_source_compiles_for_sm90a_with_wgmma():
+    try:
+        lib = gemm.nvrtc_library()
+    except gemm.GemmError:
+        pytest.skip("NVIDIA's NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    cubin, log = gemm.compile_cubin(lib, options=gemm.compile_options()
+                                    + ["--ptxas-options=-v"])
+    assert cubin[:4] == b"\x7fELF"
+    # no spills, and setmaxnreg honoured (ptxas warns C7508 when it is not)
+    assert "C7508" not in log
+    assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", log), log
+    for name in gemm.VARIANTS:
+        assert f"'{name}'" in log
