@@ -41,8 +41,11 @@ def test_the_variants_are_the_sources_instantiations():
 def test_map_geometry_is_innermost_first_in_bytes():
     g = gemm.map_geometry(rows=1000, cols=200, ld=264, box_rows=128)
     assert g.dims == (200, 1000) and g.strides == (528,) and g.box == (64, 128)
-    with pytest.raises(ValueError, match="multiple of 8"):
+    assert gemm.map_geometry(1000, 520, 520, 64, item=4).box == (32, 64)  # C's, float32
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
         gemm.map_geometry(10, 20, 20, 64)  # 40-byte rows
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        gemm.map_geometry(10, 6, 6, 64, item=4)
     with pytest.raises(ValueError, match="below"):
         gemm.map_geometry(10, 64, 56, 64)
     with pytest.raises(ValueError, match="1 to 256"):

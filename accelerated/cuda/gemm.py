@@ -42,13 +42,17 @@ class Variant:
     mt: int  # 64-row blocks of a warpgroup's tile (ping-pong), else 1
     bn: int  # a tile's columns
     stages: int
-    epilogue: str  # "f32" or "swiglu"
+    epilogue: str  # "f32", "f32_tma" (stored by the copy engine) or "swiglu"
     pingpong: bool
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
 
     @property
     def bm(self) -> int:  # a tile's rows
         return 64 * self.mt if self.pingpong else 128
+
+    @property
+    def staging_rows(self) -> int:  # a warpgroup's rows of C (f32_tma: staged)
+        return 64 * self.mt if self.pingpong else 64
 
     @property
     def box_b(self) -> int:  # the rows of B one copy brings
@@ -63,6 +67,10 @@ VARIANTS = {
     "gemm_f32_c2_n256_s4": Variant(1, 256, 4, "f32", False, 2),
     "gemm_f32_c2_n128_s6": Variant(1, 128, 6, "f32", False, 2),
     "gemm_f32_p2_m2n128_s6": Variant(2, 128, 6, "f32", True, 2),
+    "gemm_f32t_c_n256_s4": Variant(1, 256, 4, "f32_tma", False),
+    "gemm_f32t_c_n128_s6": Variant(1, 128, 6, "f32_tma", False),
+    "gemm_f32t_p_m2n128_s4": Variant(2, 128, 4, "f32_tma", True),
+    "gemm_f32t_p_m1n256_s4": Variant(1, 256, 4, "f32_tma", True),
     "gemm_swiglu_c_n256_s4": Variant(1, 256, 4, "swiglu", False),
     "gemm_swiglu_c_n128_s6": Variant(1, 128, 6, "swiglu", False),
     "gemm_swiglu_c2_n256_s4": Variant(1, 256, 4, "swiglu", False, 2),
@@ -72,7 +80,7 @@ VARIANTS = {
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
 # CUtensorMapL2promotion, CUtensorMapFloatOOBfill (cuda.h)
-BFLOAT16 = 9
+FLOAT32, BFLOAT16 = 7, 9
 INTERLEAVE_NONE, SWIZZLE_128B, L2_256B, OOB_ZERO = 0, 3, 3, 0
 MAP_BYTES = 128
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -83,10 +91,12 @@ class GemmError(RuntimeError):
 
 
 def shared_bytes(v: Variant) -> int:
-    """The dynamic shared memory a variant asks for: the stages, their two
-    barriers each, the two order barriers, and up to 1024 bytes to align
-    the first stage."""
-    return v.stages * (v.bm + v.bn) * BK * 2 + (v.stages + 1) * 16 + 1024
+    """The dynamic shared memory a variant asks for: the stages, the f32_tma
+    staging buffers (two per multiplying warpgroup, each its rows of 32
+    float32), the stages' two barriers each, the two order barriers, and
+    up to 1024 bytes to align the first stage."""
+    staging = 2 * 2 * v.staging_rows * 128 if v.epilogue == "f32_tma" else 0
+    return v.stages * (v.bm + v.bn) * BK * 2 + staging + (v.stages + 1) * 16 + 1024
 
 
 @dataclass(frozen=True)
@@ -99,23 +109,26 @@ class MapGeometry:
     box: tuple  # (64, box_rows)
 
 
-def map_geometry(rows: int, cols: int, ld: int, box_rows: int) -> MapGeometry:
-    """The tensor map of a (rows, cols) K-major operand read in boxes of 64
-    K-columns (128 bytes: the 128-byte swizzle's row) by box_rows rows."""
+def map_geometry(rows: int, cols: int, ld: int, box_rows: int, item: int = 2) -> MapGeometry:
+    """The tensor map of a row-major (rows, cols) matrix of `item`-byte
+    elements moved in boxes of 128 bytes of a row (the 128-byte swizzle's
+    row: 64 bfloat16 K-columns of an operand, 32 float32 columns of C) by
+    box_rows rows."""
     if ld < cols:
         raise ValueError(f"row stride {ld} below the {cols} columns")
-    if (ld * 2) % 16:
-        raise ValueError(f"row stride {ld} elements: the copy engine needs a multiple of 8")
+    if (ld * item) % 16:
+        raise ValueError(f"row stride {ld} elements of {item} bytes: the copy engine needs a "
+                         f"multiple of 16 bytes")
     if not 1 <= box_rows <= 256:
         raise ValueError(f"box of {box_rows} rows: 1 to 256")
-    return MapGeometry(dims=(cols, rows), strides=(ld * 2,), box=(BK, box_rows))
+    return MapGeometry(dims=(cols, rows), strides=(ld * item,), box=(128 // item, box_rows))
 
 
 def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
     16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
     epilogue N is 2F, so F is a multiple of 4)."""
-    if epilogue not in ("f32", "swiglu"):
+    if epilogue not in ("f32", "f32_tma", "swiglu"):
         raise ValueError(f"epilogue {epilogue!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
@@ -230,15 +243,16 @@ def driver():
     return _DRIVER
 
 
-def encode_map(address: int, geometry: MapGeometry) -> bytes:
-    """The 128 bytes of the tensor map of a bfloat16 matrix at address."""
+def encode_map(address: int, geometry: MapGeometry, dtype: int = BFLOAT16) -> bytes:
+    """The 128 bytes of the tensor map of a matrix at address (dtype:
+    BFLOAT16 or FLOAT32)."""
     out = (ctypes.c_uint8 * MAP_BYTES)()
     dims = (ctypes.c_uint64 * 2)(*geometry.dims)
     strides = (ctypes.c_uint64 * 1)(*geometry.strides)
     box = (ctypes.c_uint32 * 2)(*geometry.box)
     unit = (ctypes.c_uint32 * 2)(1, 1)
     status = driver().cuTensorMapEncodeTiled(
-        ctypes.addressof(out), BFLOAT16, 2, ctypes.c_void_p(address), dims, strides, box, unit,
+        ctypes.addressof(out), dtype, 2, ctypes.c_void_p(address), dims, strides, box, unit,
         INTERLEAVE_NONE, SWIZZLE_128B, L2_256B, OOB_ZERO)
     if status:
         raise GemmError(f"cuTensorMapEncodeTiled: CUresult {status} for {geometry}")
@@ -258,7 +272,7 @@ class Planned:
     grid: int
     shared: int
     args: tuple
-    maps: object  # the device buffer of the two tensor maps
+    maps: object  # the device buffer of the tensor maps (A, B, and f32_tma: C)
 
     def launch(self, stream=None) -> None:
         self.function((self.grid,), (THREADS,), self.args, shared_mem=self.shared,
@@ -296,10 +310,12 @@ class Kernels:
                 raise ValueError("operands: bfloat16 rows with unit column stride")
         if C.strides[1] != 4:
             raise ValueError("C: float32 rows with unit column stride")
-        maps = cupy.asarray(np.frombuffer(
-            encode_map(A.data.ptr, map_geometry(M, K, A.strides[0] // 2, v.bm))
-            + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, v.box_b)),
-            dtype=np.uint8))
+        encoded = (encode_map(A.data.ptr, map_geometry(M, K, A.strides[0] // 2, v.bm))
+                   + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, v.box_b)))
+        if epilogue == "f32_tma":
+            encoded += encode_map(C.data.ptr, map_geometry(M, N, C.strides[0] // 4,
+                                                           v.staging_rows, item=4), FLOAT32)
+        maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
         args = (maps, np.int32(M), np.int32(N), np.int32(K), C, np.int32(C.strides[0] // 4),
                 H if H is not None else np.uint64(0))

@@ -37,6 +37,7 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define GEMM_THREADS 384
 #define EPI_F32 0
 #define EPI_SWIGLU 1
+#define EPI_F32_TMA 2
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -133,6 +134,33 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* m
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
         "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y), "h"(mask) : "memory");
+}
+
+// the box at src (shared memory) to map's tensor at (x, y), by the copy
+// engine; the box's parts past the tensor are not written
+__device__ __forceinline__ void tma_store(const TensorMap* map, const void* src, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                     (u64)map),
+                 "r"(smem_addr(src)), "r"(x), "r"(y) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// all but the newest N store groups have read their shared memory
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// ordinary shared-memory stores made visible to the copy engine
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// the 128 threads of one warpgroup (named barrier id, 1 or 2)
+__device__ __forceinline__ void warpgroup_sync(int id) {
+    asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
 // -- wgmma ------------------------------------------------------------------------
@@ -278,6 +306,45 @@ __device__ __forceinline__ void release(u64* bar) {
     }
 }
 
+// EPI_F32_TMA: a warpgroup's 64*MT x BN accumulators to C through its two
+// staging buffers (64*MT rows of 32 float32 each, in TMA's 128-byte
+// swizzle: the 16-byte chunk c of row r at chunk c ^ (r mod 8)) and the
+// copy engine, 32 columns at a time: the threads fill one buffer while the
+// engine reads the other, and the warpgroup goes on to its next tile
+// without waiting for the stores. Rows and columns past C are clipped by
+// the engine. map: C's (box 32 x 64*MT), (x0, y0) the block's first column
+// and row.
+template <int MT, int BN>
+__device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], unsigned char* staging,
+                                               const TensorMap* map, int x0, int y0, int id) {
+    constexpr int CHUNK = 64 * MT * 128;
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+#pragma unroll
+    for (int q = 0; q < BN / 32; q++) {
+        unsigned char* buf = staging + (q & 1) * CHUNK;
+        if (t == 0) bulk_wait_read<1>();  // the store two chunks back (this buffer's) has read it
+        warpgroup_sync(id);
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int j = 4 * q + jj, r = m * 64 + warp * 16 + lane / 4 + 8 * h;
+                    const int byte = jj * 32 + 8 * (lane % 4);  // in the row's 128
+                    *reinterpret_cast<float2*>(buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) +
+                                               (byte & 15)) =
+                        make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
+                }
+        fence_async_shared();
+        warpgroup_sync(id);
+        if (t == 0) {
+            tma_store(map, buf, x0 + 32 * q, y0);
+            bulk_commit();
+        }
+    }
+}
+
 // Two schedules of the multiplying warpgroups over the block's tiles:
 // - cooperative (PINGPONG false, MT 1): a tile is 128 x BN, each warpgroup
 //   its 64 rows, both on every slab (a stage goes back when both are done);
@@ -291,7 +358,8 @@ __device__ __forceinline__ void release(u64* bar) {
 //   share B's slabs: each block loads half of a slab and the copy engine
 //   writes it into both (multicast), so a stage goes back when the
 //   warpgroups of both blocks are done with it.
-// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2).
+// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2),
+// and with EPI_F32_TMA C's (float32, box 32 x 64*MT).
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits.
 template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL>
@@ -305,7 +373,10 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     extern __shared__ unsigned char smem_raw[];
     // the swizzle's atoms are 1024 bytes: the stages start 1024-aligned
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES);
+    // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
+    constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
+    constexpr int STAGING = EPI == EPI_F32_TMA ? 2 * 2 * CHUNK : 0;
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + STAGING);
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;  // ping-pong: order[c], warpgroup c's turn to multiply
 
@@ -400,13 +471,22 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             mine++;
             // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
             // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
-            if (ldc > 0)
+            if (ldc > 0) {
+                if constexpr (EPI == EPI_F32_TMA) {
+                    store_tile_tma<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
+                                           &maps[2], tn * width, tm * BM + (PINGPONG ? 0 : c * 64),
+                                           1 + c);
+                } else {
 #pragma unroll
-            for (int m = 0; m < MT; m++)
-                store_tile<BN, EPI>(d[m],
-                                    tm * BM + (PINGPONG ? m * 64 : c * 64) + warp * 16 + lane / 4,
-                                    tn * width, M, N, C, ldc, H);
+                    for (int m = 0; m < MT; m++)
+                        store_tile<BN, EPI>(
+                            d[m], tm * BM + (PINGPONG ? m * 64 : c * 64) + warp * 16 + lane / 4,
+                            tn * width, M, N, C, ldc, H);
+                }
+            }
         }
+        // the last stores have read their buffers before the block's memory goes
+        if (EPI == EPI_F32_TMA && t == 0) bulk_wait_all();
     }
     // no block leaves while its peer may still arrive on its barriers
     if constexpr (CL == 2) cluster_sync();
@@ -435,6 +515,10 @@ GEMM_KERNEL(gemm_f32_p_m1n128_s8, 1, 128, 8, EPI_F32, true)
 GEMM_KERNEL_PAIR(gemm_f32_c2_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL_PAIR(gemm_f32_c2_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL_PAIR(gemm_f32_p2_m2n128_s6, 2, 128, 6, EPI_F32, true)
+GEMM_KERNEL(gemm_f32t_c_n256_s4, 1, 256, 4, EPI_F32_TMA, false)
+GEMM_KERNEL(gemm_f32t_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false)
+GEMM_KERNEL(gemm_f32t_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true)
+GEMM_KERNEL(gemm_f32t_p_m1n256_s4, 1, 256, 4, EPI_F32_TMA, true)
 GEMM_KERNEL(gemm_swiglu_c_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
 GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
