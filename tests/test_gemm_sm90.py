@@ -99,3 +99,29 @@ def test_the_source_compiles_for_sm90a_with_wgmma():
     assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", log), log
     for name in gemm.VARIANTS:
         assert f"'{name}'" in log
+
+
+def test_the_products_rule():
+    """products.choose: the own kernel for the forward's bf16 x @ W^T with a
+    float32 result at or above the row floor, aligned; cuBLAS for every
+    other layout, type, scaling, batch, a wide classifier or a small M."""
+    from coppelius.accelerated.cuda import products
+
+    base = dict(trans_a=False, trans_b=True, m=8192, n=1536, k=512, A=1 << 20, lda=512,
+                B=1 << 21, ldb=512, C=1 << 22, ldc=1536, ab_type="bfloat16", c_type="float32",
+                beta=0.0, batch=1)
+    assert products.choose(**base) == "gemm_f32t_p_m2n128_s4"
+    assert products.choose(**{**base, "k": 1408, "lda": 1408, "ldb": 1408}) == \
+        "gemm_f32t_c_n256_s4"
+    for change in ({"trans_a": True}, {"trans_b": False}, {"ab_type": "float32"},
+                   {"c_type": "bfloat16"}, {"beta": 1.0}, {"batch": 2}, {"m": 1024},
+                   {"n": 12288, "ldc": 12288}, {"n": 1540, "ldc": 1540}, {"A": (1 << 20) + 8},
+                   {"lda": 516}):
+        assert products.choose(**{**base, **change}) is None, change
+    for name in (products.choose(**base), products.SWIGLU):
+        assert name in gemm.VARIANTS
+    assert gemm.VARIANTS[products.SWIGLU].epilogue == "swiglu"
+    assert products.choose_swiglu(8192, 1408, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22,
+                                  1 << 23) == products.SWIGLU
+    assert products.choose_swiglu(1024, 1408, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22,
+                                  1 << 23) is None

@@ -136,6 +136,16 @@ def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
         raise ValueError(f"product {M}x{N}x{K}: N and K must be multiples of 8")
 
 
+def check_addresses(A: int, lda: int, B: int, ldb: int, C: int, ldc: int, H: int = 0) -> None:
+    """The copy engine's rule: every matrix 16-byte aligned, every row
+    stride a multiple of 16 bytes (lda, ldb in bfloat16 elements, ldc in
+    float32); the epilogue's 8-byte stores need no more."""
+    if A % 16 or B % 16 or C % 16 or H % 16:
+        raise ValueError("the product's matrices must start 16-byte aligned")
+    if (lda * 2) % 16 or (ldb * 2) % 16 or (ldc * 4) % 16:
+        raise ValueError(f"row strides lda={lda}, ldb={ldb}, ldc={ldc}: multiples of 16 bytes")
+
+
 def tiles(M: int, N: int, v: Variant) -> int:
     """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
     columns and as many up columns; in clusters of two, a pair of tiles
@@ -297,27 +307,35 @@ class Kernels:
         """C (M,N) float32 = A (M,K) @ B (N,K)^T, A and B bfloat16 (any
         2-D CuPy arrays of 2-byte items with unit column stride); the
         SwiGLU variants also write H (M, N/2) bfloat16 bits."""
-        v = VARIANTS[variant]
-        epilogue = v.epilogue
         (M, K), (N, K2) = A.shape, B.shape
         if K2 != K or C.shape != (M, N) or C.dtype != np.float32:
             raise ValueError(f"product shapes: A {A.shape}, B {B.shape}, C {C.shape} {C.dtype}")
-        check_shape(M, N, K, epilogue)
-        if (epilogue == "swiglu") != (H is not None):
-            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
         for x in (A, B):
             if x.itemsize != 2 or x.strides[1] != 2:
                 raise ValueError("operands: bfloat16 rows with unit column stride")
         if C.strides[1] != 4:
             raise ValueError("C: float32 rows with unit column stride")
-        encoded = (encode_map(A.data.ptr, map_geometry(M, K, A.strides[0] // 2, v.bm))
-                   + encode_map(B.data.ptr, map_geometry(N, K, B.strides[0] // 2, v.box_b)))
-        if epilogue == "f32_tma":
-            encoded += encode_map(C.data.ptr, map_geometry(M, N, C.strides[0] // 4,
-                                                           v.staging_rows, item=4), FLOAT32)
+        return self.plan_pointers(variant, M, N, K, A.data.ptr, A.strides[0] // 2, B.data.ptr,
+                                  B.strides[0] // 2, C.data.ptr, C.strides[0] // 4,
+                                  H.data.ptr if H is not None else 0)
+
+    def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
+                      ldb: int, C: int, ldc: int, H: int = 0) -> Planned:
+        """plan's product by addresses and row strides (elements): A (M,K)
+        and B (N,K) bfloat16, C (M,N) float32, H (M, N/2) bfloat16 (the
+        SwiGLU variants' a; else 0)."""
+        v = VARIANTS[variant]
+        check_shape(M, N, K, v.epilogue)
+        check_addresses(A, lda, B, ldb, C, ldc, H)
+        if (v.epilogue == "swiglu") != bool(H):
+            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+        encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
+                   + encode_map(B, map_geometry(N, K, ldb, v.box_b)))
+        if v.epilogue == "f32_tma":
+            encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows, item=4), FLOAT32)
         maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
-        args = (maps, np.int32(M), np.int32(N), np.int32(K), C, np.int32(C.strides[0] // 4),
-                H if H is not None else np.uint64(0))
+        args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C), np.int32(ldc),
+                np.uint64(H))
         return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors),
                        shared_bytes(v), args, maps)

@@ -200,15 +200,27 @@ class Model:
         self.at(p + "attn.residual", p + "mlp_norm")
         self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l], w.mlp_norm)
         tap(p + "mlp_norm.out", h)
-        self.at(p + "mlp.gate", p + "mlp.up")
-        self.linear_forward(h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
-        if again:
-            return
-        self.at(p + "mlp.swiglu")
-        k.swiglu_forward(a.gu[l], a.a)
+        if again or not self.gate_up_swiglu(h, w.gate_up, a.gu[l], a.a, p):
+            self.at(p + "mlp.gate", p + "mlp.up")
+            self.linear_forward(h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
+            if again:
+                return
+            self.at(p + "mlp.swiglu")
+            k.swiglu_forward(a.gu[l], a.a)
         tap(p + "mlp.h", a.a)
         self.at(p + "mlp.down")
         self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
+
+    def gate_up_swiglu(self, h, W, gu, out, p: str) -> bool:
+        """gu = h W^T (the gate and up products) and out = silu(g) * u in
+        one kernel, where the products choose it (products.py): True if
+        done."""
+        if not hasattr(self.blas, "gemm_swiglu"):
+            return False
+        self.at(p + "mlp.gate", p + "mlp.up", p + "mlp.swiglu")
+        D = self.config.d_model
+        return self.blas.gemm_swiglu(h.shape[0], self.config.d_ff, D, _ptr(h), D,
+                                     _ptr(self.Pop, W), D, _ptr(gu), _ptr(out))
 
     def qkv_matrix(self, l: int) -> int:
         """The address of layer l's (qkv, D) q | k | v weight operands: in P

@@ -27,9 +27,10 @@ from ...reference.contract import (CapturedProgram, ReplayError, StepRecords, Su
 from ...reference.semantic import activation_names
 from ...reference.state import State
 
-from . import cublas, cudnn_attention, layernorm
+from . import cublas, cudnn_attention, gemm, layernorm
 from .buffers import Activations, Buffers, Gradient, _ptr, allocate_state
 from .cublas import WORKSPACE_BYTES, Cublas
+from .products import Products, own_products
 from .distributed import Collectives
 from .memory_plan import CommandLog, PlannedBuffers, planning_enabled
 from .model import model_for
@@ -152,7 +153,9 @@ class CupyProgram(CapturedProgram):
 
         # the process's compiled module, with a command log of this program's own
         self.kernels = copy.copy(kernels_for(precision))
-        self.blas = Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES)
+        own = own_products(precision)
+        self.blas = Products(Cublas(self.stream.ptr, _ptr(s.workspace), WORKSPACE_BYTES), own,
+                             gemm.Kernels() if own else None)
         self.collectives = Collectives(comm, self.stream.ptr) if W > 1 else None
         weakref.finalize(self, self.blas.close)
         # the memory plan, made by a dry run of this very step before any

@@ -14,6 +14,7 @@ from ...reference.config import Config, Hyper
 from . import adamw, compile
 from .buffers import Activations, Gradient, StepBuffers, allocate_state
 from .cublas import Cublas
+from .products import Products, own_products
 from .distributed import Collectives
 from .memory_plan import (Buffer, CommandLog, MemoryPlan, VirtualArray, VirtualBuffers, liveness,
                           place)
@@ -177,7 +178,7 @@ def memory_plan(config: Config, hyper: Hyper, precision: str, batch: int,
                     names.setdefault(x.ptr, f"acts.{attr}.{key}")
     log = CommandLog()
     kernels = compile.Kernels(precision, dry=True)
-    blas = Cublas(0, 0, 0, dry=True)
+    blas = Products(Cublas(0, 0, 0, dry=True), own_products(precision))
     collectives = Collectives(None, 0, rank=rank, world=world)
     kernels.log = blas.log = collectives.log = log
     micro = model_for(config, precision, kernels, blas, s, G_micro) if accumulate > 1 else None

@@ -97,11 +97,11 @@ def test_a_captured_launch_replays_the_eager_bits(kernels):
 
 def test_operands_it_cannot_take_are_refused(kernels):
     gemm, own, _ = kernels
-    A = cupy.zeros((64, 64), cupy.uint16)
-    W = cupy.zeros((64, 64), cupy.uint16)
+    A = cupy.zeros((64, 64), np.uint16)
+    W = cupy.zeros((64, 64), np.uint16)
     with pytest.raises(ValueError, match="shapes"):
-        own.plan("gemm_f32_c_n256_s4", A, W, cupy.zeros((64, 32), cupy.float32))
+        own.plan("gemm_f32_c_n256_s4", A, W, cupy.zeros((64, 32), np.float32))
     with pytest.raises(ValueError, match="SwiGLU"):
-        own.plan("gemm_swiglu_c_n256_s4", A, W, cupy.zeros((64, 64), cupy.float32))
+        own.plan("gemm_swiglu_c_n256_s4", A, W, cupy.zeros((64, 64), np.float32))
     with pytest.raises(ValueError, match="unit column stride"):
-        own.plan("gemm_f32_c_n256_s4", A[:, ::2], W[:, :32], cupy.zeros((64, 64), cupy.float32))
+        own.plan("gemm_f32_c_n256_s4", A[:, ::2], W[:, :32], cupy.zeros((64, 64), np.float32))

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import cublas, cudnn, kernels, nccl, runtime
 from .cublas import FakeCublas
+from .gemm import FakeGemmKernels
 from .cudnn import fake_cudnn
 from .kernels import KERNELS, RawModule
 from .nccl import fake_nccl
@@ -83,6 +84,7 @@ def install():
         if hasattr(module, "cupy"):
             put(module, "cupy", fake_cupy)
     put(modules["cublas"], "_LIB", FakeCublas())
+    put(modules["gemm"], "Kernels", FakeGemmKernels)  # the own product kernel's stand-in
     put(modules["step"], "_KERNELS", {})  # each policy's module compiled by the stand-ins
     put(sys.modules, "cupy", fake_cupy)
     put(sys.modules, "cudnn", fake_cudnn)  # cudnn_attention imports it on first use

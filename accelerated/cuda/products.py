@@ -1,0 +1,147 @@
+"""The step's matrix products: cuBLAS's (cublas.py), or, where chosen, the
+project's own Hopper kernel (gemm.py, kernels/gemm_sm90.cu) for the
+forward's x @ W^T products, with the gate/up product's SwiGLU in its
+epilogue.
+
+The own kernel is opt-in while it is being measured into the step
+(dev/cuda/NOTES.md, "A product kernel of the project's own"):
+COPPELIUS_PRODUCTS=own with the bf16 policy. The choice is a fixed rule of
+the product's shape, types and alignment, not a timing taken at capture:
+two processes of one run must make the same choice, or a resumed run's
+bits would differ from an uninterrupted one's (SPEC 9). The memory plan's
+dry run asks the same rule, so its commands are the step's.
+
+A product of the own kernel is planned (its tensor maps encoded and
+uploaded) the first time it is issued with its buffers: in the step's
+eager warm-up, before the capture, which then only launches it."""
+
+from __future__ import annotations
+
+import os
+
+from . import gemm
+
+try:
+    import cupy
+except ImportError:  # the backend is simply unavailable
+    cupy = None
+
+ENV = "COPPELIUS_PRODUCTS"  # "own": the project's kernel where the rule picks it
+MIN_ROWS = 4096  # below, cuBLAS (H200, B = 1 at T = 1024: the grid has too few tiles)
+MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06x cuBLAS
+SWIGLU = "gemm_swiglu_c_n128_s6"
+
+
+def own_products(precision: str) -> bool:
+    """Whether the step's products may take the own kernel."""
+    return precision == "bf16" and os.environ.get(ENV, "") == "own"
+
+
+def _aligned(*pointers_and_strides) -> bool:
+    try:
+        gemm.check_addresses(*pointers_and_strides)
+    except ValueError:
+        return False
+    return True
+
+
+def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: int, B: int,
+           ldb: int, C: int, ldc: int, ab_type: str, c_type: str, beta: float,
+           batch: int) -> str | None:
+    """The own kernel's variant for this product, or None for cuBLAS's: the
+    forward's layout (A (m,k), B (n,k) both K-major) with bfloat16
+    operands and a float32 result, nothing added, one product, and a shape
+    the H200's measurements favour (NOTES: at or under cuBLAS on the
+    coppelius preset's forward shapes at B = 8 and 32)."""
+    if trans_a or not trans_b or ab_type != "bfloat16" or c_type != "float32" or beta != 0.0 \
+            or batch != 1:
+        return None
+    if m < MIN_ROWS or n > MAX_COLUMNS or n % 8 or k % 8 or not _aligned(A, lda, B, ldb, C, ldc):
+        return None
+    return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
+
+
+def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
+                  a: int) -> str | None:
+    """The fused gate/up + SwiGLU variant, or None (then the product and
+    the swiglu kernel)."""
+    if m < MIN_ROWS or (2 * F) % 8 or k % 8 or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
+        return None
+    return SWIGLU
+
+
+class Products:
+    """cuBLAS's handle (cublas.Cublas) with the own kernel beside it. own:
+    whether the rule applies (own_products); kernels: the compiled
+    gemm.Kernels, or None in the memory plan's dry run (then the own
+    products are only recorded, as cuBLAS's are). Every product goes
+    through `gemm` (cuBLAS's arguments) or `gemm_swiglu`; `log`, `calls`,
+    `version` and `close` are the handle's."""
+
+    def __init__(self, blas, own: bool = False, kernels=None):
+        self.blas, self.own, self.kernels = blas, own, kernels
+        self.plans = {}  # the own products planned, by kernel, shape and addresses
+        self.own_calls = 0
+
+    @property
+    def log(self):
+        return self.blas.log
+
+    @log.setter
+    def log(self, value):
+        self.blas.log = value
+
+    @property
+    def calls(self) -> int:
+        return self.blas.calls + self.own_calls
+
+    @property
+    def version(self) -> int:
+        return self.blas.version
+
+    def close(self) -> None:
+        self.blas.close()
+
+    def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: int,
+             B: int, ldb: int, C: int, ldc: int, *, ab_type: str, c_type: str,
+             beta: float = 0.0, batch: int = 1, stride_a: int = 0, stride_b: int = 0,
+             stride_c: int = 0) -> None:
+        """cublas.Cublas.gemm's product, by the own kernel where chosen."""
+        variant = choose(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, ab_type, c_type,
+                         beta, batch) if self.own else None
+        if variant is None:
+            self.blas.gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, ab_type=ab_type,
+                           c_type=c_type, beta=beta, batch=batch, stride_a=stride_a,
+                           stride_b=stride_b, stride_c=stride_c)
+            return
+        self._own(variant, m, n, k, A, lda, B, ldb, C, ldc)
+
+    def gemm_swiglu(self, m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
+                    a: int) -> bool:
+        """gu (m, 2F) float32 = A (m,k) @ W (2F,k)^T and a (m,F) = silu(g) * u
+        as bfloat16, as the product and kernels/swiglu.cu's swiglu_forward
+        compute them, in one kernel where chosen: True if done, False if
+        the caller is to run the two."""
+        variant = choose_swiglu(m, F, k, A, lda, W, ldw, gu, a) if self.own else None
+        if variant is None:
+            return False
+        self._own(variant, m, 2 * F, k, A, lda, W, ldw, gu, 2 * F, a)
+        return True
+
+    def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
+             C: int, ldc: int, H: int = 0) -> None:
+        if self.log is not None:
+            self.log.add("product", variant, {"m": m, "n": n, "k": k}, (A, B, C, H))
+        self.own_calls += 1
+        if self.kernels is None:  # dry: recorded only
+            return
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H)
+        plan = self.plans.get(key)
+        stream = cupy.cuda.get_current_stream()
+        if plan is None:
+            if stream.is_capturing():
+                raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
+                                   f"the warm-up step plans every product before it")
+            plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
+                                                                ldb, C, ldc, H)
+        plan.launch(stream)

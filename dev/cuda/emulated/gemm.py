@@ -1,0 +1,65 @@
+"""The stand-in of the project's own product kernel (accelerated/cuda/gemm.py's
+Kernels, kernels/gemm_sm90.cu): its contract on host memory. The product
+is cuBLAS's stand-in's own (the same NumPy operation on the same float32
+values, so a step gives the same bits with either), and the SwiGLU
+variants' a is the swiglu kernel's stand-in's on the product's gu."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .cublas import _gemm
+from .runtime import _submit
+from .swiglu import k_swiglu_forward
+
+CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
+
+
+def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
+    """The row-major (rows, cols) matrix at address, row stride ld, writable."""
+    item = np.dtype(dtype).itemsize
+    buf = (ctypes.c_char * (((rows - 1) * ld + cols) * item)).from_address(address)
+    raw = np.frombuffer(buf, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(raw, shape=(rows, cols), strides=(ld * item, item),
+                                           writeable=True)
+
+
+class _Plan:
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H):
+        self.variant, self.shape = variant, (M, N, K)
+        self.operands = (A, lda, B, ldb, C, ldc, H)
+
+    def launch(self, stream=None) -> None:
+        M, N, K = self.shape
+        A, lda, B, ldb, C, ldc, H = self.operands
+
+        def run():
+            # row-major C = A B^T is column-major C^T = B A^T: cuBLAS's call, B first
+            _gemm(1, 0, N, M, K, 1.0, B, CUDA_R_16BF, ldb, 0, A, CUDA_R_16BF, lda, 0, 0.0, C,
+                  CUDA_R_32F, ldc, 0, 1, CUBLAS_COMPUTE_32F)
+            if H:
+                F = N // 2
+                k_swiglu_forward(True, _rows(C, np.float32, M, N, ldc),
+                                 _rows(H, np.uint16, M, F, F), M, F, 1)
+
+        _submit(run)
+
+
+class FakeGemmKernels:
+    """gemm.Kernels on the CPU: plans check what the real ones check."""
+
+    def __init__(self, watchdog: bool = False):
+        self.planned = 0
+
+    def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0) -> _Plan:
+        from coppelius.accelerated.cuda import gemm
+
+        v = gemm.VARIANTS[variant]
+        gemm.check_shape(M, N, K, v.epilogue)
+        gemm.check_addresses(A, lda, B, ldb, C, ldc, H)
+        if (v.epilogue == "swiglu") != bool(H):
+            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+        self.planned += 1
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H)

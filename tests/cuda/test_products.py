@@ -1,0 +1,96 @@
+"""The step's products through products.py: with COPPELIUS_PRODUCTS=own
+(bf16) the forward's x @ W^T products the rule picks run on the project's
+own kernel, and the gate/up product carries the SwiGLU in its epilogue;
+the memory plan's dry run records the same commands; the step and the
+held-out losses are those of the cuBLAS step (bit for bit on the CPU
+stand-ins, where both products are one NumPy operation; within the
+operands' rounding on a Hopper GPU, whose kernels sum in other orders).
+The kernel itself is checked in tests/cuda/test_gemm_sm90.py."""
+
+import numpy as np
+import pytest
+
+from coppelius.conformance.cases import random_state
+from coppelius.reference.config import Hyper, preset
+from coppelius.accelerated.cuda import gemm, products
+from coppelius.accelerated.cuda.program import capture
+
+from tests.support import EMULATED
+
+from .helpers import check_bitwise, cupy, run_steps, windows
+
+# on a GPU; elsewhere on the CPU stand-ins (conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
+
+
+@pytest.fixture
+def own(monkeypatch):
+    """The own kernel for every product the rule takes, at the test presets'
+    sizes too (the rule's row floor lowered)."""
+    if not EMULATED and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the own kernel is sm_90a's")
+    monkeypatch.setenv(products.ENV, "own")
+    monkeypatch.setattr(products, "MIN_ROWS", 1)
+
+
+@pytest.mark.parametrize("name, recompute", [("test", None), ("test-llama", None),
+                                             ("test", "gate-up"), ("test-llama", "block")])
+def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recompute):
+    """Also with the backward recomputing the gate/up product (gate-up: it
+    stays a product of its own there) or each whole layer (block)."""
+    config = preset(name)
+    state = random_state(config, seed=61, t=2)
+    inputs = windows(2, seed=62, config=config, batch=4)
+    mine = capture(config, Hyper(), "bf16", 4, state.copy(), recompute=recompute)
+    monkeypatch.delenv(products.ENV)
+    theirs = capture(config, Hyper(), "bf16", 4, state.copy(), recompute=recompute)
+    assert mine.blas.own and not theirs.blas.own
+    named = [c.name for c in mine.plan.commands if c.kind == "product"]
+    L = config.n_layer
+    # per layer: q | k | v, o and down on the own kernel, gate/up fused with the SwiGLU
+    assert named.count(products.SWIGLU) == L
+    assert sum(n in gemm.VARIANTS and n != products.SWIGLU for n in named) >= 3 * L
+    assert not any(c.name == "swiglu_forward" for c in mine.plan.commands)
+    assert sum(c.name == "swiglu_forward" for c in theirs.plan.commands) == L
+    assert all(n in ("gemm", "gemm_strided_batched")
+               for n in (c.name for c in theirs.plan.commands if c.kind == "product"))
+    rows1, G1, s1 = run_steps(theirs, inputs)
+    rows2, G2, s2 = run_steps(mine, inputs)
+    held_out = windows(1, seed=63, config=config, batch=4)[0]
+    if EMULATED:
+        check_bitwise("row losses", rows2, rows1)
+        check_bitwise("G", G2, G1)
+        for part in "PMV":
+            check_bitwise(part, getattr(s2, part), getattr(s1, part))
+        check_bitwise("held-out", mine.evaluate(held_out), theirs.evaluate(held_out))
+    else:
+        np.testing.assert_allclose(rows2, rows1, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(mine.evaluate(held_out), theirs.evaluate(held_out),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def test_the_rule_leaves_fp32_and_the_default_to_cublas(monkeypatch):
+    monkeypatch.delenv(products.ENV, raising=False)
+    assert not products.own_products("bf16")
+    monkeypatch.setenv(products.ENV, "own")
+    assert products.own_products("bf16") and not products.own_products("fp32")
+
+
+def test_a_product_first_seen_inside_a_capture_is_refused(own):
+    """The plan (the tensor maps' upload) cannot be made inside a capture:
+    the warm-up step makes it; a product the warm-up did not issue stops
+    the capture with an error instead of a broken graph."""
+    A = cupy.zeros((64, 64), np.uint16)
+    W = cupy.zeros((64, 64), np.uint16)
+    C = cupy.zeros((64, 64), np.float32)
+    p = products.Products(blas=None, own=True, kernels=gemm.Kernels())
+    p.blas = type("NoLog", (), {"log": None, "calls": 0})()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="inside the capture"):
+                p.gemm(False, True, 64, 64, 64, A.data.ptr, 64, W.data.ptr, 64, C.data.ptr, 64,
+                       ab_type="bfloat16", c_type="float32")
+        finally:
+            stream.end_capture()
