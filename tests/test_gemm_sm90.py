@@ -35,7 +35,25 @@ def test_the_variants_are_the_sources_instantiations():
             source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(),
                                    pingpong == "true", 2 if macro.endswith("PAIR") else 1)
+    for name, mt, bn, stages, pingpong, R in re.findall(
+            r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
+        found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
+                                   rope=int(R))
     assert found == gemm.VARIANTS
+
+
+def test_the_rope_arguments_are_checked():
+    v = gemm.VARIANTS["gemm_rope64_c_n128_s6"]
+    good = gemm.Rope(out=1 << 20, ld=1536, cos=1 << 21, sin=1 << 22, T=1024, rotated=16)
+    gemm.check_rope(v, 1536, good)
+    gemm.check_rope(gemm.VARIANTS["gemm_f32t_c_n128_s6"], 1536, None)
+    for N, rope in ((1536, None), (1560, good), (1536, gemm.Rope(1 << 20, 1536, 4, 8, 1024, 16)),
+                    (1536, gemm.Rope(1 << 20, 1536, 8, 8, 1024, 25)),
+                    (1536, gemm.Rope(1 << 20, 1536, 8, 8, 0, 16))):
+        with pytest.raises(ValueError):
+            gemm.check_rope(v, N, rope)
+    with pytest.raises(ValueError):
+        gemm.check_rope(gemm.VARIANTS["gemm_f32t_c_n128_s6"], 1536, good)
 
 
 def test_map_geometry_is_innermost_first_in_bytes():

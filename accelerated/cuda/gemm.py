@@ -33,7 +33,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-FILES = ("common.cuh", "swiglu.cu", "gemm_sm90.cu")  # the module's source, in order
+FILES = ("common.cuh", "swiglu.cu", "rope.cu", "gemm_sm90.cu")  # the module's source, in order
 BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
 
 # name -> Variant; kernels/gemm_sm90.cu's instantiations
@@ -42,9 +42,10 @@ class Variant:
     mt: int  # 64-row blocks of a warpgroup's tile (ping-pong), else 1
     bn: int  # a tile's columns
     stages: int
-    epilogue: str  # "f32", "f32_tma" (stored by the copy engine) or "swiglu"
+    epilogue: str  # "f32", "f32_tma" (stored by the copy engine), "swiglu" or "rope"
     pingpong: bool
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
+    rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
 
     @property
     def bm(self) -> int:  # a tile's rows
@@ -76,6 +77,10 @@ VARIANTS = {
     "gemm_swiglu_c2_n256_s4": Variant(1, 256, 4, "swiglu", False, 2),
     "gemm_swiglu_c2_n128_s6": Variant(1, 128, 6, "swiglu", False, 2),
     "gemm_swiglu_p2_m2n128_s6": Variant(2, 128, 6, "swiglu", True, 2),
+    "gemm_rope64_c_n128_s6": Variant(1, 128, 6, "rope", False, rope=64),
+    "gemm_rope64_p_m2n128_s4": Variant(2, 128, 4, "rope", True, rope=64),
+    "gemm_rope128_c_n128_s6": Variant(1, 128, 6, "rope", False, rope=128),
+    "gemm_rope128_p_m2n128_s4": Variant(2, 128, 4, "rope", True, rope=128),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -95,7 +100,7 @@ def shared_bytes(v: Variant) -> int:
     staging buffers (two per multiplying warpgroup, each its rows of 32
     float32), the stages' two barriers each, the two order barriers, and
     up to 1024 bytes to align the first stage."""
-    staging = 2 * 2 * v.staging_rows * 128 if v.epilogue == "f32_tma" else 0
+    staging = 2 * 2 * v.staging_rows * 128 if v.epilogue in ("f32_tma", "rope") else 0
     return v.stages * (v.bm + v.bn) * BK * 2 + staging + (v.stages + 1) * 16 + 1024
 
 
@@ -128,7 +133,7 @@ def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
     16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
     epilogue N is 2F, so F is a multiple of 4)."""
-    if epilogue not in ("f32", "f32_tma", "swiglu"):
+    if epilogue not in ("f32", "f32_tma", "swiglu", "rope"):
         raise ValueError(f"epilogue {epilogue!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
@@ -144,6 +149,35 @@ def check_addresses(A: int, lda: int, B: int, ldb: int, C: int, ldc: int, H: int
         raise ValueError("the product's matrices must start 16-byte aligned")
     if (lda * 2) % 16 or (ldb * 2) % 16 or (ldc * 4) % 16:
         raise ValueError(f"row strides lda={lda}, ldb={ldb}, ldc={ldc}: multiples of 16 bytes")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The rope epilogue's arguments: the operand matrix it writes (out, its
+    row stride ld in elements), the (T, R/2) float32 cos and sin tables'
+    addresses, the context T (row r's position is r mod T) and the number
+    of heads rotated from column 0 (q's and k's: H + Hkv)."""
+
+    out: int
+    ld: int
+    cos: int
+    sin: int
+    T: int
+    rotated: int
+
+
+def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
+    """The rope variants' arguments: given exactly for them, N whole heads."""
+    if (v.epilogue == "rope") != (rope is not None):
+        raise ValueError("the rope arguments are the rope variants'")
+    if rope is not None:
+        if N % v.rope or v.bn % v.rope:
+            raise ValueError(f"rope of heads of {v.rope} columns: N = {N} and the tile's "
+                             f"{v.bn} columns must be whole heads")
+        if rope.T < 1 or not 0 <= rope.rotated <= N // v.rope:
+            raise ValueError(f"rope: T = {rope.T}, {rope.rotated} heads rotated of {N // v.rope}")
+        if rope.cos % 8 or rope.sin % 8:
+            raise ValueError("rope: the cos and sin tables must be 8-byte aligned")
 
 
 def tiles(M: int, N: int, v: Variant) -> int:
@@ -320,22 +354,28 @@ class Kernels:
                                   H.data.ptr if H is not None else 0)
 
     def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
-                      ldb: int, C: int, ldc: int, H: int = 0) -> Planned:
+                      ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None) -> Planned:
         """plan's product by addresses and row strides (elements): A (M,K)
         and B (N,K) bfloat16, C (M,N) float32, H (M, N/2) bfloat16 (the
-        SwiGLU variants' a; else 0)."""
+        SwiGLU variants' a; else 0); the rope variants write rope.out
+        instead of C (C may be 0)."""
         v = VARIANTS[variant]
         check_shape(M, N, K, v.epilogue)
-        check_addresses(A, lda, B, ldb, C, ldc, H)
+        check_rope(v, N, rope)
+        check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H)
         if (v.epilogue == "swiglu") != bool(H):
             raise ValueError(f"{variant}: H is the SwiGLU variants' output")
         encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
                    + encode_map(B, map_geometry(N, K, ldb, v.box_b)))
         if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows, item=4), FLOAT32)
+        if v.epilogue == "rope":
+            encoded += encode_map(rope.out, map_geometry(M, N, rope.ld, v.staging_rows))
         maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
-        args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C), np.int32(ldc),
-                np.uint64(H))
+        r = rope or Rope(0, 0, 0, 0, 1, 0)
+        args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C),
+                np.int32(rope.ld if rope else ldc), np.uint64(H), np.uint64(r.cos),
+                np.uint64(r.sin), np.int32(r.T), np.int32(r.rotated))
         return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors),
                        shared_bytes(v), args, maps)

@@ -13,6 +13,7 @@ from ...reference.params import registry
 
 from . import attention, cudnn_attention
 from .buffers import Activations, Gradient, StepBuffers, _ptr, step_layout
+from .launch import fused_head_dim
 from .memory_plan import VirtualArray
 
 EPS = np.float32(float(LAYERNORM_EPS))  # the default norm_eps; a model's own is Model.eps
@@ -188,10 +189,11 @@ class Model:
             self.norm_forward(prev, add, a.x[l] if l else None, h, a.mean1[l], a.rstd1[l],
                               w.attn_norm)
         tap(p + "attn_norm.out", h)
-        self.at(p + "attn.q", p + "attn.k", p + "attn.v")
-        self.qkv_forward(h, l, a.qkv32)  # (BT,qkv)
-        self.at(p + "attn.rope_q", p + "attn.rope_k")
-        k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
+        if not self.qkv_rope(h, l, a.qkv[l], T, p):
+            self.at(p + "attn.q", p + "attn.k", p + "attn.v")
+            self.qkv_forward(h, l, a.qkv32)  # (BT,qkv)
+            self.at(p + "attn.rope_q", p + "attn.rope_k")
+            k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
         self.at(p + "attn.core")
         self.attention_forward(a, l)  # -> a.y[l] (BT,D)
         self.at(p + "attn.o")
@@ -221,6 +223,20 @@ class Model:
         D = self.config.d_model
         return self.blas.gemm_swiglu(h.shape[0], self.config.d_ff, D, _ptr(h), D,
                                      _ptr(self.Pop, W), D, _ptr(gu), _ptr(out))
+
+    def qkv_rope(self, h, l: int, out, T: int, p: str) -> bool:
+        """out (BT,qkv) operands = rope(h Wqkv^T), no float32 q | k | v
+        between, in one kernel where the products choose it (products.py;
+        not with q, k, v biases, which come between): True if done."""
+        if not hasattr(self.blas, "gemm_rope") or self.qkv_parts is not None:
+            return False
+        self.at(p + "attn.q", p + "attn.k", p + "attn.v", p + "attn.rope_q", p + "attn.rope_k")
+        lay, D = self.layout, self.config.d_model
+        W = lay.qkv_width
+        E = fused_head_dim(W, "qkv", lay.heads, lay.kv_heads)
+        return self.blas.gemm_rope(h.shape[0], W, D, _ptr(h), D, self.qkv_matrix(l), D,
+                                   _ptr(out), W, _ptr(self.cos), _ptr(self.sin), T,
+                                   lay.heads + lay.kv_heads, E, 2 * self.cos.shape[1])
 
     def qkv_matrix(self, l: int) -> int:
         """The address of layer l's (qkv, D) q | k | v weight operands: in P

@@ -1,7 +1,7 @@
 """The step's matrix products: cuBLAS's (cublas.py), or, where chosen, the
 project's own Hopper kernel (gemm.py, kernels/gemm_sm90.cu) for the
-forward's x @ W^T products, with the gate/up product's SwiGLU in its
-epilogue.
+forward's x @ W^T products, with the gate/up product's SwiGLU and the
+q | k | v product's rope in their epilogues.
 
 The own kernel is opt-in while it is being measured into the step
 (dev/cuda/NOTES.md, "A product kernel of the project's own"):
@@ -30,6 +30,7 @@ ENV = "COPPELIUS_PRODUCTS"  # "own": the project's kernel where the rule picks i
 MIN_ROWS = 4096  # below, cuBLAS (H200, B = 1 at T = 1024: the grid has too few tiles)
 MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06x cuBLAS
 SWIGLU = "gemm_swiglu_c_n128_s6"
+ROPE = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_c_n128_s6"}  # by head width
 
 
 def own_products(precision: str) -> bool:
@@ -70,12 +71,23 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
     return SWIGLU
 
 
+def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
+                ldo: int, E: int, R: int) -> str | None:
+    """The fused q | k | v + rope variant, or None (then the product into
+    float32 and the rope kernel): heads rotated whole (R = E) of a width
+    the kernel is built for."""
+    if R != E or E not in ROPE or m < MIN_ROWS or n > MAX_COLUMNS or n % E or k % 8 \
+            or not _aligned(A, lda, W, ldw, out, ldo):
+        return None
+    return ROPE[E]
+
+
 class Products:
     """cuBLAS's handle (cublas.Cublas) with the own kernel beside it. own:
     whether the rule applies (own_products); kernels: the compiled
     gemm.Kernels, or None in the memory plan's dry run (then the own
     products are only recorded, as cuBLAS's are). Every product goes
-    through `gemm` (cuBLAS's arguments) or `gemm_swiglu`; `log`, `calls`,
+    through `gemm` (cuBLAS's arguments), `gemm_swiglu` or `gemm_rope`; `log`, `calls`,
     `version` and `close` are the handle's."""
 
     def __init__(self, blas, own: bool = False, kernels=None):
@@ -128,14 +140,28 @@ class Products:
         self._own(variant, m, 2 * F, k, A, lda, W, ldw, gu, 2 * F, a)
         return True
 
+    def gemm_rope(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
+                  ldo: int, cos: int, sin: int, T: int, rotated: int, E: int, R: int) -> bool:
+        """out (m,n) operands = the rope (kernels/rope.cu's rope_forward, cos,
+        sin (T, R/2)) of the float32 product A (m,k) @ W (n,k)^T, its first
+        `rotated` heads of E rotated, in one kernel where chosen: True if
+        done, False if the caller is to run the product and the rope."""
+        variant = choose_rope(m, n, k, A, lda, W, ldw, out, ldo, E, R) if self.own else None
+        if variant is None:
+            return False
+        self._own(variant, m, n, k, A, lda, W, ldw, 0, ldo,
+                  rope=gemm.Rope(out, ldo, cos, sin, T, rotated))
+        return True
+
     def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
-             C: int, ldc: int, H: int = 0) -> None:
+             C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None) -> None:
         if self.log is not None:
-            self.log.add("product", variant, {"m": m, "n": n, "k": k}, (A, B, C, H))
+            touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ())
+            self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only
             return
-        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H)
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope)
         plan = self.plans.get(key)
         stream = cupy.cuda.get_current_stream()
         if plan is None:
@@ -143,5 +169,5 @@ class Products:
                 raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
                                    f"the warm-up step plans every product before it")
             plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
-                                                                ldb, C, ldc, H)
+                                                                ldb, C, ldc, H, rope)
         plan.launch(stream)

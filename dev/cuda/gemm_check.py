@@ -8,9 +8,13 @@ must be written), the relative error against a float64 product of the
 same bfloat16 operands (and beside it cuBLAS's), two launches bitwise
 equal; with the SwiGLU epilogue also `a` against the project's
 swiglu_forward kernel run on the kernel's own gu (bitwise: the same
-formula). Times: a CUDA graph of 20 launches replayed 15 times, the median
-per launch in microseconds, against cuBLAS (cublasGemmEx, float32 result),
-and for gate/up against cuBLAS + the swiglu kernel. A table last."""
+formula); with the rope epilogue (q | k | v), the operands against a
+float64 rotation of the float64 product, and whether they equal
+rope_forward's on the own float32 product bit for bit ("bits="). Times:
+a CUDA graph of 20 launches replayed 15 times, the median per launch in
+microseconds, against cuBLAS (cublasGemmEx, float32 result), for gate/up
+against cuBLAS + the swiglu kernel, for q | k | v + rope against cuBLAS +
+rope_forward. A table last."""
 
 from __future__ import annotations
 
@@ -135,8 +139,8 @@ def main() -> None:
                     row(B, name, "cublas+swiglu", err_blas, t_base, 1.0, "-")
                 for v in variants:
                     epilogue = gemm.VARIANTS[v].epilogue
-                    if epilogue == "swiglu" and name != "gate_up":
-                        continue
+                    if epilogue == "swiglu" and name != "gate_up" or epilogue == "rope":
+                        continue  # (the rope variants: below)
                     base = t_base if epilogue == "swiglu" else t_blas
                     C1 = cp.full((M, N), cp.nan, cp.float32)
                     H = cp.full((M, F), 0xFFFF, cp.uint16) if epilogue == "swiglu" else None
@@ -171,6 +175,59 @@ def main() -> None:
                                         plan.args[:5] + (np.int32(0),) + plan.args[6:], plan.maps)
                     t_bare = timed(stream, lambda bare=bare: bare.launch(stream))
                     row(B, name, v, err, t, t / base, check, t_bare)
+        # q | k | v with the rope in the epilogue, against cuBLAS + rope_forward
+        H, Hkv, E = c.n_head, c.n_kv_head or c.n_head, D // c.n_head
+        ropes = [v for v in variants if gemm.VARIANTS[v].rope == E]
+        angles = rng.uniform(0, 6.3, (T, E // 2))
+        cos = cp.asarray(np.cos(angles).astype(np.float32))
+        sin = cp.asarray(np.sin(angles).astype(np.float32))
+        for B in map(int, args.batches.split(",")) if ropes else ():
+            M, N, K = B * T, qkv, D
+            A = bf16_bits(rng, (M, K))
+            W = bf16_bits(rng, (N, K), scale=K ** -0.5)
+            x = (as_f64(A) @ as_f64(W).T).reshape(M, N // E, E)
+            c64 = cos.astype(cp.float64)[cp.arange(M) % T][:, None, :]
+            s64 = sin.astype(cp.float64)[cp.arange(M) % T][:, None, :]
+            x1, x2 = x[:, :H + Hkv, :E // 2], x[:, :H + Hkv, E // 2:]
+            ref = x.copy()
+            ref[:, :H + Hkv, :E // 2] = x1 * c64 - x2 * s64
+            ref[:, :H + Hkv, E // 2:] = x2 * c64 + x1 * s64
+            ref = ref.reshape(M, N)
+            C0 = cp.zeros((M, N), cp.float32)
+            out0 = cp.zeros((M, N), cp.uint16)
+
+            def cublas_rope():
+                blas.gemm(False, True, M, N, K, A.data.ptr, K, W.data.ptr, K, C0.data.ptr, N,
+                          ab_type="bfloat16", c_type="float32")
+                project.rope_forward(C0, out0, cos, sin, T, H, Hkv)
+
+            t_base = timed(stream, cublas_rope)
+            row(B, "qkv+rope", "cublas+rope", rel(as_f64(out0), ref), t_base, 1.0, "-")
+            # the same product by the own float32 kernel, then rope_forward: the bits to equal
+            C1 = cp.zeros((M, N), cp.float32)
+            kernels.plan("gemm_f32t_c_n128_s6", A, W, C1).launch(stream)
+            want = cp.zeros((M, N), cp.uint16)
+            project.rope_forward(C1, want, cos, sin, T, H, Hkv)
+            for v in ropes:
+                out = cp.full((M, N), 0xFFFF, cp.uint16)  # NaN bits
+                rope = gemm.Rope(out.data.ptr, N, cos.data.ptr, sin.data.ptr, T, H + Hkv)
+                plan = kernels.plan_pointers(v, M, N, K, A.data.ptr, K, W.data.ptr, K, 0, N,
+                                             rope=rope)
+                plan.launch(stream)
+                stream.synchronize()
+                got = as_f64(out)
+                err = rel(got, ref) if not bool(cp.isnan(got).any()) else float("inf")
+                first = out.copy()
+                out.fill(0xFFFF)
+                plan.launch(stream)
+                stream.synchronize()
+                same = bool((out == first).all())
+                bits = "bits=" if bool((out == want).all()) else "bits~"
+                check = "ok" if err < 1e-2 and same else "FAIL"
+                if check != "ok":
+                    failures.append(f"B={B} qkv+rope {v}: err={err:.2e} replay-equal={same}")
+                t = timed(stream, lambda plan=plan: plan.launch(stream))
+                row(B, "qkv+rope", v, err, t, t / t_base, f"{check} {bits}")
     print()
     print("| B | product | kernel | rel err vs f64 | us | / cuBLAS | check | us, nothing stored |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -51,6 +51,8 @@ def test_every_variant_against_float64(kernels, M, N, K):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for name, v in gemm.VARIANTS.items():
+            if v.epilogue == "rope":
+                continue  # test_the_rope_epilogue
             C = cupy.full((M, N), cupy.nan, cupy.float32)
             H = cupy.full((M, N // 2), 0xFFFF, cupy.uint16) if v.epilogue == "swiglu" else None
             plan = own.plan(name, A, W, C, H)
@@ -69,6 +71,48 @@ def test_every_variant_against_float64(kernels, M, N, K):
                 project.swiglu_forward(C, a)
                 stream.synchronize()
                 assert bool((a == H).all()), name
+
+
+@pytest.mark.parametrize("E, H, Hkv, M", [(64, 8, 8, 2048), (64, 4, 1, 1000), (128, 4, 2, 520)])
+def test_the_rope_epilogue(kernels, E, H, Hkv, M):
+    """q | k | v with the rope in the epilogue: the operands against a
+    float64 rotation of the float64 product (bfloat16 rounding), v's heads
+    passed, every element written, two launches bitwise equal; T below M:
+    rows take their position mod T."""
+    gemm, own, _ = kernels
+    rng = np.random.default_rng(E + H + M)
+    T, K, N = 256, 512, (H + 2 * Hkv) * E
+    A, W = _operand(rng, (M, K)), _operand(rng, (N, K), K ** -0.5)
+    angles = rng.uniform(0, 6.3, (T, E // 2))
+    cos = cupy.asarray(np.cos(angles).astype(np.float32))
+    sin = cupy.asarray(np.sin(angles).astype(np.float32))
+    x = (_f64(A) @ _f64(W).T).reshape(M, N // E, E)
+    pos = cupy.arange(M) % T
+    c, s = cos.astype(cupy.float64)[pos][:, None, :], sin.astype(cupy.float64)[pos][:, None, :]
+    ref = x.copy()
+    x1, x2 = x[:, :H + Hkv, :E // 2], x[:, :H + Hkv, E // 2:]
+    ref[:, :H + Hkv, :E // 2] = x1 * c - x2 * s
+    ref[:, :H + Hkv, E // 2:] = x2 * c + x1 * s
+    ref = ref.reshape(M, N)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for name, v in gemm.VARIANTS.items():
+            if v.rope != E:
+                continue
+            out = cupy.full((M, N), 0xFFFF, cupy.uint16)
+            rope = gemm.Rope(out.data.ptr, N, cos.data.ptr, sin.data.ptr, T, H + Hkv)
+            plan = own.plan_pointers(name, M, N, K, A.data.ptr, K, W.data.ptr, K, 0, N, rope=rope)
+            plan.launch(stream)
+            stream.synchronize()
+            got = _f64(out)
+            assert not bool(cupy.isnan(got).any()), name
+            err = float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref))
+            assert err < 8e-3, (name, err)
+            first = out.copy()
+            out.fill(0xFFFF)
+            plan.launch(stream)
+            stream.synchronize()
+            assert bool((out == first).all()), name
 
 
 def test_a_captured_launch_replays_the_eager_bits(kernels):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coppelius.conformance.cases import random_state
-from coppelius.reference.config import Hyper, preset
+from coppelius.reference.config import Config, Hyper, preset
 from coppelius.accelerated.cuda import gemm, products
 from coppelius.accelerated.cuda.program import capture
 
@@ -33,12 +33,24 @@ def own(monkeypatch):
     monkeypatch.setattr(products, "MIN_ROWS", 1)
 
 
+# heads of 64 columns (the rope epilogue's): the test preset's shapes otherwise
+E64 = Config(vocab=64, context=16, d_model=128, n_layer=2, n_head=2, d_ff=96, steps=8,
+             interval=4)
+E64_GQA = Config(vocab=64, context=16, d_model=128, n_layer=2, n_head=2, d_ff=96, steps=8,
+                 interval=4, norm="rmsnorm", n_kv_head=1, tied=False)
+CONFIGS = {"test": preset("test"), "test-llama": preset("test-llama"), "E64": E64,
+           "E64-gqa": E64_GQA, "test-qwen": preset("test-qwen")}
+
+
 @pytest.mark.parametrize("name, recompute", [("test", None), ("test-llama", None),
-                                             ("test", "gate-up"), ("test-llama", "block")])
+                                             ("test", "gate-up"), ("test-llama", "block"),
+                                             ("E64", None), ("E64-gqa", "block"),
+                                             ("test-qwen", None)])
 def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recompute):
     """Also with the backward recomputing the gate/up product (gate-up: it
-    stays a product of its own there) or each whole layer (block)."""
-    config = preset(name)
+    stays a product of its own there) or each whole layer (block); heads of
+    64 take the rope in the q | k | v product (not with q, k, v biases)."""
+    config = CONFIGS[name]
     state = random_state(config, seed=61, t=2)
     inputs = windows(2, seed=62, config=config, batch=4)
     mine = capture(config, Hyper(), "bf16", 4, state.copy(), recompute=recompute)
@@ -51,6 +63,11 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
     assert named.count(products.SWIGLU) == L
     assert sum(n in gemm.VARIANTS and n != products.SWIGLU for n in named) >= 3 * L
     assert not any(c.name == "swiglu_forward" for c in mine.plan.commands)
+    fused_rope = config.d_model // config.n_head == 64 and not config.qkv_bias
+    assert named.count(products.ROPE[64]) == (L * (2 if recompute == "block" else 1)
+                                               if fused_rope else 0)
+    assert sum(c.name == "rope_forward" for c in mine.plan.commands) == \
+        (0 if fused_rope else sum(c.name == "rope_forward" for c in theirs.plan.commands))
     assert sum(c.name == "swiglu_forward" for c in theirs.plan.commands) == L
     assert all(n in ("gemm", "gemm_strided_batched")
                for n in (c.name for c in theirs.plan.commands if c.kind == "product"))

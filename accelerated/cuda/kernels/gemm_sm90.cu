@@ -38,6 +38,7 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_F32 0
 #define EPI_SWIGLU 1
 #define EPI_F32_TMA 2
+#define EPI_ROPE 3
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -345,6 +346,71 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], uns
     }
 }
 
+// EPI_ROPE: the q | k | v product's epilogue, heads of R columns rotated
+// whole (E = R) and every tile's columns whole heads: the first `rotated`
+// heads of a row (q's and k's) rotated as kernels/rope.cu's rope_forward
+// rotates them (its rope_first and rope_second on the float32 product,
+// the pair's other element in this thread's registers R/16 groups of 8
+// columns away), v's passed, each rounded to a bfloat16 operand, through
+// two staging buffers of 64 columns (128 bytes a row, TMA's swizzle) and
+// the copy engine into the operand matrix: no float32 q | k | v is
+// written. cs, sn (T, R/2): the rotation's cos and sin by position, the
+// position of row r being r mod T. map: the operands' (box 64 x 64*MT).
+template <int MT, int BN, int R>
+__device__ __forceinline__ void store_tile_rope(const float (&d)[MT][BN / 2],
+                                                unsigned char* staging, const TensorMap* map,
+                                                int x0, int y0, int id,
+                                                const float* __restrict__ cs,
+                                                const float* __restrict__ sn, int T,
+                                                int rotated) {
+    static_assert(R % 16 == 0 && BN % R == 0 && BN % 64 == 0, "tiles of whole heads");
+    constexpr int CHUNK = 64 * MT * 128;
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+#pragma unroll
+    for (int q = 0; q < BN / 64; q++) {
+        unsigned char* buf = staging + (q & 1) * CHUNK;
+        if (t == 0) bulk_wait_read<1>();  // the store two chunks back (this buffer's) has read it
+        warpgroup_sync(id);
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    constexpr int PAIR = R / 16;          // groups between a pair's elements
+                    const int j = 8 * q + jj;             // the group of 8 columns
+                    const bool first = (8 * j) % R < R / 2;  // in its head's first half
+                    const int jp = first ? j + PAIR : j - PAIR;
+                    const int r = m * 64 + warp * 16 + lane / 4 + 8 * h;
+                    const int col = x0 + 8 * j + 2 * (lane % 4);
+                    float v0 = d[m][4 * j + 2 * h], v1 = d[m][4 * j + 2 * h + 1];
+                    if (col / R < rotated) {
+                        const float p0 = d[m][4 * jp + 2 * h], p1 = d[m][4 * jp + 2 * h + 1];
+                        const long long at =
+                            (long long)((y0 + r) % T) * (R / 2) + (8 * j) % (R / 2) + 2 * (lane % 4);
+                        const float2 c = *reinterpret_cast<const float2*>(cs + at);
+                        const float2 s = *reinterpret_cast<const float2*>(sn + at);
+                        if (first) {
+                            v0 = rope_first(v0, p0, c.x, s.x);
+                            v1 = rope_first(v1, p1, c.y, s.y);
+                        } else {
+                            v0 = rope_second(p0, v0, c.x, s.x);
+                            v1 = rope_second(p1, v1, c.y, s.y);
+                        }
+                    }
+                    const int byte = jj * 16 + 4 * (lane % 4);  // in the row's 128
+                    *reinterpret_cast<unsigned*>(buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) +
+                                                 (byte & 15)) = pack_bf16x2(v0, v1);
+                }
+        fence_async_shared();
+        warpgroup_sync(id);
+        if (t == 0) {
+            tma_store(map, buf, x0 + 64 * q, y0);
+            bulk_commit();
+        }
+    }
+}
+
 // Two schedules of the multiplying warpgroups over the block's tiles:
 // - cooperative (PINGPONG false, MT 1): a tile is 128 x BN, each warpgroup
 //   its 64 rows, both on every slab (a stage goes back when both are done);
@@ -359,13 +425,17 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], uns
 //   writes it into both (multicast), so a stage goes back when the
 //   warpgroups of both blocks are done with it.
 // maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2),
-// and with EPI_F32_TMA C's (float32, box 32 x 64*MT).
+// and with EPI_F32_TMA C's (float32, box 32 x 64*MT), with EPI_ROPE the
+// operands' (bfloat16, box 64 x 64*MT; C is then not written). cs, sn, T,
+// rotated: EPI_ROPE's (store_tile_rope); R its head width, else 0.
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits.
-template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL>
+template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL, int R = 0>
 __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
                                         float* __restrict__ C, int ldc,
-                                        unsigned short* __restrict__ H) {
+                                        unsigned short* __restrict__ H,
+                                        const float* __restrict__ cs,
+                                        const float* __restrict__ sn, int T, int rotated) {
     static_assert(PINGPONG || MT == 1, "the cooperative tile is two warpgroups' 64 rows");
     constexpr int BM = PINGPONG ? 64 * MT : 128;  // a tile's rows
     constexpr int A_BYTES = BM * GEMM_BK * 2, B_BYTES = BN * GEMM_BK * 2;
@@ -375,7 +445,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
-    constexpr int STAGING = EPI == EPI_F32_TMA ? 2 * 2 * CHUNK : 0;
+    constexpr int STAGING = EPI == EPI_F32_TMA || EPI == EPI_ROPE ? 2 * 2 * CHUNK : 0;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + STAGING);
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;  // ping-pong: order[c], warpgroup c's turn to multiply
@@ -476,6 +546,11 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                     store_tile_tma<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
                                            &maps[2], tn * width, tm * BM + (PINGPONG ? 0 : c * 64),
                                            1 + c);
+                } else if constexpr (EPI == EPI_ROPE) {
+                    store_tile_rope<MT, BN, R>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
+                                               &maps[2], tn * width,
+                                               tm * BM + (PINGPONG ? 0 : c * 64), 1 + c, cs, sn, T,
+                                               rotated);
                 } else {
 #pragma unroll
                     for (int m = 0; m < MT; m++)
@@ -486,7 +561,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             }
         }
         // the last stores have read their buffers before the block's memory goes
-        if (EPI == EPI_F32_TMA && t == 0) bulk_wait_all();
+        if ((EPI == EPI_F32_TMA || EPI == EPI_ROPE) && t == 0) bulk_wait_all();
     }
     // no block leaves while its peer may still arrive on its barriers
     if constexpr (CL == 2) cluster_sync();
@@ -495,17 +570,25 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
 // the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong, c2 and
 // p2 in clusters of two; m the 64-row blocks of a warpgroup's tile, n the
 // tile's columns, s the stages
+#define GEMM_PARAMETERS                                                                    \
+    const TensorMap *__restrict__ maps, int M, int N, int K, float *__restrict__ C, int ldc,  \
+        unsigned short *__restrict__ H, const float *__restrict__ cs,                         \
+        const float *__restrict__ sn, int T, int rotated
 #define GEMM_KERNEL(NAME, MT, BN, STAGES, EPI, PINGPONG)                                      \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                             \
-        NAME(const TensorMap* __restrict__ maps, int M, int N, int K, float* __restrict__ C, \
-             int ldc, unsigned short* __restrict__ H) {                                       \
-        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, C, ldc, H);                  \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
+                                                  rotated);                                   \
     }
 #define GEMM_KERNEL_PAIR(NAME, MT, BN, STAGES, EPI, PINGPONG)                                 \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
-        NAME(const TensorMap* __restrict__ maps, int M, int N, int K, float* __restrict__ C, \
-             int ldc, unsigned short* __restrict__ H) {                                       \
-        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 2>(maps, M, N, K, C, ldc, H);                  \
+        NAME(GEMM_PARAMETERS) {                                                               \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 2>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
+                                                  rotated);                                   \
+    }
+#define GEMM_KERNEL_ROPE(NAME, MT, BN, STAGES, PINGPONG, R)                                   \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        gemm_tn<MT, BN, STAGES, EPI_ROPE, PINGPONG, 1, R>(maps, M, N, K, C, ldc, H, cs, sn,   \
+                                                          T, rotated);                        \
     }
 
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
@@ -524,3 +607,7 @@ GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_p2_m2n128_s6, 2, 128, 6, EPI_SWIGLU, true)
+GEMM_KERNEL_ROPE(gemm_rope64_c_n128_s6, 1, 128, 6, false, 64)
+GEMM_KERNEL_ROPE(gemm_rope64_p_m2n128_s4, 2, 128, 4, true, 64)
+GEMM_KERNEL_ROPE(gemm_rope128_c_n128_s6, 1, 128, 6, false, 128)
+GEMM_KERNEL_ROPE(gemm_rope128_p_m2n128_s4, 2, 128, 4, true, 128)

@@ -2,7 +2,8 @@
 Kernels, kernels/gemm_sm90.cu): its contract on host memory. The product
 is cuBLAS's stand-in's own (the same NumPy operation on the same float32
 values, so a step gives the same bits with either), and the SwiGLU
-variants' a is the swiglu kernel's stand-in's on the product's gu."""
+variants' a is the swiglu kernel's stand-in's on the product's gu, the rope
+variants' operands the rope kernel's stand-in's on the float32 product."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from .cublas import _gemm
 from .runtime import _submit
+from .rope import k_rope_forward
 from .swiglu import k_swiglu_forward
 
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
@@ -27,18 +29,31 @@ def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
 
 
 class _Plan:
-    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H):
-        self.variant, self.shape = variant, (M, N, K)
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None):
+        self.variant, self.shape, self.rope = variant, (M, N, K), rope
         self.operands = (A, lda, B, ldb, C, ldc, H)
 
     def launch(self, stream=None) -> None:
         M, N, K = self.shape
         A, lda, B, ldb, C, ldc, H = self.operands
 
+        rope = self.rope
+
         def run():
             # row-major C = A B^T is column-major C^T = B A^T: cuBLAS's call, B first
-            _gemm(1, 0, N, M, K, 1.0, B, CUDA_R_16BF, ldb, 0, A, CUDA_R_16BF, lda, 0, 0.0, C,
-                  CUDA_R_32F, ldc, 0, 1, CUBLAS_COMPUTE_32F)
+            product = np.empty((M, N), np.float32) if rope else None
+            at, ld = (product.ctypes.data, N) if rope else (C, ldc)
+            _gemm(1, 0, N, M, K, 1.0, B, CUDA_R_16BF, ldb, 0, A, CUDA_R_16BF, lda, 0, 0.0, at,
+                  CUDA_R_32F, ld, 0, 1, CUBLAS_COMPUTE_32F)
+            if rope:
+                from coppelius.accelerated.cuda import gemm
+
+                R = gemm.VARIANTS[self.variant].rope
+                half = R // 2
+                k_rope_forward(True, product, _rows(rope.out, np.uint16, M, N, rope.ld),
+                               _rows(rope.cos, np.float32, rope.T, half, half),
+                               _rows(rope.sin, np.float32, rope.T, half, half), M, rope.T,
+                               rope.rotated, R, R, N, 1)
             if H:
                 F = N // 2
                 k_swiglu_forward(True, _rows(C, np.float32, M, N, ldc),
@@ -53,13 +68,15 @@ class FakeGemmKernels:
     def __init__(self, watchdog: bool = False):
         self.planned = 0
 
-    def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0) -> _Plan:
+    def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
         v = gemm.VARIANTS[variant]
         gemm.check_shape(M, N, K, v.epilogue)
-        gemm.check_addresses(A, lda, B, ldb, C, ldc, H)
+        gemm.check_rope(v, N, rope)
+        gemm.check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc,
+                             H)
         if (v.epilogue == "swiglu") != bool(H):
             raise ValueError(f"{variant}: H is the SwiGLU variants' output")
         self.planned += 1
-        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H)
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
