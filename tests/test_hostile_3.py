@@ -1,0 +1,126 @@
+"""Hostile input, round 3: signals during publication, full disks, file
+names that are not UTF-8, tokenizers whose ids are not 0..V-1, numeric
+options at their edges. Every case runs under a deadline (a subprocess
+timeout, or tests.test_hostile's SIGALRM) and ends in a correct result or
+one line and its exit status, nothing published changed."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coppelius.reference import fsutil
+from coppelius.reference.checkpoint import validate
+from tests.test_hostile import (CFG, ROOT, V, cli, one_line_error, run_cli, source_text,
+                                stream, train_argv, trained, trained_once, tree)
+
+__all__ = ["stream", "trained", "trained_once"]  # fixtures, used by name
+
+
+def leftovers(folder):
+    """Temporaries and set-aside folders of publications under `folder`."""
+    return sorted(p.name for p in folder.rglob(".*")
+                  if p.name.endswith((fsutil.TEMP_SUFFIX, ".tmp", ".old", ".staged")))
+
+
+# ------------------------------------------------------------------ signals while publishing
+
+# A child that runs a command and, as the count-th file of the named thread
+# is written (before it is synced and renamed), sends itself the signal
+# twice, the second while the first is being acted on.
+TWICE_CHILD = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {root!r})
+from coppelius.cli import main
+from coppelius.reference import fsutil
+count = [0]
+def hook(phase):
+    if phase == "written" and threading.current_thread().name == {thread!r}:
+        count[0] += 1
+        if count[0] == {at}:
+            os.kill(os.getpid(), {signum})
+            time.sleep(0.2)
+            os.kill(os.getpid(), {signum})
+            time.sleep(0.2)
+fsutil._hook = hook
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_child(code, argv, timeout=120):
+    p = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True,
+                       text=True, timeout=timeout)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("thread, at", [("coppelius-publish", 2), ("MainThread", 1)],
+                         ids=["checkpoint", "run-file"])
+def test_two_quick_signals_during_training_leave_no_temporary(tmp_path, stream, signum,
+                                                              thread, at):
+    """Two signals while a checkpoint (on its background thread) or the run
+    file (on the main thread) is being written: the run stops at once with
+    128 + N, the publication in flight ends whole or not at all, and no
+    temporary is left (a join cut short by the second signal used to let
+    the interpreter exit in the middle of the checkpoint's write)."""
+    run = tmp_path / "run"
+    argv = train_argv(stream, run, run / "ck.bin", "--steps", "6", "--interval", "1")
+    code = TWICE_CHILD.format(root=ROOT, thread=thread, at=at, signum=int(signum))
+    status, err = run_child(code, argv)
+    assert status == 128 + signum, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("coppelius train: interrupted" if signum == signal.SIGINT
+                                            else "coppelius train: stopped by signal 15")
+    assert leftovers(tmp_path) == []
+    if thread == "coppelius-publish":
+        assert validate(run / "ck.bin").header["step"] == at
+
+
+# A child that exports with --force and sends itself SIGTERM at one moment
+# of the directory's publication: as the count-th file is renamed into the
+# new folder, or as the old export, set aside, starts being removed.
+EXPORT_CHILD = """
+import os, shutil, signal, sys
+sys.path.insert(0, {root!r})
+from coppelius import hf
+from coppelius.cli import main
+from coppelius.reference import fsutil
+count = [0]
+def hook(phase):
+    if phase == "renamed":
+        count[0] += 1
+        if count[0] == {at}:
+            os.kill(os.getpid(), signal.SIGTERM)
+real_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if {at} == 0 and path.endswith(".old"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_rmtree(path, *args, **kwargs)
+fsutil._hook = hook
+hf.shutil.rmtree = rmtree
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_sigterm_during_an_export_over_a_previous_one_leaves_no_folder_aside(tmp_path, trained,
+                                                                              at):
+    """SIGTERM while `export --format hf --force` publishes over a previous
+    export: status 143, the folder holds a whole export (the old or the
+    new), and neither the new folder nor the old one set aside is left."""
+    out = tmp_path / "hf"
+    argv = ["export", trained, out, "--format", "hf", "--no-tokenizer"]
+    assert cli(*argv)[0] == 0
+    before = sorted(p.name for p in out.iterdir())
+    config = (out / "config.json").read_bytes()
+    status, err = run_child(EXPORT_CHILD.format(root=ROOT, at=at), argv + ["--force"])
+    assert status == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and err.strip().endswith("stopped by signal 15"), err
+    assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in out.iterdir()) == before  # a whole export, old or new
+    assert (out / "config.json").read_bytes() == config
