@@ -23,7 +23,8 @@ Which entries of a folder are documents (SPEC 8, Reading):
   source never reads outside its tree (or the same file twice); they are
   counted as skipped, as are sockets, FIFOs and devices, which are never
   opened, files that cannot be read, and names that are not UTF-8 (the
-  marker line could not hold them);
+  marker line could not hold them; the list of skipped entries shows each
+  such byte as `\\xNN`);
 - a regular file is binary, skipped and counted, when it holds a NUL byte
   or its bytes are not UTF-8. Every document is read whole anyway, so the
   rule is exact rather than a guess from a prefix; the first 8 KiB are
@@ -260,6 +261,12 @@ def embedded_listing(root: str | None = None) -> Listing:
     return _ordered(Listing(EMBEDDED, root, default_source_name()), found)
 
 
+def shown_name(rel: str) -> str:
+    """A relative path whose bytes are not UTF-8 as text that is: each such
+    byte as `\\xNN` (what the document list records of a skipped name)."""
+    return os.fsencode(rel).decode("utf-8", "backslashreplace")
+
+
 def folder_entries(root: str) -> tuple:
     """(files, skipped) under `root`: relative POSIX paths of the regular
     files that are candidates for documents, and of the entries skipped
@@ -284,7 +291,7 @@ def folder_entries(root: str) -> tuple:
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:  # undecodable bytes in the name (surrogate escapes)
-                skipped.append(rel)
+                skipped.append(shown_name(rel))
                 continue
             try:
                 if entry.is_symlink():

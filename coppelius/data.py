@@ -57,7 +57,7 @@ import time
 import numpy as np
 
 from coppelius.corpus import (EMBEDDED, FILE, FOLDER, RECORDS, TEXT_FIELD, Listing,
-                              file_listing, list_source, summary)
+                              file_listing, list_source, shown_name, summary)
 from coppelius.reference.errors import ConfigError, InUseError, StreamError
 from coppelius.reference.fsutil import (Lock, kind, open_regular, output_target, publish,
                                         remove_stale, same_file, stage)
@@ -390,7 +390,8 @@ def documents_record(listing: Listing, streamed: dict | None = None) -> dict:
     A stream written document by document (tokenize_documents) records
     `streamed` too: its separator, the records' field and its tokenizer's
     SHA-256, which pair it with its source and tokenizer."""
-    record = {"format": DOCUMENTS_FORMAT, "kind": listing.kind, "documents": listing.documents,
+    record = {"format": DOCUMENTS_FORMAT, "kind": listing.kind,
+              "documents": [shown_name(rel) for rel in listing.documents],  # a file's, maybe not UTF-8
               "binary": listing.binary, "skipped": listing.skipped}
     if streamed is not None:
         record.update(streamed)
@@ -435,8 +436,8 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None,
         if read_stream_header(stream_path) != listing.stamp:
             return False
         record = read_documents(stream_path)
-        if record is None or (record["kind"], record["documents"]) != (listing.kind,
-                                                                       listing.documents):
+        if record is None or (record["kind"], record["documents"]) != (
+                listing.kind, documents_record(listing)["documents"]):
             return False
         if streamed is not None:
             if any(record.get(k) != v for k, v in streamed.items()):
@@ -466,12 +467,17 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None,
         return False
 
 
+def documents_body(listing: Listing, record: dict | None = None) -> bytes:
+    """The document list's file: `record` (default documents_record(listing)) as JSON."""
+    record = documents_record(listing) if record is None else record
+    return (json.dumps(record, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def publish_documents(stream_path, listing: Listing, record: dict | None = None) -> None:
     path = documents_beside(stream_path)
-    record = documents_record(listing) if record is None else record
-    body = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
+    body = documents_body(listing, record)
     try:
-        publish(path, lambda f: f.write(body.encode("utf-8")))
+        publish(path, lambda f: f.write(body))
     except OSError as e:
         raise fs_error(f"document list {path}: cannot write", path, e) from None
 
@@ -527,19 +533,21 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
     tokenizer path. With `write_ids` instead of `ids`, the ids are written
     as they come: `write_ids(f)` writes them to the temporary and returns
     their SHA-256; the header is written at the end. `record`: the
-    document list to publish (default documents_record(listing)). Files
-    cannot be renamed at once, so the order is chosen for what any failure
-    or crash leaves behind:
+    document list to publish (default documents_record(listing)).
 
-      1. the whole stream is written and synced to a temporary;
-      2. the tokenizer is published (written, synced, renamed);
-      3. the temporary is renamed over the stream;
-      4. the document list is published;
-      5. the digest of the new ids is published.
+    Every file is written and synced to a temporary first, so that a
+    failure while writing (a full disk, a name that cannot be recorded)
+    changes nothing and leaves nothing, not even the folder made for them.
+    Files cannot be renamed at once, so the order of the renames is chosen
+    for what a crash between them leaves behind:
 
-    A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
-    between 2 and 3 leaves the new tokenizer beside the old stream, and
-    is_fresh turns that pair down, so the next run rebuilds it: the old
+      1. the tokenizer is renamed over its path;
+      2. the stream;
+      3. the document list;
+      4. the digest of the new ids.
+
+    A crash between 1 and 2 leaves the new tokenizer beside the old stream,
+    and is_fresh turns that pair down, so the next run rebuilds it: the old
     header names an older source, or the new tokenizer does not encode the
     source to the old ids.
     (It is accepted only where it is a true pair: the same source and V
@@ -547,20 +555,23 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
     is the old stream left without a tokenizer. The list and the digest come
     after the stream because each is what tells a changed stream apart (a
     renamed document leaves the header as it was; an id changed in the
-    middle leaves the head and the tail): a crash after 3 leaves the old list
+    middle leaves the head and the tail): a crash after 2 leaves the old list
     or the old digest beside the new stream, which is_fresh turns down; the
     other order could leave the new ones beside the old stream and have it
     accepted."""
     stream_path = os.fspath(stream_path)
     tokenizer_path = tokenizer_beside(stream_path)
     digest_path = digest_beside(stream_path)
+    documents_path = documents_beside(stream_path)
     directory = os.path.dirname(os.path.abspath(stream_path))
-    staged = None
+    made = missing_folders(directory)
+    staged = {}  # what -> (path, its Staged temporary), in the order of the renames
+    what, path = "stream", stream_path
     try:
         os.makedirs(directory, exist_ok=True)
         digest = None
         if write_ids is None:
-            staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
+            stream_file = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))
         else:
             def write_body(f):
                 nonlocal digest
@@ -570,26 +581,48 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
                 f.write(stream_header(mtime_ns, size))
                 f.seek(0, os.SEEK_END)
 
-            staged = stage(stream_path, write_body)  # 1
-        payload = tokenizer_json.encode("utf-8")
-        try:
-            publish(tokenizer_path, lambda f: f.write(payload))  # 2
-        except OSError as e:
-            raise fs_error(f"tokenizer {tokenizer_path}: cannot write", tokenizer_path, e) from None
-        staged.commit()  # 3
+            stream_file = stage(stream_path, write_body)
+        bodies = {"tokenizer": (tokenizer_path, tokenizer_json.encode("utf-8"))}
+        staged["stream"] = (stream_path, stream_file)
+        if listing is not None:  # its count is known once the ids are written
+            bodies["document list"] = (documents_path, documents_body(listing, record))
+        bodies["stream digest"] = (digest_path,
+                                   ((digest or ids_sha256(ids)) + "\n").encode("ascii"))
+        for what, (path, body) in bodies.items():
+            staged[what] = (path, stage(path, lambda f, body=body: f.write(body)))
+        for what in ("tokenizer", "stream", "document list", "stream digest"):  # 1 to 4
+            if what in staged:
+                path, file = staged[what]
+                file.commit()
     except OSError as e:
-        raise fs_error(f"stream {stream_path}: cannot write", stream_path, e) from None
+        raise fs_error(f"{what} {path}: cannot write", path, e) from None
     finally:
-        if staged is not None:
-            staged.discard()
-    if listing is not None:
-        publish_documents(stream_path, listing, record)  # 4
-    digest = ((digest or ids_sha256(ids)) + "\n").encode("ascii")
-    try:
-        publish(digest_path, lambda f: f.write(digest))  # 5
-    except OSError as e:
-        raise fs_error(f"stream digest {digest_path}: cannot write", digest_path, e) from None
+        for _, file in staged.values():
+            file.discard()  # those not renamed
+        remove_made(made)
     return tokenizer_path
+
+
+def missing_folders(directory: str) -> list:
+    """The folders that making `directory` would create, deepest first."""
+    made = []
+    while directory and not os.path.lexists(directory):
+        made.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return made
+
+
+def remove_made(made: list) -> None:
+    """Remove the folders of `made` (missing_folders) that are still empty:
+    a publication that failed leaves no folder it made either."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return  # not empty (published into), or gone: the ones above stay too
 
 
 def stream_header(mtime_ns: int, size: int) -> bytes:

@@ -244,9 +244,9 @@ def test_the_document_list_is_published_after_the_stream(folder, tmp_path, monke
         pass
 
     def hook(phase):
-        if phase == "written":  # the staged stream, the tokenizer, then the list
+        if phase == "renamed":  # the tokenizer, the stream, then the list
             published.append(phase)
-            if len(published) == 3:
+            if len(published) == 2:
                 raise Crash()
 
     monkeypatch.setattr(fsutil, "_hook", hook)

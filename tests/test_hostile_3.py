@@ -124,3 +124,95 @@ def test_sigterm_during_an_export_over_a_previous_one_leaves_no_folder_aside(tmp
     assert leftovers(tmp_path) == []
     assert sorted(p.name for p in out.iterdir()) == before  # a whole export, old or new
     assert (out / "config.json").read_bytes() == config
+
+
+# ------------------------------------------------------------------ full disks
+
+def full_disk_at(monkeypatch, at):
+    """The at-th file written (through fsutil, where every output is) fails
+    as a full disk does, once its body is written (ENOSPC at the flush)."""
+    count = [0]
+
+    def hook(phase):
+        if phase == "written":
+            count[0] += 1
+            if count[0] == at:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fsutil, "_hook", hook)
+    return count
+
+
+FULL_DISK_CASES = [  # (command, how many files it writes)
+    ("report", 2), ("export", 1), ("export hf", 3), ("export hf --force", 3),
+    ("tokenize", 4), ("tokenize --eos", 4), ("tokenize again", 4),
+]
+
+
+@pytest.mark.parametrize("command, files", FULL_DISK_CASES)
+def test_a_full_disk_leaves_no_partial_output_and_exits_2(tmp_path, trained, monkeypatch,
+                                                           command, files):
+    """ENOSPC while any one of a command's files is written: one line
+    naming that file, exit 2, and every file as it was before (no plot
+    without its CSV, no stream without its digest, no folder made)."""
+    out = tmp_path / "out"
+    source = source_text(tmp_path)
+    argv = {
+        "report": ["report", trained.parent, "--plot", out / "p.png", "--csv", out / "p.csv"],
+        "export": ["export", trained, out / "x.safetensors"],
+        "export hf": ["export", trained, out / "hf", "--format", "hf", "--no-tokenizer"],
+        "export hf --force": ["export", trained, out / "hf", "--format", "hf", "--no-tokenizer",
+                              "--force"],
+        "tokenize": ["tokenize", source, "--vocab", V, "--out", out / "c" / "a.tokens"],
+        "tokenize --eos": ["tokenize", source, "--vocab", V, "--eos", "<|e|>", "--out",
+                           out / "c" / "a.tokens"],
+        "tokenize again": ["tokenize", source, "--vocab", V, "--out", out / "c" / "a.tokens"],
+    }[command]
+    if not command.startswith("tokenize"):  # tokenize makes its folder (and, failing, removes it)
+        out.mkdir()
+    if command == "export hf --force":
+        assert cli(*argv[:-1])[0] == 0
+    if command == "tokenize again":  # a stream made before, its source changed since
+        assert cli(*argv)[0] == 0
+        with open(source, "a") as f:
+            f.write("\n# more\n")
+    for at in range(1, files + 1):
+        before = tree(tmp_path)
+        count = full_disk_at(monkeypatch, at)
+        status, _, err = cli(*argv)
+        assert count[0] >= at, (at, count)
+        one_line_error(status, err, "No space left on device")
+        assert tree(tmp_path) == before, at
+        assert leftovers(tmp_path) == []
+    count = full_disk_at(monkeypatch, files + 1)  # it writes no more than that
+    status, _, err = cli(*argv)
+    assert status == 0 and count[0] == files, err
+
+
+# ------------------------------------------------------------------ names that are not UTF-8
+
+def test_a_folder_holding_a_name_that_is_not_utf8_is_tokenized_skipping_it(tmp_path):
+    """A file named with the byte 0xff in a source folder is skipped and
+    counted (its name could not be a marker line), the list of skipped
+    entries shows it as \\xff, and the stream is published with its
+    tokenizer, document list and digest; a file source so named is read."""
+    from coppelius import data
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    os.rename(source_text(tmp_path), folder / "a.txt")
+    (folder / os.fsdecode(b"\xff.txt")).write_text("never read\n")
+    out = tmp_path / "c" / "a.tokens"
+    status, stdout, err = cli("tokenize", folder, "--vocab", V, "--out", out)
+    assert status == 0 and "Traceback" not in err, err
+    assert "1 document, 1 other entry skipped" in stdout
+    assert json.loads(open(data.documents_beside(out)).read())["skipped"] == ["\\xff.txt"]
+    assert data.read_digest(out) is not None and os.path.exists(data.tokenizer_beside(out))
+    assert cli("tokenize", folder, "--vocab", V, "--out", out)[1].startswith("up to date")
+    odd = tmp_path / os.fsdecode(b"x\xfe.txt")
+    os.rename(folder / "a.txt", odd)
+    out2 = tmp_path / "c2" / "a.tokens"
+    status, stdout, err = cli("tokenize", odd, "--vocab", V, "--out", out2)
+    assert status == 0 and "Traceback" not in err, err
+    assert json.loads(open(data.documents_beside(out2)).read())["documents"] == ["x\\xfe.txt"]
+    assert cli("tokenize", odd, "--vocab", V, "--out", out2)[1].startswith("up to date")
