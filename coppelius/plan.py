@@ -257,9 +257,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         raise RunError(f"--seed={seed}: must be in [0, 2^64)")
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
-    limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
-                                        on_host=can.host_data),
-                      f"--batch={batch} on the {model_source} model")
+    limits.check_step_fits(config, batch // (accumulate * world), can.host_data, model_source)
     if args.results and fsutil.same_file(args.results, ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
     if writes and args.results and os.path.lexists(args.results):

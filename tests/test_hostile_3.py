@@ -216,3 +216,22 @@ def test_a_folder_holding_a_name_that_is_not_utf8_is_tokenized_skipping_it(tmp_p
     assert status == 0 and "Traceback" not in err, err
     assert json.loads(open(data.documents_beside(out2)).read())["documents"] == ["x\\xfe.txt"]
     assert cli("tokenize", odd, "--vocab", V, "--out", out2)[1].startswith("up to date")
+
+
+# ------------------------------------------------------------------ models too large to build
+
+HUGE_MODEL = "vocab = 64\ncontext = 16\nd_model = 4096\nn_layer = 1000000\nn_head = 2\nd_ff = 96\n"
+
+
+def test_bench_refuses_a_model_that_cannot_fit_at_once_as_train_does(tmp_path, stream):
+    """`bench --model` of n_layer = 1000000 is refused before anything is
+    built, with the words `train` refuses it with (one check, in
+    reference.limits)."""
+    model = tmp_path / "m.toml"
+    model.write_text(HUGE_MODEL)
+    status, _, err = run_cli("bench", "--model", model, "--backend", "reference", timeout=60)
+    one_line_error(status, err, "--batch=1 on the", "needs at least", "of memory")
+    t_status, _, t_err = cli(*train_argv(stream, tmp_path / "r", tmp_path / "r" / "ck",
+                                         "--model", model))
+    assert t_status == 2
+    assert err.split("needs", 1)[1] == t_err.split("needs", 1)[1]
