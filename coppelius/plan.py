@@ -69,7 +69,7 @@ def _positive(value, name):
 
 def _nonnegative(value, name):
     if value is not None and not 0 <= value < MAX_STEP:
-        raise RunError(f"--{name}={value}: must be an integer >= 0")
+        raise RunError(f"--{name}={value}: must be an integer in [0, 2^62)")
     return value
 
 
@@ -339,13 +339,13 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
             print_safely(f"note: the embedded corpus holds {K} contexts for training and this "
                          f"run needs {need}: repeating data (context c is read as c mod {K})")
     if steps and writes:
+        from coppelius import metrics
+
+        metrics.check_peak(options.get("peak_tflops"))  # a value refused before a folder is made
         # outputs: found unwritable now, not after the first interval of training
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
-        from coppelius import metrics
-
-        metrics.check_peak(options.get("peak_tflops"))
         metrics.check_writers(options, run_dir)  # TensorBoard's directory, the wandb package
         if not lock.held:
             lock.acquire()

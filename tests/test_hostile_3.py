@@ -235,3 +235,113 @@ def test_bench_refuses_a_model_that_cannot_fit_at_once_as_train_does(tmp_path, s
                                          "--model", model))
     assert t_status == 2
     assert err.split("needs", 1)[1] == t_err.split("needs", 1)[1]
+
+
+# ------------------------------------------------------------------ eval of a run's own tokenizer
+
+def test_eval_encodes_the_runs_source_with_the_runs_tokenizer(tmp_path, monkeypatch):
+    """A run trained with --tokenizer on a source is evaluated on that
+    source encoded by that tokenizer (it used to train a BPE of its own,
+    refused at V=64): by run.json's, or by eval --tokenizer naming the same
+    file; another tokenizer is refused by name, nothing evaluated."""
+    from tests.test_hostile import word_tokenizer
+
+    monkeypatch.chdir(tmp_path)  # the stream cache, runs/data, under the test's folder
+    tok = word_tokenizer(tmp_path / "tok.json")
+    rng = np.random.default_rng(0)
+    source = tmp_path / "words.txt"
+    source.write_text(" ".join(f"w{i}" for i in rng.integers(0, CFG.vocab - 1, 60 * 17)) + "\n")
+    run = tmp_path / "run"
+    status, out, err = cli("train", "--preset", "test", "--backend", "reference", "--source",
+                           source, "--tokenizer", tok, "--run-dir", run, "--checkpoint",
+                           run / "ck.bin", "--steps", "2", "--no-sample")
+    assert status == 0, err
+    held = out.split("held-out loss at step 2: ")[1].split()[0]
+    for extra in ([], ["--tokenizer", tok]):
+        status, out, err = cli("eval", run, *extra)
+        assert status == 0, err
+        assert f"held-out loss {held}" in out
+    other = word_tokenizer(tmp_path / "other.json", vocab=CFG.vocab - 1)
+    status, out, err = cli("eval", run, "--tokenizer", other)
+    one_line_error(status, err, "--tokenizer", other, "is not checkpoint", "tokenizer")
+    assert out == ""
+    status, _, err = cli("eval", run, "--tokenizer", tok, "--stream", tmp_path / "x.tokens")
+    one_line_error(status, err, "--tokenizer", "a --stream is encoded already")
+
+
+# ------------------------------------------------------------------ non-finite losses
+
+def test_a_non_finite_loss_is_status_3_in_train_and_eval(tmp_path, stream, trained):
+    """SPEC 9: `train --lr 1e30` stops at its first step with status 3,
+    publishing nothing; `eval` of a checkpoint whose loss overflows is
+    status 3 too, not a held-out loss of nan with status 0."""
+    from tests.test_hostile import N, build_checkpoint, result_records
+
+    run = tmp_path / "r"
+    status, out, err = cli(*train_argv(stream, run, run / "ck.bin", "--steps", "2", "--lr", "1e30"))
+    assert status == 3, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("coppelius train: error: step ") and \
+        "non-finite" in err.strip().splitlines()[-1], err
+    assert not (run / "ck.bin").exists()
+    data, hn, start = result_records(trained)
+    payload = np.frombuffer(data[start:len(data) - 48], dtype="<f4").copy()
+    payload[:N] = 3e38  # finite parameters whose forward overflows
+    huge = build_checkpoint(tmp_path / "huge.ck", raw=data[16:16 + hn], payload=payload.tobytes())
+    status, out, err = cli("eval", huge, "--stream", stream)
+    assert status == 3, err
+    assert "not finite" in err or "non-finite" in err or "finite loss" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert cli("eval", trained, "--stream", stream)[0] == 0
+
+
+# ------------------------------------------------------------------ numeric options at their edges
+
+NOT_INTEGERS = ["1e400", "nan", "inf", "-inf", "1.5", "1e30"]
+NOT_NUMBERS = ["nan", "inf", "-inf", "1e400"]
+HUGE = "99999999999999999999999"
+# option -> (extra arguments it needs, the values it refuses); every other
+# value of -1, 0, HUGE, nan, inf, -inf, 1.5, 1e30 trains (or, for lr and
+# weight decay, stops at a non-finite loss with status 3)
+EDGES = {
+    "steps": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "until": ([], ["-1", HUGE] + NOT_INTEGERS),
+    "interval": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "batch": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "accumulate": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "gpus": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "eval-contexts": ([], ["-1", HUGE] + NOT_INTEGERS),
+    "eval-every": ([], ["-1", HUGE] + NOT_INTEGERS),
+    "seed": ([], ["-1", HUGE] + NOT_INTEGERS),
+    "blas-threads": ([], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "warmup": (["--schedule", "wsd"], ["-1", HUGE] + NOT_INTEGERS),
+    "total": (["--schedule", "wsd"], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "decay": (["--schedule", "wsd"], ["-1", "0", HUGE] + NOT_INTEGERS),
+    "floor": (["--schedule", "cosine"], ["-1", HUGE, "1.5", "1e30"] + NOT_NUMBERS),
+    "lr": ([], ["-1", "0"] + NOT_NUMBERS),
+    "beta1": ([], ["-1", HUGE, "1.5", "1e30"] + NOT_NUMBERS),
+    "beta2": ([], ["-1", HUGE, "1.5", "1e30"] + NOT_NUMBERS),
+    "weight-decay": ([], ["-1"] + NOT_NUMBERS),
+    "epsilon": ([], ["-1", "0"] + NOT_NUMBERS),
+    "clip": ([], ["-1", "0"] + NOT_NUMBERS),
+    "peak-tflops": ([], ["-1", "0"] + NOT_NUMBERS),
+}
+
+
+def test_every_numeric_train_option_refuses_its_edge_values_in_one_line(tmp_path, stream):
+    """Negative, zero, huge, nan and infinite values of every numeric train
+    option that cannot be taken: one line naming the option and the value,
+    exit 2, nothing made (not even the run's folder)."""
+    run = tmp_path / "run"
+    for option, (extra, refused) in EDGES.items():
+        steps = [] if option in ("steps", "until") else ["--steps", "1"]
+        for value in refused:
+            status, _, err = cli(*train_argv(stream, run, run / "ck.bin", *steps, *extra,
+                                             f"--{option}", value), seconds=30)
+            name = option.replace("-", "_") if option.replace("-", "_") in err else option
+            one_line_error(status, err, name)
+            assert not run.exists(), (option, value)
+            shown = err.split(name, 1)[1][:80]
+            assert len(err) < 400, (option, value, err)  # a huge number is not printed whole
+            assert any(v in shown for v in (value, "(huge)", "inf", "nan", "-1", "0")), \
+                (option, value, err)
