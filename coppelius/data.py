@@ -209,10 +209,28 @@ def load_tokenizer(path):
     except UnicodeDecodeError as e:
         raise StreamError(f"tokenizer {path}: not UTF-8 at byte offset {e.start}") from None
     try:
-        return Tokenizer.from_str(text)
+        tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         detail = (str(e).splitlines() or [type(e).__name__])[0]
         raise StreamError(f"tokenizer {path}: cannot load ({detail})") from None
+    shared = shared_id(tokenizer)
+    if shared is not None:
+        raise StreamError(f"tokenizer {path}: {shared}")
+    return tokenizer
+
+
+def shared_id(tokenizer) -> str | None:
+    """Why a tokenizer cannot be decoded faithfully, or None: two tokens of
+    its vocabulary (added tokens included) under one id, so that the id
+    could stand for either text. Ids it never produces (holes below its
+    largest, as a padded V has above it) are fine."""
+    owner = {}
+    for token, token_id in sorted(tokenizer.get_vocab(with_added_tokens=True).items()):
+        if token_id in owner:
+            return (f"the tokens {owner[token_id]!r} and {token!r} share the id {token_id}; "
+                    f"each id must stand for one token")
+        owner[token_id] = token
+    return None
 
 
 def tokenizer_ids(tokenizer) -> int:

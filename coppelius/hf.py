@@ -651,17 +651,13 @@ class ShardedSource(CheckpointSource):
             source.close()
 
 
-def tokenizer_ids(tokenizer) -> int:
-    """How many ids a `tokenizers.Tokenizer` uses: one more than its largest
-    (added tokens included; an added token may lie beyond the model's count)."""
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max(vocab.values(), default=-1) + 1
-
-
 def load_tokenizer_bytes(body: bytes, path: str, config: Config):
     """A tokenizer.json's bytes as a `tokenizers.Tokenizer`, refused unless
-    every id it produces is below the model's V (SPEC 22)."""
+    every id it produces is below the model's V (SPEC 22) and stands for one
+    token (coppelius.data's checks)."""
     from tokenizers import Tokenizer
+
+    from coppelius.data import shared_id, tokenizer_ids
 
     try:
         tokenizer = Tokenizer.from_str(body.decode("utf-8"))
@@ -671,6 +667,9 @@ def load_tokenizer_bytes(body: bytes, path: str, config: Config):
     ids = tokenizer_ids(tokenizer)
     if ids > config.vocab:
         raise HfError(f"tokenizer {path}: has {ids} ids, more than the model's V={config.vocab}")
+    shared = shared_id(tokenizer)
+    if shared is not None:
+        raise HfError(f"tokenizer {path}: {shared}")
     return tokenizer
 
 

@@ -345,3 +345,84 @@ def test_every_numeric_train_option_refuses_its_edge_values_in_one_line(tmp_path
             assert len(err) < 400, (option, value, err)  # a huge number is not printed whole
             assert any(v in shown for v in (value, "(huge)", "inf", "nan", "-1", "0")), \
                 (option, value, err)
+
+
+# ------------------------------------------------------------------ tokenizers whose ids are odd
+
+def odd_tokenizer(path, change):
+    """tests.test_hostile's word tokenizer of V ids, its JSON changed by `change(doc)`."""
+    from tests.test_hostile import word_tokenizer
+
+    word_tokenizer(path)
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def added_token(token_id, content):
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True}
+
+
+def vocab_of(doc):
+    return doc["model"]["vocab"]
+
+
+TOKENIZER_CASES = {  # name -> (change, None for a correct result or the refusal's words)
+    "an id beyond V": (lambda d: vocab_of(d).update(w5=200), ["has 201 ids", "V=64"]),
+    "an added token beyond V": (lambda d: d.update(added_tokens=[added_token(64, "<|e|>")]),
+                                ["has 65 ids", "V=64"]),
+    "an added token not in the vocabulary": (
+        lambda d: d.update(added_tokens=[added_token(3, "<|e|>")]), ["has 65 ids", "V=64"]),
+    "two tokens of one id": (lambda d: vocab_of(d).update(w5=6),
+                             ["the tokens 'w5' and 'w6' share the id 6"]),
+    "a negative id": (lambda d: vocab_of(d).update(w5=-1), ["cannot load", "-1"]),
+    "an id of 2^40": (lambda d: vocab_of(d).update(w5=2**40), ["cannot load", "1099511627776"]),
+    "an id that is not an integer": (lambda d: vocab_of(d).update(w5=1.5), ["cannot load", "1.5"]),
+    "a hole": (lambda d: vocab_of(d).pop("w5"), None),
+    "ids 1 to V-1": (lambda d: d["model"].update(vocab={f"w{i}": i + 1 for i in range(63)}),
+                     None),
+    "a special token in its vocabulary": (
+        lambda d: d.update(added_tokens=[added_token(63, "[UNK]")]), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKENIZER_CASES))
+def test_a_tokenizer_whose_ids_are_not_0_to_v_minus_1(tmp_path, trained, case):
+    """Holes (ids no token has, as a padded V has above the tokenizer's) are
+    taken and give the library's own ids; an id at or beyond V, two tokens
+    on one id, an id that is not a u32 are refused in one line by tokenize,
+    train and sample alike, nothing written."""
+    from tokenizers import Tokenizer
+
+    from coppelius.reference.stream import open_stream
+
+    change, words = TOKENIZER_CASES[case]
+    tok = odd_tokenizer(tmp_path / "tok.json", change)
+    rng = np.random.default_rng(0)
+    source = tmp_path / "words.txt"
+    source.write_text(" ".join(f"w{i}" for i in rng.integers(0, CFG.vocab - 1, 60 * 17)) + "\n")
+    out = tmp_path / "c" / "a.tokens"
+    run = tmp_path / "r"
+    argvs = {
+        "tokenize": ["tokenize", source, "--tokenizer", tok, "--vocab", CFG.vocab, "--out", out],
+        "train": ["train", "--preset", "test", "--backend", "reference", "--stream", out,
+                  "--run-dir", run, "--checkpoint", run / "ck", "--steps", "1", "--no-sample"],
+        "sample": ["sample", trained, "--tokenizer", tok, "--prompt", "w1 w2", "--tokens", "4"],
+    }
+    if words is not None:
+        argvs["train"][5:7] = ["--source", source, "--tokenizer", tok]
+        for command, argv in argvs.items():
+            before = tree(tmp_path)
+            status, _, err = cli(*argv)
+            one_line_error(status, err, tok, *words)
+            assert tree(tmp_path) == before, command
+        return
+    status, _, err = cli(*argvs["tokenize"])
+    assert status == 0, err
+    want = Tokenizer.from_file(str(tok)).encode(source.read_text(), add_special_tokens=False).ids
+    assert open_stream(out, CFG.vocab).ids.tolist() == want
+    for command in ("train", "sample"):
+        status, _, err = cli(*argvs[command])
+        assert status == 0 and "Traceback" not in err, (command, err)
