@@ -125,6 +125,32 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
+def stream_pieces(chunks, size: int | None = None):
+    """pieces() of the text the iterable `chunks` (strings) makes when
+    joined, without joining it: the same pieces, holding one piece and one
+    chunk at a time. A boundary needs the character after it, so one at the
+    end of a chunk is found with the next chunk."""
+    size = size or PIECE_CHARS
+    held, length = [], 0  # the piece so far, and its length
+    before = ""  # the last (at most two) characters before `chunk`: the boundary looks back at them
+    for chunk in chunks:
+        while chunk:
+            window = before + chunk
+            # the piece is at least `size` long; positions before this chunk were looked at
+            m = _BOUNDARY.search(window, len(before) + max(size - length, 0))
+            if m is None:
+                held.append(chunk)
+                length += len(chunk)
+                before = window[-2:]
+                break
+            cut = m.start() - len(before)  # in chunk
+            yield "".join(held) + chunk[:cut]
+            held, length = [], 0
+            before, chunk = window[max(m.start() - 2, 0):m.start()], chunk[cut:]
+    if length:
+        yield "".join(held)
+
+
 # where a smaller vocabulary is chosen: tokenize's option, a model's field
 SMALLER_VOCAB = "tokenize --vocab N, or a model file's vocab = N for train --model"
 
@@ -161,7 +187,7 @@ def train_tokenizer(source, vocab: int, name: str | None = None, eos: str | None
     check_vocab(vocab)
     if isinstance(source, (str, os.PathLike)):
         name = name or os.fspath(source)
-        texts = pieces(read_source(source))
+        texts = stream_pieces(file_listing(source).iter_chunks())
     else:
         name = name or "the given text"
         texts = (piece for text in source for piece in pieces(text))
@@ -346,29 +372,28 @@ def default_cache_dir() -> str:
     return os.path.join("runs", "data")
 
 
-def head_and_tail(text: str) -> tuple:
-    """The first piece of `text` and a last piece, each cut where the
-    pre-tokenizer splits anyway (see pieces), so each encodes to the first /
-    last ids of the whole text's encoding. The tail starts at the first
-    boundary of the last PIECE_CHARS characters that hold one; it is empty
-    only when the head is the whole text."""
-    head = next(pieces(text), "")
-    end = len(text)
-    while end > len(head):
-        start = max(end - PIECE_CHARS, len(head))
-        m = _BOUNDARY.search(text, start, end)
-        if m:
-            return head, text[m.start():]
-        end = start
-    return head, ""
+def head_and_tail(text) -> tuple:
+    """The first piece of `text` (a string, or an iterable of the strings
+    that make it) and its last piece (stream_pieces), each cut where the
+    pre-tokenizer splits anyway, so each encodes to the first / last ids of
+    the whole text's encoding. The tail is empty when the head is the whole
+    text. The text is read through once, a piece at a time."""
+    head = tail = None
+    for piece in stream_pieces([text] if isinstance(text, str) else text):
+        if head is None:
+            head = piece
+        else:
+            tail = piece
+    return head or "", tail or ""
 
 
-def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
-    """Whether `tokenizer` turns the head and the tail of `text` into the
-    first and last ids of `ids` (N,). A tokenizer trained on another source,
-    or with another V, encodes them otherwise: this pairs a stream with the
-    tokenizer that made it without storing anything beyond SPEC's files, at
-    the cost of encoding about 2 * PIECE_CHARS characters."""
+def encodes_to(tokenizer, text, ids: np.ndarray) -> bool:
+    """Whether `tokenizer` turns the head and the tail of `text` (a string,
+    or an iterable of its chunks) into the first and last ids of `ids` (N,).
+    A tokenizer trained on another source, or with another V, encodes them
+    otherwise: this pairs a stream with the tokenizer that made it without
+    storing anything beyond SPEC's files, at the cost of reading the text
+    through and encoding two pieces."""
     for piece, at_end in zip(head_and_tail(text), (False, True)):
         want = np.array(tokenizer.encode(piece, add_special_tokens=False).ids, dtype=np.uint32)
         if want.size > ids.size:
@@ -478,7 +503,7 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None,
         try:
             if stream.sha256 != read_digest(stream_path):
                 return False
-            return streamed is not None or encodes_to(tokenizer, listing.text(), stream.ids)
+            return streamed is not None or encodes_to(tokenizer, listing.iter_chunks(), stream.ids)
         finally:
             stream.close()
     except StreamError:
@@ -648,15 +673,41 @@ def stream_header(mtime_ns: int, size: int) -> bytes:
     return np.array([(mtime_ns, size)], dtype=HEADER).tobytes()
 
 
-def document_batches(documents, size: int | None = None):
-    """Lists of consecutive documents of `documents` (an iterator of
-    strings), each of at most BATCH_DOCUMENTS documents and, but for a
-    single long document, about BATCH_CHARS characters."""
+def document_parts(listing: Listing, own: bool):
+    """(text, ends a document?) of each part of the source's documents, in
+    the stream's order. With the project's own BPE (`own`), a document of
+    text is read in the pieces stream_pieces cuts from it, which encode as
+    the whole document does (so a document is never held whole); with a
+    given tokenizer, whose pre-tokenizer may split otherwise, each document
+    is one part; a record is read whole (it is one line or row), and cut
+    into pieces for the own BPE."""
+    if not own or listing.kind == RECORDS:
+        for text in listing.iter_documents():
+            if own and len(text) > PIECE_CHARS:  # a long record of the own BPE: in its pieces
+                *rest, last = pieces(text)
+                for piece in rest:
+                    yield piece, False
+                text = last
+            yield text, True
+        return
+    for i in range(len(listing.documents)):
+        last = None
+        for piece in stream_pieces(listing.document_chunks(i)):
+            if last is not None:
+                yield last, False
+            last = piece
+        yield last or "", True
+
+
+def document_batches(parts, size: int | None = None):
+    """Lists of consecutive parts of `parts` (an iterator of (text, ends a
+    document?), document_parts), each of at most BATCH_DOCUMENTS parts and,
+    but for a single long part, about BATCH_CHARS characters."""
     size = size or BATCH_CHARS
     batch, chars = [], 0
-    for text in documents:
-        batch.append(text)
-        chars += len(text)
+    for part in parts:
+        batch.append(part)
+        chars += len(part[0])
         if chars >= size or len(batch) >= BATCH_DOCUMENTS:
             yield batch
             batch, chars = [], 0
@@ -682,7 +733,8 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
         if progress:
             print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
                   f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
-        tokenizer = train_tokenizer(listing.iter_documents(), vocab, name=listing.root, eos=eos)
+        tokenizer = train_tokenizer((piece for piece, _ in document_parts(listing, True)), vocab,
+                                    name=listing.root, eos=eos)
         tokenizer_text = tokenizer.to_str()
         given_path = None
     else:
@@ -699,24 +751,20 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
         with tqdm(total=listing.size, unit="B", unit_scale=True, desc="tokenizing",
                   disable=not progress, leave=False, file=sys.stderr) as bar:
             seen = 0
-            for batch in document_batches(listing.iter_documents()):
-                texts, owners = [], []
-                for d, text in enumerate(batch):
-                    parts = list(pieces(text)) if own and len(text) > PIECE_CHARS else [text]
-                    texts.extend(parts)
-                    owners.extend([d] * len(parts))
-                    seen += len(text)  # characters: about the bytes where records are read
+            for batch in document_batches(document_parts(listing, own)):
+                texts = [text for text, _ in batch]
+                seen += sum(map(len, texts))  # characters: about the bytes where records are read
                 encodings = batch_encode(texts, add_special_tokens=False)
                 chunks = []
-                for i, encoding in enumerate(encodings):
+                for encoding, (_, ends) in zip(encodings, batch):
                     chunks.append(np.array(encoding.ids, dtype=TOKEN))
-                    if i + 1 == len(owners) or owners[i + 1] != owners[i]:
+                    if ends:
                         chunks.append(tail)  # the end of a document
+                        counts["documents"] += 1
                 del encodings
                 body = np.concatenate(chunks).astype(TOKEN, copy=False).tobytes()
                 f.write(body)
                 h.update(body)
-                counts["documents"] += len(batch)
                 counts["ids"] += len(body) // TOKEN_BYTES
                 done = listing.done if listing.kind == RECORDS else min(seen, listing.size)
                 bar.update(max(done - bar.n, 0))
@@ -746,23 +794,54 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
     """Train the tokenizer on the source text (or take `given`, a
     (tokenizer, its file's text) pair), encode the text, publish the stream,
     its tokenizer.json and its document list (publish_pair). Returns what
-    was written."""
+    was written.
+
+    In bounded memory (SPEC 22): the text is read from the files as it is
+    trained on and again as it is encoded, in the pieces stream_pieces cuts
+    (the pieces encode() would cut from the whole text, so the ids are the
+    same), ENCODE_PIECES at a time, and the ids are written to the stream's
+    temporary as they come."""
+    from tqdm import tqdm
+
     started = time.perf_counter()
-    text = listing.text()
     if given is None:
         # a vocabulary the source text cannot yield: refused before the library sees it
-        check_vocab(vocab, len(text.encode("utf-8")))
+        check_vocab(vocab, listing.text_bytes)
         if progress:
             print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
                   f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
-        tokenizer = train_tokenizer([text], vocab, name=listing.root)
+        tokenizer = train_tokenizer(stream_pieces(listing.iter_chunks()), vocab, name=listing.root)
         tokenizer_text = tokenizer.to_str()
     else:
         tokenizer, tokenizer_text = given[:2]
-    ids = encode(tokenizer, text, progress=progress)  # (N,)
-    tokenizer_path = publish_pair(stream_path, ids, listing.mtime_ns, listing.size,
-                                  tokenizer_text, listing)
-    return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": int(ids.size),
+    batch_encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets
+    count = [0]
+
+    def write_ids(f):
+        h = hashlib.sha256()
+        group = []
+        with tqdm(total=listing.text_bytes, unit="B", unit_scale=True, desc="encoding",
+                  disable=not progress, leave=False, file=sys.stderr) as bar:
+            def flush():
+                for encoding in batch_encode(group, add_special_tokens=False):
+                    body = np.array(encoding.ids, dtype=TOKEN).tobytes()
+                    f.write(body)
+                    h.update(body)
+                    count[0] += len(body) // TOKEN_BYTES
+                bar.update(sum(map(len, group)))
+                group.clear()
+
+            for piece in stream_pieces(listing.iter_chunks()):
+                group.append(piece)
+                if len(group) == ENCODE_PIECES:
+                    flush()
+            if group:
+                flush()
+        return h.hexdigest()
+
+    tokenizer_path = publish_pair(stream_path, None, listing.mtime_ns, listing.size,
+                                  tokenizer_text, listing, write_ids=write_ids)
+    return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": count[0],
             "seconds": time.perf_counter() - started}
 
 
