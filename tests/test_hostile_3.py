@@ -426,3 +426,38 @@ def test_a_tokenizer_whose_ids_are_not_0_to_v_minus_1(tmp_path, trained, case):
     for command in ("train", "sample"):
         status, _, err = cli(*argvs[command])
         assert status == 0 and "Traceback" not in err, (command, err)
+
+
+# ------------------------------------------------------------------ files that never end
+
+def test_a_model_or_run_file_that_waits_for_data_is_refused_not_waited_on(tmp_path, stream,
+                                                                            trained, monkeypatch):
+    """A "regular" file whose read waits for data that may never come
+    (/proc/kmsg, which only root may read: tests.test_hostile reads it
+    there) stands here as a pipe with a writer that writes nothing, opened
+    where the model file or run.json is opened: one line, exit 2, no hang,
+    nothing made."""
+    opened = fsutil._open_nonblocking_regular
+    read_end, write_end = os.pipe()
+    try:
+        os.set_blocking(read_end, False)
+        model = tmp_path / "m.toml"
+        model.write_text("vocab = 64\n")
+        run_file = trained.parent / "run.json"
+
+        def waiting(path):
+            if os.fspath(path) in (str(model), str(run_file)):
+                return os.dup(read_end)
+            return opened(path)
+
+        monkeypatch.setattr(fsutil, "_open_nonblocking_regular", waiting)
+        before = tree(tmp_path)
+        status, _, err = cli(*train_argv(stream, tmp_path / "r", tmp_path / "r" / "ck", "--model",
+                                         model), seconds=20)
+        one_line_error(status, err, model, "may never come")
+        status, _, err = cli("train", "--run-dir", trained.parent, "--steps", "1", seconds=20)
+        one_line_error(status, err, "run.json", "may never come")
+        assert tree(tmp_path) == before
+    finally:
+        os.close(read_end)
+        os.close(write_end)
