@@ -44,6 +44,7 @@ from ..reference.config import PRECISIONS, Config, Hyper, config_from_toml
 from ..reference.config import preset as preset_config
 from ..reference.contract import RECOMPUTE_MODES
 from ..reference.errors import ConfigError, OutputError
+from ..reference.limits import check_step_fits
 
 EAGER, COMPILED = "torch eager", "torch.compile + graph"  # the peers' row names
 PEERS = (EAGER, COMPILED)
@@ -548,6 +549,11 @@ def run(args) -> int:
         from .torch_peer import set_threads
 
         threads = set_threads()
+    # a model that cannot fit is refused as train refuses it, before it is built
+    on_host = any(accelerated.capabilities(n).host_data for n in backends) or \
+        any(device == "cpu" for _, device, _ in peers)
+    check_step_fits(config, max(batches), on_host,
+                    args.model if args.model else f"preset {args.preset or 'tiny'}")
     state = State.fresh(initialize(config))  # every implementation starts from these bits
     rows = []
     for batch in batches:

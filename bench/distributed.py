@@ -28,6 +28,7 @@ from coppelius import launch as ranks
 from ..reference.config import Hyper, config_from_toml
 from ..reference.config import preset as preset_config
 from ..reference.errors import CoppeliusError, ConfigError, RunError
+from ..reference.limits import check_step_fits
 
 
 def run(args) -> int:
@@ -62,6 +63,8 @@ def _config(args):
     if len(batches) != 1:
         raise ConfigError(f"--gpus {args.gpus}: one --batch, the contexts per GPU (got "
                           f"{len(batches)})")
+    # a model that cannot fit is refused as train refuses it, before it is built
+    check_step_fits(config, batches[0], False, args.model or f"preset {args.preset or 'tiny'}")
     return config, batches[0]
 
 

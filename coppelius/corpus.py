@@ -23,12 +23,20 @@ Which entries of a folder are documents (SPEC 8, Reading):
   source never reads outside its tree (or the same file twice); they are
   counted as skipped, as are sockets, FIFOs and devices, which are never
   opened, files that cannot be read, and names that are not UTF-8 (the
-  marker line could not hold them);
+  marker line could not hold them; the list of skipped entries shows each
+  such byte as `\\xNN`);
 - a regular file is binary, skipped and counted, when it holds a NUL byte
-  or its bytes are not UTF-8. Every document is read whole anyway, so the
+  or its bytes are not UTF-8. The listing reads every file through, so the
   rule is exact rather than a guess from a prefix; the first 8 KiB are
   looked at first, so most binary files are turned down without reading
   the rest of them.
+
+Bounded memory (SPEC 22). A listing holds its documents' names, paths and
+sizes, never their text: `iter_chunks` reads the source text again, a block
+of at most BLOCK_BYTES at a time (decoded as it comes), and `iter_documents`
+a document at a time. A document that changed since it was listed (its
+size, or bytes that are no longer text) stops the reading with an error
+that says so, rather than give a stream that matches neither version.
 
 The embedded corpus keeps its version-1 reading: every `.py` file is a
 document, invalid UTF-8 replaced by U+FFFD, so the list is the same on every
@@ -51,6 +59,7 @@ is used as it is (no marker line).
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -70,7 +79,8 @@ from coppelius.reference.params import mix_keys
 # --seed: the stream (and with it the data identity) must not depend on how
 # a run initializes its parameters.
 DOCUMENT_SEED = 20260925
-SNIFF_BYTES = 8192  # the prefix looked at for a NUL before reading a file whole
+SNIFF_BYTES = 8192  # the prefix looked at for a NUL before reading the rest
+BLOCK_BYTES = 1 << 20  # what is read of a text file at a time
 MARKER = "# file: {}\n"
 
 EMBEDDED, FOLDER, FILE, RECORDS = "embedded", "folder", "file", "records"
@@ -90,18 +100,20 @@ class Listing:
     """A source's documents, read and ordered.
 
     documents: relative paths in the keyed order (the order of the text);
-    texts: each document's text, in the same order;
+    paths, sizes: each document's file and its size in bytes, in the same order;
     binary, skipped: relative paths left out (see the module docstring), sorted."""
 
-    kind: str  # EMBEDDED, FOLDER or FILE
+    kind: str  # EMBEDDED, FOLDER, FILE or RECORDS
     root: str  # the stdlib folder, the folder or the file
     name: str  # the stem the stream cache names its folder after
     documents: list = field(default_factory=list)
-    texts: list = field(default_factory=list)
+    paths: list = field(default_factory=list)
+    sizes: list = field(default_factory=list)
     binary: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     mtime_ns: int = 0  # the newest document's modification time
     size: int = 0  # the documents' total size in bytes
+    text_bytes: int = 0  # the UTF-8 bytes of the source text (markers and added newlines too)
     text_field: str = TEXT_FIELD  # RECORDS: the field that is a record's document
     done: int = 0  # RECORDS: bytes of its files read so far by iter_documents
 
@@ -112,10 +124,29 @@ class Listing:
 
     def text(self) -> str:
         """The source text: the documents in the keyed order, each behind its
-        marker line (a single file: its text as it is)."""
-        if self.kind == FILE:
-            return self.texts[0]
-        return "".join(MARKER.format(rel) + text for rel, text in zip(self.documents, self.texts))
+        marker line (a single file: its text as it is). Whole, in memory:
+        iter_chunks gives it in bounded pieces."""
+        return "".join(self.iter_chunks())
+
+    def iter_chunks(self):
+        """The source text (text()) in chunks, none longer than BLOCK_BYTES
+        characters, read from the files as they are yielded."""
+        for i in range(len(self.documents)):
+            yield from self.document_chunks(i)
+
+    def document_chunks(self, i: int):
+        """Document i's text in chunks: behind its marker line and ending
+        with a newline (an empty document: its marker alone), but for a
+        single file, whose text is as it is."""
+        marked = self.kind != FILE
+        if marked:
+            yield MARKER.format(self.documents[i])
+        last = ""
+        for text in read_text(self.paths[i], self.kind, self.sizes[i]):
+            last = text[-1]
+            yield text
+        if marked and last not in ("", "\n"):
+            yield "\n"
 
     def summary(self) -> str:
         """'1,234 documents, 2 binary files skipped' for the command line."""
@@ -128,15 +159,14 @@ class Listing:
         return summary(len(self.documents), len(self.binary), len(self.skipped))
 
     def iter_documents(self):
-        """The documents' texts in the order of the stream, one at a time: a
-        record's text as it is; a file of text, or a folder's or the
-        embedded corpus's document behind its marker line. For RECORDS,
+        """The documents' texts in the order of the stream, one at a time
+        (each whole in memory): a record's text as it is; a file of text, or
+        a folder's or the embedded corpus's document behind its marker line
+        (document_chunks). For RECORDS,
         `done` counts the bytes of the files read so far (for progress)."""
-        if self.kind == FILE:
-            yield from self.texts
-        elif self.kind != RECORDS:
-            for rel, text in zip(self.documents, self.texts):
-                yield MARKER.format(rel) + text
+        if self.kind != RECORDS:
+            for i in range(len(self.documents)):
+                yield "".join(self.document_chunks(i))
         else:
             self.done = 0
             for rel in self.documents:
@@ -169,13 +199,12 @@ def keyed_order(n: int) -> list:
 # ---------------------------------------------------------------------------
 # Reading one file without ever blocking on it
 
-def read_regular(path, follow: bool = False, sniff: bool = False):
-    """(bytes, mtime_ns) of a regular file, or None when `path` is anything
-    else: a FIFO, a device, a socket, or (unless `follow`) a symbolic link.
-    The file is opened non-blocking and what was opened is checked, so a FIFO
-    swapped in after a listing cannot hang the read. With `sniff`, a file
-    whose first SNIFF_BYTES hold a NUL gives (None, mtime_ns): binary, the
-    rest is not read. Raises OSError when the file cannot be read."""
+def open_regular_file(path, follow: bool = False):
+    """A binary file object of the regular file `path`, or None when it is
+    anything else: a FIFO, a device, a socket, or (unless `follow`) a
+    symbolic link. The file is opened non-blocking and what was opened is
+    checked, so a FIFO swapped in after a listing cannot hang the read.
+    Raises OSError when the file cannot be opened."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -185,14 +214,98 @@ def read_regular(path, follow: bool = False, sniff: bool = False):
         if not follow and os.path.islink(path):  # O_NOFOLLOW's ELOOP: a link, not a file
             return None
         raise
-    with open(fd, "rb") as f:  # owns fd from here
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        body = f.read(SNIFF_BYTES) if sniff else b""
-        if b"\0" in body:
-            return None, st.st_mtime_ns
-        return body + f.read(), st.st_mtime_ns
+    f = open(fd, "rb")  # owns fd from here
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
+class NotText(Exception):
+    """A file that is not text: `why` (a NUL byte, bytes not UTF-8) at byte `offset`."""
+
+    def __init__(self, why: str, offset: int):
+        super().__init__(why, offset)
+        self.why, self.offset = why, offset
+
+
+def decoded_blocks(f, errors: str = "strict", nul: bool = False):
+    """The text of the open binary file `f`, UTF-8, decoded a block at a
+    time (the first SNIFF_BYTES, then BLOCK_BYTES each). NotText at the
+    first byte that is not UTF-8 (errors "strict"; "replace" puts U+FFFD
+    there) or, with `nul`, at the first NUL byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)
+    offset, size = 0, SNIFF_BYTES
+    while True:
+        block = f.read(size)
+        size = BLOCK_BYTES
+        if nul and b"\0" in block:
+            raise NotText("a NUL byte", offset + block.index(b"\0"))
+        held = len(decoder.getstate()[0])  # bytes of a character the last block cut in two
+        try:
+            text = decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise NotText("not UTF-8", offset - held + e.start) from None
+        offset += len(block)
+        if text:
+            yield text
+        if not block:
+            return
+
+
+# how each kind of source reads its files: (links followed, decoding errors, NUL is binary)
+_READING = {EMBEDDED: (True, "replace", False), FOLDER: (False, "strict", True),
+            FILE: (True, "strict", False)}
+
+
+def scan_text(path, kind: str):
+    """(size, UTF-8 bytes of its text as a document, mtime_ns) of a file of a
+    source of `kind`, read through a block at a time; None when it is not a
+    regular file (see open_regular_file). NotText when it is not text (never
+    for the embedded corpus, read with replacement); OSError when it cannot
+    be read."""
+    follow, errors, nul = _READING[kind]
+    f = open_regular_file(path, follow=follow)
+    if f is None:
+        return None
+    with f:
+        mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+        size = text_bytes = 0
+        last = ""
+        for text in decoded_blocks(f, errors, nul):
+            text_bytes += len(text.encode("utf-8")) if errors != "strict" else 0
+            last = text[-1]
+        size = f.tell()
+        if errors == "strict":
+            text_bytes = size  # valid UTF-8: its bytes are its text's
+        if kind != FILE and last not in ("", "\n"):
+            text_bytes += 1  # the newline the document gets
+    return size, text_bytes, mtime_ns
+
+
+def read_text(path, kind: str, size: int):
+    """The text of a document listed with `size` bytes, in blocks (decoded_blocks);
+    a StreamError when the file is no longer that regular file of text."""
+    follow, errors, nul = _READING[kind]
+
+    def changed(why):
+        return StreamError(f"source {path}: changed since it was listed ({why}); run again")
+
+    try:
+        f = open_regular_file(path, follow=follow)
+    except OSError as e:
+        raise changed(e.strerror or str(e)) from None
+    if f is None:
+        raise changed("no longer a regular file")
+    with f:
+        try:
+            yield from decoded_blocks(f, errors, nul)
+        except NotText as e:
+            raise changed(f"{e.why} at byte offset {e.offset}") from None
+        except OSError as e:
+            raise changed(e.strerror or str(e)) from None
+        if f.tell() != size:
+            raise changed(f"{f.tell():,} bytes, listed with {size:,}")
 
 
 def _fs_error(what: str, e: OSError) -> StreamError:
@@ -225,20 +338,18 @@ def stdlib_files(root: str) -> list:
 
 
 def _ordered(listing: Listing, found: list) -> Listing:
-    """Fill `listing` from `found` [(rel, text, mtime_ns, size)] sorted by rel."""
+    """Fill `listing` from `found` [(rel, path, size, text bytes, mtime_ns)] sorted by rel."""
     for i in keyed_order(len(found)):
-        rel, text, _, _ = found[i]
+        rel, path, size, text_bytes, _ = found[i]
         listing.documents.append(rel)
-        listing.texts.append(text)
-    listing.mtime_ns = max((m for _, _, m, _ in found), default=0)
-    listing.size = sum(n for _, _, _, n in found)
+        listing.paths.append(path)
+        listing.sizes.append(size)
+        if listing.kind in (EMBEDDED, FOLDER):
+            text_bytes += len(MARKER.format(rel).encode("utf-8"))
+        listing.text_bytes += text_bytes
+    listing.mtime_ns = max((m for *_, m in found), default=0)
+    listing.size = sum(size for _, _, size, _, _ in found)
     return listing
-
-
-def _with_newline(text: str) -> str:
-    """A document's text ending with a newline, so the next marker is a line
-    of its own (an empty document stays empty: its marker line is all of it)."""
-    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def embedded_listing(root: str | None = None) -> Listing:
@@ -246,18 +357,22 @@ def embedded_listing(root: str | None = None) -> Listing:
     root = root or stdlib_root()
     found = []
     for rel in stdlib_files(root):
+        path = os.path.join(root, *rel.split("/"))
         try:
             # links followed, as version 1 read the stdlib (a distribution may
             # link a module to a file elsewhere)
-            got = read_regular(os.path.join(root, *rel.split("/")), follow=True)
+            got = scan_text(path, EMBEDDED)
         except OSError:
             continue  # unreadable on this machine (permissions): not part of the corpus
-        if got is None:
-            continue
-        body, mtime_ns = got
-        found.append((rel, _with_newline(body.decode("utf-8", errors="replace")), mtime_ns,
-                      len(body)))
+        if got is not None:
+            found.append((rel, path, *got))
     return _ordered(Listing(EMBEDDED, root, default_source_name()), found)
+
+
+def shown_name(rel: str) -> str:
+    """A relative path whose bytes are not UTF-8 as text that is: each such
+    byte as `\\xNN` (what the document list records of a skipped name)."""
+    return os.fsencode(rel).decode("utf-8", "backslashreplace")
 
 
 def folder_entries(root: str) -> tuple:
@@ -284,7 +399,7 @@ def folder_entries(root: str) -> tuple:
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:  # undecodable bytes in the name (surrogate escapes)
-                skipped.append(rel)
+                skipped.append(shown_name(rel))
                 continue
             try:
                 if entry.is_symlink():
@@ -307,24 +422,19 @@ def folder_listing(root) -> Listing:
     files, skipped = folder_entries(root)
     found, binary = [], []
     for rel in files:
+        path = os.path.join(root, *rel.split("/"))
         try:
-            got = read_regular(os.path.join(root, *rel.split("/")), sniff=True)
+            got = scan_text(path, FOLDER)
+        except NotText:
+            binary.append(rel)
+            continue
         except OSError:
             skipped.append(rel)
             continue
         if got is None:  # replaced by something else since it was listed
             skipped.append(rel)
             continue
-        body, mtime_ns = got
-        if body is None or b"\0" in body:
-            binary.append(rel)
-            continue
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            binary.append(rel)
-            continue
-        found.append((rel, _with_newline(text), mtime_ns, len(body)))
+        found.append((rel, path, *got))
     name = os.path.basename(os.path.normpath(os.path.abspath(root))) or "root"
     listing = Listing(FOLDER, root, name, binary=binary, skipped=sorted(skipped))
     if not found:
@@ -337,21 +447,17 @@ def file_listing(path) -> Listing:
     """One file, one document, its text as it is (UTF-8, newlines kept)."""
     path = os.fspath(path)
     try:
-        got = read_regular(path, follow=True)  # named by the user: a link to a file is fine
+        got = scan_text(path, FILE)  # named by the user: a link to a file is fine
     except FileNotFoundError:
         raise StreamError(f"source {path}: no such file") from None
+    except NotText as e:
+        raise StreamError(f"source {path}: {e.why} at byte offset {e.offset}") from None
     except OSError as e:
         raise _fs_error(f"source {path}: cannot read", e) from None
     if got is None:
         raise StreamError(f"source {path}: not a regular file or a folder")
-    body, mtime_ns = got
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StreamError(f"source {path}: not UTF-8 at byte offset {e.start}") from None
     name = os.path.splitext(os.path.basename(path))[0]
-    return _ordered(Listing(FILE, path, name), [(os.path.basename(path), text, mtime_ns,
-                                                 len(body))])
+    return _ordered(Listing(FILE, path, name), [(os.path.basename(path), path, *got)])
 
 
 # ---------------------------------------------------------------------------
@@ -471,7 +577,7 @@ def records_listing(root: str, files: list, skipped: list, text_field: str) -> L
             st = os.stat(path)
         except OSError as e:
             raise _fs_error(f"source {path}: cannot read", e) from None
-        found.append((rel, None, st.st_mtime_ns, st.st_size))
+        found.append((rel, path, st.st_size, 0, st.st_mtime_ns))
     if os.path.isdir(root):
         name = (os.path.basename(os.path.normpath(os.path.abspath(root))) or "root") + "-dir"
     else:
@@ -480,10 +586,8 @@ def records_listing(root: str, files: list, skipped: list, text_field: str) -> L
             if name.endswith(suffix):
                 name = name[:-len(suffix)]
                 break
-    listing = _ordered(Listing(RECORDS, root, name, skipped=sorted(skipped),
-                               text_field=text_field), found)
-    listing.texts = []
-    return listing
+    return _ordered(Listing(RECORDS, root, name, skipped=sorted(skipped), text_field=text_field),
+                    found)
 
 
 def list_source(source=None, text_field: str | None = None) -> Listing:

@@ -57,7 +57,7 @@ import time
 import numpy as np
 
 from coppelius.corpus import (EMBEDDED, FILE, FOLDER, RECORDS, TEXT_FIELD, Listing,
-                              file_listing, list_source, summary)
+                              file_listing, list_source, shown_name, summary)
 from coppelius.reference.errors import ConfigError, InUseError, StreamError
 from coppelius.reference.fsutil import (Lock, kind, open_regular, output_target, publish,
                                         remove_stale, same_file, stage)
@@ -125,6 +125,32 @@ def pieces(text: str, size: int | None = None):
         start = end
 
 
+def stream_pieces(chunks, size: int | None = None):
+    """pieces() of the text the iterable `chunks` (strings) makes when
+    joined, without joining it: the same pieces, holding one piece and one
+    chunk at a time. A boundary needs the character after it, so one at the
+    end of a chunk is found with the next chunk."""
+    size = size or PIECE_CHARS
+    held, length = [], 0  # the piece so far, and its length
+    before = ""  # the last (at most two) characters before `chunk`: the boundary looks back at them
+    for chunk in chunks:
+        while chunk:
+            window = before + chunk
+            # the piece is at least `size` long; positions before this chunk were looked at
+            m = _BOUNDARY.search(window, len(before) + max(size - length, 0))
+            if m is None:
+                held.append(chunk)
+                length += len(chunk)
+                before = window[-2:]
+                break
+            cut = m.start() - len(before)  # in chunk
+            yield "".join(held) + chunk[:cut]
+            held, length = [], 0
+            before, chunk = window[max(m.start() - 2, 0):m.start()], chunk[cut:]
+    if length:
+        yield "".join(held)
+
+
 # where a smaller vocabulary is chosen: tokenize's option, a model's field
 SMALLER_VOCAB = "tokenize --vocab N, or a model file's vocab = N for train --model"
 
@@ -161,7 +187,7 @@ def train_tokenizer(source, vocab: int, name: str | None = None, eos: str | None
     check_vocab(vocab)
     if isinstance(source, (str, os.PathLike)):
         name = name or os.fspath(source)
-        texts = pieces(read_source(source))
+        texts = stream_pieces(file_listing(source).iter_chunks())
     else:
         name = name or "the given text"
         texts = (piece for text in source for piece in pieces(text))
@@ -209,10 +235,28 @@ def load_tokenizer(path):
     except UnicodeDecodeError as e:
         raise StreamError(f"tokenizer {path}: not UTF-8 at byte offset {e.start}") from None
     try:
-        return Tokenizer.from_str(text)
+        tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         detail = (str(e).splitlines() or [type(e).__name__])[0]
         raise StreamError(f"tokenizer {path}: cannot load ({detail})") from None
+    shared = shared_id(tokenizer)
+    if shared is not None:
+        raise StreamError(f"tokenizer {path}: {shared}")
+    return tokenizer
+
+
+def shared_id(tokenizer) -> str | None:
+    """Why a tokenizer cannot be decoded faithfully, or None: two tokens of
+    its vocabulary (added tokens included) under one id, so that the id
+    could stand for either text. Ids it never produces (holes below its
+    largest, as a padded V has above it) are fine."""
+    owner = {}
+    for token, token_id in sorted(tokenizer.get_vocab(with_added_tokens=True).items()):
+        if token_id in owner:
+            return (f"the tokens {owner[token_id]!r} and {token!r} share the id {token_id}; "
+                    f"each id must stand for one token")
+        owner[token_id] = token
+    return None
 
 
 def tokenizer_ids(tokenizer) -> int:
@@ -328,29 +372,28 @@ def default_cache_dir() -> str:
     return os.path.join("runs", "data")
 
 
-def head_and_tail(text: str) -> tuple:
-    """The first piece of `text` and a last piece, each cut where the
-    pre-tokenizer splits anyway (see pieces), so each encodes to the first /
-    last ids of the whole text's encoding. The tail starts at the first
-    boundary of the last PIECE_CHARS characters that hold one; it is empty
-    only when the head is the whole text."""
-    head = next(pieces(text), "")
-    end = len(text)
-    while end > len(head):
-        start = max(end - PIECE_CHARS, len(head))
-        m = _BOUNDARY.search(text, start, end)
-        if m:
-            return head, text[m.start():]
-        end = start
-    return head, ""
+def head_and_tail(text) -> tuple:
+    """The first piece of `text` (a string, or an iterable of the strings
+    that make it) and its last piece (stream_pieces), each cut where the
+    pre-tokenizer splits anyway, so each encodes to the first / last ids of
+    the whole text's encoding. The tail is empty when the head is the whole
+    text. The text is read through once, a piece at a time."""
+    head = tail = None
+    for piece in stream_pieces([text] if isinstance(text, str) else text):
+        if head is None:
+            head = piece
+        else:
+            tail = piece
+    return head or "", tail or ""
 
 
-def encodes_to(tokenizer, text: str, ids: np.ndarray) -> bool:
-    """Whether `tokenizer` turns the head and the tail of `text` into the
-    first and last ids of `ids` (N,). A tokenizer trained on another source,
-    or with another V, encodes them otherwise: this pairs a stream with the
-    tokenizer that made it without storing anything beyond SPEC's files, at
-    the cost of encoding about 2 * PIECE_CHARS characters."""
+def encodes_to(tokenizer, text, ids: np.ndarray) -> bool:
+    """Whether `tokenizer` turns the head and the tail of `text` (a string,
+    or an iterable of its chunks) into the first and last ids of `ids` (N,).
+    A tokenizer trained on another source, or with another V, encodes them
+    otherwise: this pairs a stream with the tokenizer that made it without
+    storing anything beyond SPEC's files, at the cost of reading the text
+    through and encoding two pieces."""
     for piece, at_end in zip(head_and_tail(text), (False, True)):
         want = np.array(tokenizer.encode(piece, add_special_tokens=False).ids, dtype=np.uint32)
         if want.size > ids.size:
@@ -390,7 +433,8 @@ def documents_record(listing: Listing, streamed: dict | None = None) -> dict:
     A stream written document by document (tokenize_documents) records
     `streamed` too: its separator, the records' field and its tokenizer's
     SHA-256, which pair it with its source and tokenizer."""
-    record = {"format": DOCUMENTS_FORMAT, "kind": listing.kind, "documents": listing.documents,
+    record = {"format": DOCUMENTS_FORMAT, "kind": listing.kind,
+              "documents": [shown_name(rel) for rel in listing.documents],  # a file's, maybe not UTF-8
               "binary": listing.binary, "skipped": listing.skipped}
     if streamed is not None:
         record.update(streamed)
@@ -435,8 +479,8 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None,
         if read_stream_header(stream_path) != listing.stamp:
             return False
         record = read_documents(stream_path)
-        if record is None or (record["kind"], record["documents"]) != (listing.kind,
-                                                                       listing.documents):
+        if record is None or (record["kind"], record["documents"]) != (
+                listing.kind, documents_record(listing)["documents"]):
             return False
         if streamed is not None:
             if any(record.get(k) != v for k, v in streamed.items()):
@@ -459,19 +503,24 @@ def is_fresh(stream_path, source, vocab: int, given: str | None = None,
         try:
             if stream.sha256 != read_digest(stream_path):
                 return False
-            return streamed is not None or encodes_to(tokenizer, listing.text(), stream.ids)
+            return streamed is not None or encodes_to(tokenizer, listing.iter_chunks(), stream.ids)
         finally:
             stream.close()
     except StreamError:
         return False
 
 
+def documents_body(listing: Listing, record: dict | None = None) -> bytes:
+    """The document list's file: `record` (default documents_record(listing)) as JSON."""
+    record = documents_record(listing) if record is None else record
+    return (json.dumps(record, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def publish_documents(stream_path, listing: Listing, record: dict | None = None) -> None:
     path = documents_beside(stream_path)
-    record = documents_record(listing) if record is None else record
-    body = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
+    body = documents_body(listing, record)
     try:
-        publish(path, lambda f: f.write(body.encode("utf-8")))
+        publish(path, lambda f: f.write(body))
     except OSError as e:
         raise fs_error(f"document list {path}: cannot write", path, e) from None
 
@@ -527,19 +576,21 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
     tokenizer path. With `write_ids` instead of `ids`, the ids are written
     as they come: `write_ids(f)` writes them to the temporary and returns
     their SHA-256; the header is written at the end. `record`: the
-    document list to publish (default documents_record(listing)). Files
-    cannot be renamed at once, so the order is chosen for what any failure
-    or crash leaves behind:
+    document list to publish (default documents_record(listing)).
 
-      1. the whole stream is written and synced to a temporary;
-      2. the tokenizer is published (written, synced, renamed);
-      3. the temporary is renamed over the stream;
-      4. the document list is published;
-      5. the digest of the new ids is published.
+    Every file is written and synced to a temporary first, so that a
+    failure while writing (a full disk, a name that cannot be recorded)
+    changes nothing and leaves nothing, not even the folder made for them.
+    Files cannot be renamed at once, so the order of the renames is chosen
+    for what a crash between them leaves behind:
 
-    A failure in 1 or 2 (ENOSPC, say) changes nothing published. A crash
-    between 2 and 3 leaves the new tokenizer beside the old stream, and
-    is_fresh turns that pair down, so the next run rebuilds it: the old
+      1. the tokenizer is renamed over its path;
+      2. the stream;
+      3. the document list;
+      4. the digest of the new ids.
+
+    A crash between 1 and 2 leaves the new tokenizer beside the old stream,
+    and is_fresh turns that pair down, so the next run rebuilds it: the old
     header names an older source, or the new tokenizer does not encode the
     source to the old ids.
     (It is accepted only where it is a true pair: the same source and V
@@ -547,20 +598,23 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
     is the old stream left without a tokenizer. The list and the digest come
     after the stream because each is what tells a changed stream apart (a
     renamed document leaves the header as it was; an id changed in the
-    middle leaves the head and the tail): a crash after 3 leaves the old list
+    middle leaves the head and the tail): a crash after 2 leaves the old list
     or the old digest beside the new stream, which is_fresh turns down; the
     other order could leave the new ones beside the old stream and have it
     accepted."""
     stream_path = os.fspath(stream_path)
     tokenizer_path = tokenizer_beside(stream_path)
     digest_path = digest_beside(stream_path)
+    documents_path = documents_beside(stream_path)
     directory = os.path.dirname(os.path.abspath(stream_path))
-    staged = None
+    made = missing_folders(directory)
+    staged = {}  # what -> (path, its Staged temporary), in the order of the renames
+    what, path = "stream", stream_path
     try:
         os.makedirs(directory, exist_ok=True)
         digest = None
         if write_ids is None:
-            staged = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))  # 1
+            stream_file = stage(stream_path, stream_body(ids, mtime_ns, size, stream_path))
         else:
             def write_body(f):
                 nonlocal digest
@@ -570,26 +624,48 @@ def publish_pair(stream_path, ids: np.ndarray | None, mtime_ns: int, size: int,
                 f.write(stream_header(mtime_ns, size))
                 f.seek(0, os.SEEK_END)
 
-            staged = stage(stream_path, write_body)  # 1
-        payload = tokenizer_json.encode("utf-8")
-        try:
-            publish(tokenizer_path, lambda f: f.write(payload))  # 2
-        except OSError as e:
-            raise fs_error(f"tokenizer {tokenizer_path}: cannot write", tokenizer_path, e) from None
-        staged.commit()  # 3
+            stream_file = stage(stream_path, write_body)
+        bodies = {"tokenizer": (tokenizer_path, tokenizer_json.encode("utf-8"))}
+        staged["stream"] = (stream_path, stream_file)
+        if listing is not None:  # its count is known once the ids are written
+            bodies["document list"] = (documents_path, documents_body(listing, record))
+        bodies["stream digest"] = (digest_path,
+                                   ((digest or ids_sha256(ids)) + "\n").encode("ascii"))
+        for what, (path, body) in bodies.items():
+            staged[what] = (path, stage(path, lambda f, body=body: f.write(body)))
+        for what in ("tokenizer", "stream", "document list", "stream digest"):  # 1 to 4
+            if what in staged:
+                path, file = staged[what]
+                file.commit()
     except OSError as e:
-        raise fs_error(f"stream {stream_path}: cannot write", stream_path, e) from None
+        raise fs_error(f"{what} {path}: cannot write", path, e) from None
     finally:
-        if staged is not None:
-            staged.discard()
-    if listing is not None:
-        publish_documents(stream_path, listing, record)  # 4
-    digest = ((digest or ids_sha256(ids)) + "\n").encode("ascii")
-    try:
-        publish(digest_path, lambda f: f.write(digest))  # 5
-    except OSError as e:
-        raise fs_error(f"stream digest {digest_path}: cannot write", digest_path, e) from None
+        for _, file in staged.values():
+            file.discard()  # those not renamed
+        remove_made(made)
     return tokenizer_path
+
+
+def missing_folders(directory: str) -> list:
+    """The folders that making `directory` would create, deepest first."""
+    made = []
+    while directory and not os.path.lexists(directory):
+        made.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return made
+
+
+def remove_made(made: list) -> None:
+    """Remove the folders of `made` (missing_folders) that are still empty:
+    a publication that failed leaves no folder it made either."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return  # not empty (published into), or gone: the ones above stay too
 
 
 def stream_header(mtime_ns: int, size: int) -> bytes:
@@ -597,15 +673,41 @@ def stream_header(mtime_ns: int, size: int) -> bytes:
     return np.array([(mtime_ns, size)], dtype=HEADER).tobytes()
 
 
-def document_batches(documents, size: int | None = None):
-    """Lists of consecutive documents of `documents` (an iterator of
-    strings), each of at most BATCH_DOCUMENTS documents and, but for a
-    single long document, about BATCH_CHARS characters."""
+def document_parts(listing: Listing, own: bool):
+    """(text, ends a document?) of each part of the source's documents, in
+    the stream's order. With the project's own BPE (`own`), a document of
+    text is read in the pieces stream_pieces cuts from it, which encode as
+    the whole document does (so a document is never held whole); with a
+    given tokenizer, whose pre-tokenizer may split otherwise, each document
+    is one part; a record is read whole (it is one line or row), and cut
+    into pieces for the own BPE."""
+    if not own or listing.kind == RECORDS:
+        for text in listing.iter_documents():
+            if own and len(text) > PIECE_CHARS:  # a long record of the own BPE: in its pieces
+                *rest, last = pieces(text)
+                for piece in rest:
+                    yield piece, False
+                text = last
+            yield text, True
+        return
+    for i in range(len(listing.documents)):
+        last = None
+        for piece in stream_pieces(listing.document_chunks(i)):
+            if last is not None:
+                yield last, False
+            last = piece
+        yield last or "", True
+
+
+def document_batches(parts, size: int | None = None):
+    """Lists of consecutive parts of `parts` (an iterator of (text, ends a
+    document?), document_parts), each of at most BATCH_DOCUMENTS parts and,
+    but for a single long part, about BATCH_CHARS characters."""
     size = size or BATCH_CHARS
     batch, chars = [], 0
-    for text in documents:
-        batch.append(text)
-        chars += len(text)
+    for part in parts:
+        batch.append(part)
+        chars += len(part[0])
         if chars >= size or len(batch) >= BATCH_DOCUMENTS:
             yield batch
             batch, chars = [], 0
@@ -631,7 +733,8 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
         if progress:
             print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
                   f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
-        tokenizer = train_tokenizer(listing.iter_documents(), vocab, name=listing.root, eos=eos)
+        tokenizer = train_tokenizer((piece for piece, _ in document_parts(listing, True)), vocab,
+                                    name=listing.root, eos=eos)
         tokenizer_text = tokenizer.to_str()
         given_path = None
     else:
@@ -648,24 +751,20 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
         with tqdm(total=listing.size, unit="B", unit_scale=True, desc="tokenizing",
                   disable=not progress, leave=False, file=sys.stderr) as bar:
             seen = 0
-            for batch in document_batches(listing.iter_documents()):
-                texts, owners = [], []
-                for d, text in enumerate(batch):
-                    parts = list(pieces(text)) if own and len(text) > PIECE_CHARS else [text]
-                    texts.extend(parts)
-                    owners.extend([d] * len(parts))
-                    seen += len(text)  # characters: about the bytes where records are read
+            for batch in document_batches(document_parts(listing, own)):
+                texts = [text for text, _ in batch]
+                seen += sum(map(len, texts))  # characters: about the bytes where records are read
                 encodings = batch_encode(texts, add_special_tokens=False)
                 chunks = []
-                for i, encoding in enumerate(encodings):
+                for encoding, (_, ends) in zip(encodings, batch):
                     chunks.append(np.array(encoding.ids, dtype=TOKEN))
-                    if i + 1 == len(owners) or owners[i + 1] != owners[i]:
+                    if ends:
                         chunks.append(tail)  # the end of a document
+                        counts["documents"] += 1
                 del encodings
                 body = np.concatenate(chunks).astype(TOKEN, copy=False).tobytes()
                 f.write(body)
                 h.update(body)
-                counts["documents"] += len(batch)
                 counts["ids"] += len(body) // TOKEN_BYTES
                 done = listing.done if listing.kind == RECORDS else min(seen, listing.size)
                 bar.update(max(done - bar.n, 0))
@@ -695,23 +794,54 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
     """Train the tokenizer on the source text (or take `given`, a
     (tokenizer, its file's text) pair), encode the text, publish the stream,
     its tokenizer.json and its document list (publish_pair). Returns what
-    was written."""
+    was written.
+
+    In bounded memory (SPEC 22): the text is read from the files as it is
+    trained on and again as it is encoded, in the pieces stream_pieces cuts
+    (the pieces encode() would cut from the whole text, so the ids are the
+    same), ENCODE_PIECES at a time, and the ids are written to the stream's
+    temporary as they come."""
+    from tqdm import tqdm
+
     started = time.perf_counter()
-    text = listing.text()
     if given is None:
         # a vocabulary the source text cannot yield: refused before the library sees it
-        check_vocab(vocab, len(text.encode("utf-8")))
+        check_vocab(vocab, listing.text_bytes)
         if progress:
             print(f"training a byte-level BPE of {vocab} ids on {describe(listing)} "
                   f"({listing.summary()}, {listing.size:,} bytes)", file=sys.stderr)
-        tokenizer = train_tokenizer([text], vocab, name=listing.root)
+        tokenizer = train_tokenizer(stream_pieces(listing.iter_chunks()), vocab, name=listing.root)
         tokenizer_text = tokenizer.to_str()
     else:
         tokenizer, tokenizer_text = given[:2]
-    ids = encode(tokenizer, text, progress=progress)  # (N,)
-    tokenizer_path = publish_pair(stream_path, ids, listing.mtime_ns, listing.size,
-                                  tokenizer_text, listing)
-    return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": int(ids.size),
+    batch_encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets
+    count = [0]
+
+    def write_ids(f):
+        h = hashlib.sha256()
+        group = []
+        with tqdm(total=listing.text_bytes, unit="B", unit_scale=True, desc="encoding",
+                  disable=not progress, leave=False, file=sys.stderr) as bar:
+            def flush():
+                for encoding in batch_encode(group, add_special_tokens=False):
+                    body = np.array(encoding.ids, dtype=TOKEN).tobytes()
+                    f.write(body)
+                    h.update(body)
+                    count[0] += len(body) // TOKEN_BYTES
+                bar.update(sum(map(len, group)))
+                group.clear()
+
+            for piece in stream_pieces(listing.iter_chunks()):
+                group.append(piece)
+                if len(group) == ENCODE_PIECES:
+                    flush()
+            if group:
+                flush()
+        return h.hexdigest()
+
+    tokenizer_path = publish_pair(stream_path, None, listing.mtime_ns, listing.size,
+                                  tokenizer_text, listing, write_ids=write_ids)
+    return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": count[0],
             "seconds": time.perf_counter() - started}
 
 

@@ -5,6 +5,9 @@ the policy (learner identity), the batch and how many contexts the run held
 out (data identity, `heldout=K`). The stream is the run's (run.json beside
 the checkpoint; a run's --eval-source or --eval-stream: that set's first K
 contexts, SPEC 22) unless --stream names another (any stream or shard form).
+A run's source is encoded as the run encoded it: with its tokenizer (train
+--tokenizer, remembered in run.json, or eval --tokenizer naming the same
+one), its separator and its records' field.
 The loss is computed by a backend's forward-only evaluation program, B contexts at a time, exactly as
 training evaluates: each context's mean row loss in float64, then their mean.
 """
@@ -18,7 +21,8 @@ import numpy as np
 
 from coppelius import accelerated
 from coppelius.reference.config import Hyper, config_from_identity
-from coppelius.reference.errors import RunError
+from coppelius.reference.errors import NonFiniteError, RunError
+from coppelius.reference.fsutil import path_argument
 from coppelius.shards import open_any as open_stream
 
 
@@ -32,6 +36,10 @@ def register(sub) -> None:
     p.add_argument("--stream", metavar="STREAM",
                    help="a token stream, shard, or folder or glob of shards (default: the "
                         "run's, from run.json beside the checkpoint)")
+    p.add_argument("--tokenizer", metavar="PATH", type=path_argument,
+                   help="the tokenizer (a tokenizer.json, or a Hugging Face directory holding "
+                        "one) that encodes the run's source, as train --tokenizer did; it must "
+                        "be the checkpoint's (default: the run's own, from run.json; SPEC §22)")
     p.add_argument("--contexts", type=int, metavar="K",
                    help="evaluate the stream's last K contexts (default: the run's held-out K; a "
                         "run's --eval-source or --eval-stream: its first K)")
@@ -56,6 +64,20 @@ def held_out_losses(program, stream, T: int, K: int, first: int | None = None) -
         rows = program.evaluate(stream.contexts(padded, T))  # (B, T)
         out.append(rows[:len(index)].astype(np.float64).mean(axis=1))
     return np.concatenate(out).astype(np.float32)
+
+
+def check_checkpoints_tokenizer(tokenizer, header: dict, path) -> None:
+    """Refuse an eval --tokenizer that is not the one the checkpoint was
+    trained with (its data identity's `tokenizer` part, SPEC 22): its ids
+    would mean other text to the model."""
+    from coppelius import data
+
+    want = _part(header["data"], "tokenizer")
+    got = data.tokenizer_sha(data.tokenizer_file(tokenizer))
+    if want is not None and got != want:
+        theirs = "none" if want == "none" else f"{want[:12]}..."
+        raise RunError(f"--tokenizer {tokenizer}: is not checkpoint {path}'s tokenizer (its "
+                       f"SHA-256 {got[:12]}..., the checkpoint's {theirs})")
 
 
 def _part(identity: str, key: str):
@@ -85,6 +107,11 @@ def main(args) -> int:
         config = config_from_identity(header["model"], f"checkpoint {path}")
         state = state_from_source(source, config).state
     first = None  # the stream's last K contexts; an eval stream's first K (SPEC 22)
+    if args.tokenizer is not None:
+        if args.stream:
+            raise RunError(f"--tokenizer {args.tokenizer}: encodes the run's source; a --stream "
+                           f"is encoded already (its tokenizer is the tokenizer.json beside it)")
+        check_checkpoints_tokenizer(args.tokenizer, header, path)
     if args.stream:
         stream_path = args.stream
     else:
@@ -93,9 +120,14 @@ def main(args) -> int:
             raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
                            "(pass --stream)")
         options = read_run_file(run_dir)  # neither source nor stream: the embedded corpus
+        # encoded as the run encoded it: its tokenizer (or --tokenizer), separator, field
+        given = args.tokenizer or (options.get("tokenizer") if options.get("stream") is None
+                                   else None)
         stream_path, tokenizer = data.prepare_stream(source=options.get("source"),
                                                      stream=options.get("stream"),
-                                                     vocab=config.vocab)
+                                                     vocab=config.vocab, tokenizer=given,
+                                                     eos=options.get("eos"),
+                                                     text_field=options.get("text_field"))
         if options.get("eval_stream"):
             stream_path, first = options["eval_stream"], 0
         elif options.get("eval_source"):
@@ -115,6 +147,11 @@ def main(args) -> int:
     backend = args.backend or accelerated.best_backend()
     program = accelerated.backend_module(backend).capture(config, Hyper(), precision, batch, state)
     losses = held_out_losses(program, stream, config.context, K, first)
+    if not np.isfinite(losses).all():  # SPEC 9: a non-finite loss is status 3, as in training
+        bad = int(np.flatnonzero(~np.isfinite(losses))[0])
+        raise NonFiniteError(f"checkpoint {path}: the loss of held-out context {bad} of {K} "
+                             f"({stream_path}) is {losses[bad]}; the checkpoint does not "
+                             f"evaluate to a finite loss")
     mean = float(losses.astype(np.float64).mean())
     print(f"{path}: step {header['step']}, the {'first' if first == 0 else 'last'} {K} of "
           f"{K_stream} contexts of "

@@ -115,7 +115,7 @@ from fractions import Fraction
 
 from coppelius.reference.config import PRESETS, Config, identity_number, parse_rational
 from coppelius.reference.errors import ConfigError, CoppeliusError
-from coppelius.reference.fsutil import fsync_directory, publish
+from coppelius.reference.fsutil import fsync_directory, publish, signals_deferred
 from coppelius.reference.params import registry
 from coppelius.reference.sources import CheckpointSource, SafetensorsSource, _unique_keys
 
@@ -651,17 +651,13 @@ class ShardedSource(CheckpointSource):
             source.close()
 
 
-def tokenizer_ids(tokenizer) -> int:
-    """How many ids a `tokenizers.Tokenizer` uses: one more than its largest
-    (added tokens included; an added token may lie beyond the model's count)."""
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max(vocab.values(), default=-1) + 1
-
-
 def load_tokenizer_bytes(body: bytes, path: str, config: Config):
     """A tokenizer.json's bytes as a `tokenizers.Tokenizer`, refused unless
-    every id it produces is below the model's V (SPEC 22)."""
+    every id it produces is below the model's V (SPEC 22) and stands for one
+    token (coppelius.data's checks)."""
     from tokenizers import Tokenizer
+
+    from coppelius.data import shared_id, tokenizer_ids
 
     try:
         tokenizer = Tokenizer.from_str(body.decode("utf-8"))
@@ -671,6 +667,9 @@ def load_tokenizer_bytes(body: bytes, path: str, config: Config):
     ids = tokenizer_ids(tokenizer)
     if ids > config.vocab:
         raise HfError(f"tokenizer {path}: has {ids} ids, more than the model's V={config.vocab}")
+    shared = shared_id(tokenizer)
+    if shared is not None:
+        raise HfError(f"tokenizer {path}: {shared}")
     return tokenizer
 
 
@@ -722,34 +721,40 @@ def check_target(path: str, force: bool) -> bool:
 
 def publish_directory(path: str, files: dict, replace: bool) -> None:
     """Publish directory `path` holding `files` {name: bytes} (see the module
-    doc); `replace` as check_target said. Raises OSError, leaving `path` as it was."""
+    doc); `replace` as check_target said. Raises OSError, leaving `path` as it was.
+    A signal (SIGTERM, Ctrl-C) is held over the steps that make, swap and
+    remove the folders, so that it never leaves one of them behind: the old
+    export aside, or the new one half removed."""
     parent = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(os.path.abspath(path))
-    tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
-    old = None
+    tmp = old = None
     try:
+        with signals_deferred():
+            tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a published directory is ordinary
         for name, body in files.items():
             publish(os.path.join(tmp, name), lambda f, body=body: f.write(body))
-        if replace:
-            # rename(2) replaces only an empty directory: the old export goes
-            # aside (over an empty placeholder), then the new one comes in
-            old = tempfile.mkdtemp(prefix=f".{base}.", suffix=".old", dir=parent)
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                aside, old = old, None  # deleted only once it is back in place
-                os.replace(aside, path)
-                raise
-        else:
-            os.replace(tmp, path)  # a missing DIR, or an empty one
-        tmp = None
+        with signals_deferred():
+            if replace:
+                # rename(2) replaces only an empty directory: the old export goes
+                # aside (over an empty placeholder), then the new one comes in
+                old = tempfile.mkdtemp(prefix=f".{base}.", suffix=".old", dir=parent)
+                os.replace(path, old)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    aside, old = old, None  # deleted only once it is back in place
+                    os.replace(aside, path)
+                    raise
+            else:
+                os.replace(tmp, path)  # a missing DIR, or an empty one
+            tmp = None
         fsync_directory(parent)
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with signals_deferred():
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)

@@ -25,6 +25,7 @@ import os
 import time
 
 from coppelius.reference.errors import RunError
+from coppelius.reference.fsutil import signals_deferred
 
 # Peak dense (no sparsity) bf16 tensor FLOP/s in TFLOP/s, from the vendors'
 # datasheets; the first entry whose every word is in the device's name (as
@@ -228,23 +229,31 @@ class Live:
                 detail = (str(e).splitlines() or [type(e).__name__])[0]
                 raise RunError(f"--wandb {wandb_project}: {detail}") from None
 
+    # Each call holds the signals (fsutil.signals_deferred) until it returns:
+    # a second Ctrl-C's exception raised inside tensorboardX's writer (its
+    # multiprocessing queue is not safe against one) was seen to leave its
+    # worker never receiving the stop, and the close then waited for ever.
+
     def scalars(self, step: int, values: dict) -> None:
         """values: tag -> number; NaN ones (unknown) are left out."""
         known = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
-        if self.tb is not None:
-            for tag, v in known.items():
-                self.tb.add_scalar(tag, v, step)
-        if self.wandb is not None and known:
-            self.wandb.log(known, step=step)
+        with signals_deferred():
+            if self.tb is not None:
+                for tag, v in known.items():
+                    self.tb.add_scalar(tag, v, step)
+            if self.wandb is not None and known:
+                self.wandb.log(known, step=step)
 
     def flush(self) -> None:
         if self.tb is not None:
-            self.tb.flush()
+            with signals_deferred():
+                self.tb.flush()
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        with signals_deferred():
+            if self.tb is not None:
+                self.tb.close()
+                self.tb = None
+            if self.wandb is not None:
+                self.wandb.finish()
+                self.wandb = None

@@ -69,7 +69,7 @@ def _positive(value, name):
 
 def _nonnegative(value, name):
     if value is not None and not 0 <= value < MAX_STEP:
-        raise RunError(f"--{name}={value}: must be an integer >= 0")
+        raise RunError(f"--{name}={value}: must be an integer in [0, 2^62)")
     return value
 
 
@@ -257,9 +257,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         raise RunError(f"--seed={seed}: must be in [0, 2^64)")
     _positive(args.steps, "steps")
     _nonnegative(args.until, "until")
-    limits.check_fits(limits.step_bytes(config, batch // (accumulate * world),
-                                        on_host=can.host_data),
-                      f"--batch={batch} on the {model_source} model")
+    limits.check_step_fits(config, batch // (accumulate * world), can.host_data, model_source)
     if args.results and fsutil.same_file(args.results, ckpt):
         raise RunError(f"--results {args.results}: is the checkpoint path too")
     if writes and args.results and os.path.lexists(args.results):
@@ -341,13 +339,13 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
             print_safely(f"note: the embedded corpus holds {K} contexts for training and this "
                          f"run needs {need}: repeating data (context c is read as c mod {K})")
     if steps and writes:
+        from coppelius import metrics
+
+        metrics.check_peak(options.get("peak_tflops"))  # a value refused before a folder is made
         # outputs: found unwritable now, not after the first interval of training
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
-        from coppelius import metrics
-
-        metrics.check_peak(options.get("peak_tflops"))
         metrics.check_writers(options, run_dir)  # TensorBoard's directory, the wandb package
         if not lock.held:
             lock.acquire()

@@ -19,9 +19,10 @@ import numpy as np
 from coppelius.reference import checkpoint, results
 from coppelius.reference.config import rational_text
 from coppelius.reference.errors import CoppeliusError, OutputError
-from coppelius.reference.fsutil import open_regular, output_target, path_argument, publish, same_file
+from coppelius.reference.fsutil import (open_regular, output_target, path_argument, publish,
+                                        same_file, stage)
 from coppelius.reference.schedule import learner_from_identity
-from coppelius.stitch import CSV_COLUMNS, Run, read_run_dir, step_ranges, stitch, write_csv
+from coppelius.stitch import CSV_COLUMNS, Run, csv_body, read_run_dir, step_ranges, stitch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMA_BETA = 0.9  # smoothing of the plotted loss curve, bias-corrected as in Adam
@@ -370,13 +371,37 @@ def report_command(args) -> int:
         _line("completed", "yes")
     else:
         _line("completed", f"no ({s['stopped'] or 'no final record'})")
+    outputs = []  # (what, path, write_body): published together, or neither
     if png:
-        plot_run(run, png)
-        _line("plot", png)
+        outputs.append(("plot", png, png_writer(run_figure(run))))
     if args.csv:
-        write_csv(run, args.csv)
-        _line("csv", args.csv)
+        body = csv_body(run)
+        outputs.append(("csv", args.csv, lambda f: f.write(body)))
+    publish_together(outputs)
+    for what, path, _ in outputs:
+        _line(what, path)
     return 0
+
+
+def publish_together(outputs: list) -> None:
+    """Publish each (what, path, write_body) of `outputs`: every file is
+    written and synced first, then each is renamed over its path, so that a
+    failure while writing one (a full disk) publishes none."""
+    staged = []
+    try:
+        for what, path, write_body in outputs:
+            try:
+                staged.append((what, path, stage(path, write_body)))
+            except OSError as e:
+                raise CoppeliusError(f"{what} {path}: cannot write: {e.strerror or e}") from None
+        for what, path, file in staged:
+            try:
+                file.commit()
+            except OSError as e:
+                raise CoppeliusError(f"{what} {path}: cannot write: {e.strerror or e}") from None
+    finally:
+        for _, _, file in staged:
+            file.discard()
 
 
 # ----------------------------------------------------------------------- plot
@@ -438,11 +463,26 @@ def plot(r: results.Results, path, replace: bool = True) -> None:
 
 
 def plot_run(run: Run, path, replace: bool = True) -> None:
+    """The run's figure (run_figure) published atomically as a PNG. With
+    replace=False an existing file is never replaced (FileExistsError)."""
+    try:
+        publish(path, png_writer(run_figure(run)), replace=replace)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise CoppeliusError(f"plot {path}: cannot write: {e.strerror or e}") from None
+
+
+def png_writer(fig):
+    """write_body of a publication: the figure as a PNG."""
+    return lambda f: fig.savefig(f, format="png", dpi=100)
+
+
+def run_figure(run: Run):
     """Training loss (raw, faint, and smoothed) with the held-out loss on the
     same axes, the loss by position in the context over the last steps, and
     below, on the same step axis, the gradient norm and the learning rate
-    where the files have them; published atomically as a PNG. With
-    replace=False an existing file is never replaced (FileExistsError)."""
+    where the files have them."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -507,12 +547,7 @@ def plot_run(run: Run, path, replace: bool = True) -> None:
         text.set_in_layout(False)  # the column's width is the curve's, not the text's
     backends = ", ".join(dict.fromkeys(r.header["backend"] for r in run.files))
     fig.suptitle(f"{backends}: {run.files[-1].header['model']}", fontsize=8)
-    try:
-        publish(path, lambda f: fig.savefig(f, format="png", dpi=100), replace=replace)
-    except FileExistsError:
-        raise
-    except OSError as e:
-        raise CoppeliusError(f"plot {path}: cannot write: {e.strerror or e}") from None
+    return fig
 
 
 def plot_beside(r: results.Results, results_path) -> str:

@@ -200,12 +200,10 @@ def csv_rows(run: Run) -> list:
     return [[str(step)] + list(table[step].values()) for step in sorted(table)]
 
 
-def write_csv(run: Run, path) -> None:
+def csv_body(run: Run) -> bytes:
+    """The --csv file of `coppelius report`: CSV_COLUMNS, then a row per record."""
     text = io.StringIO()
     w = csv.writer(text, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     w.writerows(csv_rows(run))
-    try:
-        publish(path, lambda f: f.write(text.getvalue().encode("utf-8")))
-    except OSError as e:
-        raise CoppeliusError(f"csv {path}: cannot write: {e.strerror or e}") from None
+    return text.getvalue().encode("utf-8")

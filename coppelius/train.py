@@ -39,6 +39,7 @@ from coppelius.reference.adamw import learning_rates
 from coppelius.reference.config import PRESETS
 from coppelius.reference.errors import (ConfigError, CoppeliusError, NonFiniteError,
                                         ResultFileError, RunError, StreamError)
+from coppelius.reference.fsutil import signals_deferred
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
 from coppelius.run_file import write_run_file
@@ -125,8 +126,12 @@ class Stopper:
                              f"{again}")
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # a second signal: stop now, nothing is published
-            raise KeyboardInterrupt
+        if self.signum is not None:  # a second signal: stop now, nothing more is published
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            from coppelius.cli import Terminated  # status 128 + signum, as outside the loop
+
+            raise Terminated(signum)
         self.signum = signum
 
     def __exit__(self, *exc):
@@ -213,13 +218,18 @@ class Publisher:
     on. The file is still published atomically and durably (SPEC 10), a
     second publication waits for the first, and an error (a full disk, a
     non-finite parameter) surfaces at the next publication or at finish().
-    The thread is not a daemon: a process told to stop ends only after the
-    publication in flight, so the path holds the old or the new checkpoint."""
+    A process told to stop ends only after the publication in flight
+    (wait_out), so the path holds the old or the new checkpoint and no
+    temporary is left. The wait is on an event the thread sets, not on
+    Thread.join: a join cut short by a signal's exception takes the thread
+    for ended on Python 3.11 (its lock released under it), and the
+    interpreter would then exit in the middle of the write."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
         self.in_flight = None  # the state of the publication in flight, until it is waited for
         self._thread = None
+        self._done = None  # set by the thread as it ends
         self._error = None
 
     def submit(self, program, contexts: int) -> None:
@@ -228,27 +238,39 @@ class Publisher:
         raised here), so that its host copy is free again for this one."""
         self.finish()
         self.in_flight = state = program.state()
-        self._thread = threading.Thread(target=self._publish, args=(state, contexts),
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._publish, args=(state, contexts, self._done),
                                         name="coppelius-publish")
         self._thread.start()
 
-    def _publish(self, state: State, contexts: int) -> None:
+    def _publish(self, state: State, contexts: int, done: threading.Event) -> None:
         try:
             publish(self.plan, state, contexts)
         except BaseException as e:  # handed to the training thread
             # without its frames' locals: the state's host copy goes back now
             traceback.clear_frames(e.__traceback__)
             self._error = e
+        finally:
+            done.set()
 
     def finish(self) -> None:
-        """Wait for the publication in flight; raise what it raised."""
+        """Wait for the publication in flight; raise what it raised. A
+        signal's exception may cut the wait short: wait_out then waits."""
         if self._thread is not None:
-            self._thread.join()
+            self._done.wait()
+            self._thread.join()  # it has set the event: only its return is left
             self._thread = None
         self.in_flight = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def wait_out(self) -> None:
+        """On the way out (an error, a second Ctrl-C): let the publication in
+        flight end, signals held meanwhile, and drop what it raised."""
+        if self._done is not None:
+            with signals_deferred():
+                self._done.wait()
 
 
 def _param_at(config, offset):
@@ -478,8 +500,8 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
             progress.close()
         live.close()
         writer.close()
-        if leader and publisher._thread is not None:  # leaving by an error: it still ends
-            publisher._thread.join()
+        if leader:  # leaving by an error: the publication in flight still ends
+            publisher.wait_out()
     t_end = time.perf_counter()
     elapsed = t_trained - t_start
     return {"results": results_path, "checkpoint": plan.checkpoint, "steps": done,

@@ -478,14 +478,14 @@ class Hyper:
             object.__setattr__(self, "clip", parse_rational(self.clip, "clip"))
         self._check_schedule()
         if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr}: must be positive")
+            raise ConfigError(f"lr={_show(self.lr)}: must be positive")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+                raise ConfigError(f"{name}={_show(getattr(self, name))}: must be in [0, 1)")
         if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay={self.weight_decay}: must be >= 0")
+            raise ConfigError(f"weight_decay={_show(self.weight_decay)}: must be >= 0")
         if self.epsilon <= 0:
-            raise ConfigError(f"epsilon={self.epsilon}: must be positive")
+            raise ConfigError(f"epsilon={_show(self.epsilon)}: must be positive")
         # Each coefficient enters float32 arithmetic (SPEC 7): it must be a
         # finite float32, and the ones the update divides or scales by must
         # not round to zero (or to one, for the betas: then c = 1 - beta^t = 0).

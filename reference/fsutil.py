@@ -22,6 +22,13 @@ system's limit however long the destination's name is) and is locked
 behind unlocked; `remove_stale` removes those before the next publication,
 and never one a live writer holds.
 
+Signals. Making a temporary, renaming it and removing it are short steps
+that a signal's exception (Ctrl-C, or SIGTERM turned into one) must not cut
+in two, or the temporary would be left with nobody to remove it:
+`signals_deferred()` holds SIGINT, SIGTERM and SIGHUP over them and lets
+them in once the step is done. Writing a body is not held: a long write
+stays interruptible, and its temporary is removed.
+
 Locks. `Lock(path)` is an exclusive flock on `.<name>.lock` beside the file,
 held for as long as a command uses the file and released by the kernel when
 the process ends however it ends, so a crash leaves no stale lock. The lock
@@ -31,14 +38,17 @@ file holds the holder's pid, for the message that refuses a second process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import signal
 import stat
 import tempfile
+import threading
 
 from .errors import InUseError, NotRegularFile, OutputError
 
@@ -56,6 +66,42 @@ DEFAULT_NAME_MAX = 255  # bytes of one name: Linux, macOS, the common file syste
 def _phase(name: str) -> None:
     if _hook is not None:
         _hook(name)
+
+
+# ------------------------------------------------------------------ signals
+
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT, SIGTERM and SIGHUP for the block and deliver them, in
+    the order they came, once it is over: a handler that raises (Ctrl-C's
+    KeyboardInterrupt) then raises after the block, never inside it. Python
+    runs handlers on the main thread only, so elsewhere there is nothing to
+    hold and the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received, old = [], {}
+    try:
+        for sig in DEFERRED_SIGNALS:
+            if signal.getsignal(sig) is not None:  # None: a handler not Python's, left alone
+                old[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum in received:
+            _deliver(signum, old[signum])
+
+
+def _deliver(signum: int, handler) -> None:
+    """What the signal `signum` would have done under `handler`."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:  # the default action (SIGTERM's: the process ends)
+        signal.raise_signal(signum)
 
 
 # ------------------------------------------------------------------ file kinds
@@ -398,27 +444,29 @@ class Staged:
         it there only if nothing is there yet (replace=False: FileExistsError
         otherwise, and nothing changes)."""
         try:
-            if replace:
-                _target(self.target)  # still absent or a regular file
-                os.replace(self.tmp, self.target)
-            else:
-                _link_new(self.tmp, self.target)
-            self.tmp = None
+            with signals_deferred():  # renamed and forgotten as one step
+                if replace:
+                    _target(self.target)  # still absent or a regular file
+                    os.replace(self.tmp, self.target)
+                else:
+                    _link_new(self.tmp, self.target)
+                self.tmp = None
             _phase("renamed")
         finally:
             self.discard()
         fsync_directory(os.path.dirname(self.target))
 
     def discard(self) -> None:
-        if self.tmp is not None:
-            try:
-                os.unlink(self.tmp)
-            except FileNotFoundError:
-                pass
-            self.tmp = None
-        if self._f is not None:
-            f, self._f = self._f, None
-            f.close()
+        with signals_deferred():  # removed whole: a signal waits until it is gone
+            if self.tmp is not None:
+                try:
+                    os.unlink(self.tmp)
+                except FileNotFoundError:
+                    pass
+                self.tmp = None
+            if self._f is not None:
+                f, self._f = self._f, None
+                f.close()
 
     def __enter__(self):
         return self
@@ -450,9 +498,10 @@ def stage(path, write_body) -> Staged:
     nothing left behind and `path` untouched."""
     target = _target(path)
     remove_stale(target)
-    fd, tmp = _temporary(target)
-    f = None
+    fd = tmp = f = None
     try:
+        with signals_deferred():  # made and known to this block as one step
+            fd, tmp = _temporary(target)
         # mkstemp creates 0600; a published file gets the ordinary 0666 & ~umask
         umask = os.umask(0)
         os.umask(umask)
@@ -464,14 +513,16 @@ def stage(path, write_body) -> Staged:
         os.fsync(f.fileno())
         _phase("synced")
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if f is not None:
-            f.close()
-        else:
-            os.close(fd)
+        with signals_deferred():  # removed whole: a second signal waits until it is gone
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+            if f is not None:
+                f.close()
+            elif fd is not None:
+                os.close(fd)
         raise
     # The file stays open (and locked) until it is renamed: remove_stale
     # must not take it for a leftover meanwhile.

@@ -52,3 +52,10 @@ def check_fits(need: int, what: str) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**70 else f"about 2^{n.bit_length() - 1} bytes"
+
+
+def check_step_fits(config: Config, batch: int, on_host: bool, model: str) -> None:
+    """Refuse a step of `batch` contexts of the `model` (its preset's name or
+    file) that cannot fit this machine's memory (step_bytes): what `train`
+    and `bench` check before they build anything."""
+    check_fits(step_bytes(config, batch, on_host=on_host), f"--batch={batch} on the {model} model")

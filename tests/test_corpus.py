@@ -125,7 +125,7 @@ def test_links_fifos_and_sockets_are_skipped_without_blocking(folder, tmp_path):
         from coppelius import corpus
         listing = corpus.list_source({str(folder)!r})
         print(listing.skipped, len(listing.documents))
-        print(corpus.read_regular({str(folder / "a" / "pipe.txt")!r}))
+        print(corpus.open_regular_file({str(folder / "a" / "pipe.txt")!r}))
     """)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -244,9 +244,9 @@ def test_the_document_list_is_published_after_the_stream(folder, tmp_path, monke
         pass
 
     def hook(phase):
-        if phase == "written":  # the staged stream, the tokenizer, then the list
+        if phase == "renamed":  # the tokenizer, the stream, then the list
             published.append(phase)
-            if len(published) == 3:
+            if len(published) == 2:
                 raise Crash()
 
     monkeypatch.setattr(fsutil, "_hook", hook)

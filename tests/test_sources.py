@@ -274,9 +274,7 @@ def test_an_interrupted_tokenization_changes_nothing_published(tmp_path, tokeniz
     fresh = tmp_path / "t" / "a.tokens"
     with pytest.raises(KeyboardInterrupt):
         data.stream_for_source(source, VOCAB, fresh, tokenizer=tokenizer_file)
-    assert not fresh.exists()
-    assert [p.name for p in fresh.parent.iterdir()] in ([], [".a.tokens.lock"]) or \
-        not any(p.name.endswith(".tokens") for p in fresh.parent.iterdir())
+    assert not fresh.parent.exists()  # nor the folder made for it
 
 
 PEAK = """
