@@ -152,6 +152,13 @@ def test_the_default_run_dir_of_another_checkpoint_is_one_of_its_own(tmp_path, s
     assert status == 0, err
     assert validate(first / "checkpoint.bin").header["step"] == 3
     assert batch_of(first / "checkpoint.bin") == "4"
+    # another other.bin: both directories hold other runs, and the hint works
+    (tmp_path / "x").mkdir()
+    third = ["train", *T, "--stream", stream, "--steps", "1", "--checkpoint", "x/other.bin"]
+    refused(*run(*third, cwd=tmp_path)[::2], "runs/test and runs/test-other hold other runs",
+            "give this run a --run-dir of its own")
+    status, _, err = run(*third, "--run-dir", "runs/x", cwd=tmp_path)
+    assert status == 0, err
 
 
 # ---------------------------------------------------------------- how far; what is remembered
@@ -306,10 +313,12 @@ def test_a_second_run_in_a_run_dir_is_refused_while_the_first_trains(tmp_path, s
                 and time.time() < deadline:
             time.sleep(0.05)
         assert (R / "checkpoint.bin").exists(), first.poll()
-        refused(*run("train", *T, "--stream", stream, "--run-dir", R, "--steps", "1",
-                     cwd=tmp_path)[::2],
+        second = ["train", *T, "--stream", stream, "--steps", "1"]
+        refused(*run(*second, "--run-dir", R, cwd=tmp_path)[::2],
                 f"run directory {R}: another run trains there (process {first.pid})",
                 "--run-dir of its own")
+        status, _, err = run(*second, "--run-dir", tmp_path / "R2", cwd=tmp_path)  # the hint
+        assert status == 0, err
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=60)
