@@ -199,8 +199,9 @@ def other_run(run_dir, remembered: dict, checkpoint: str | None,
     run.json: `remembered`) -> ("checkpoint" or "data", the directory's run's
     checkpoint or data in words), or None: `checkpoint` (absolute) names
     another checkpoint, or `data` ((kind, path), data_of) other training
-    data. None given means the command line named none (the run's own)."""
-    if not remembered:
+    data. None given means the command line named none (the run's own).
+    A run.json of no options (a run of defaults alone) is a run too."""
+    if not remembered and not os.path.lexists(os.path.join(run_dir, RUN_FILE)):
         return None
     theirs = remembered_checkpoint(run_dir, remembered)
     if checkpoint is not None and not _same_path(checkpoint, theirs):

@@ -161,6 +161,20 @@ def test_the_default_run_dir_of_another_checkpoint_is_one_of_its_own(tmp_path, s
     assert status == 0, err
 
 
+def test_a_run_json_of_no_options_is_a_run_too(tmp_path, stream):
+    """`coppelius train --steps 2` with the default preset on the embedded
+    corpus remembers no option: its run.json still holds that run, so a run
+    naming a stream takes a directory of its own."""
+    R = tmp_path / "runs" / "test"
+    R.mkdir(parents=True)
+    (R / "run.json").write_text('{"format": "coppelius-run-v1", "options": {}}')
+    status, _, err = run("train", *T, "--stream", stream, "--steps", "1", cwd=tmp_path)
+    assert status == 0, err
+    assert "note: runs/test holds the run of the embedded corpus; this run's directory is " \
+           "runs/test-s" in err
+    assert (R / "run.json").read_text() == '{"format": "coppelius-run-v1", "options": {}}'
+
+
 # ---------------------------------------------------------------- how far; what is remembered
 
 def test_a_steps_smoke_test_leaves_the_run_to_go_on_and_the_model_files_steps_hold(tmp_path,
