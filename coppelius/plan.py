@@ -345,6 +345,11 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     from coppelius import data  # tokenizers is imported only when a run needs it
 
     writes = rank == 0
+    # folders this plan makes, removed at the end when still empty (a run
+    # refused, or out of memory, before its first step leaves none behind);
+    # registered first, so it runs after the locks inside them are let go
+    made = []
+    resources.callback(remove_empty, made)
     run_dir, options, keep, note = resolve_options(args)
     # The run directory is locked before its run.json is trusted (or, when
     # the folder does not exist yet, as soon as it is made), and stays
@@ -473,11 +478,16 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                          f"run needs {need}: repeating data (context c is read as c mod {K})")
     if steps and writes:
         # outputs: found unwritable now, not after the first interval of training
+        from coppelius import metrics
+
+        tb_dir = metrics.tensorboard_dir(options, run_dir)
+        for directory in (run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                          os.path.dirname(os.path.abspath(args.results or ckpt)), tb_dir):
+            if directory is not None:
+                made.extend(new_folders(directory))
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
-        from coppelius import metrics
-
         metrics.check_peak(options.get("peak_tflops"))
         metrics.check_writers(options, run_dir)  # TensorBoard's directory, the wandb package
         if not dir_lock.held:
@@ -500,6 +510,25 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 eval_stream=eval_stream, evaluate=evaluate,
                 recompute=recompute_mode(options.get("recompute")), model_source=model_source,
                 shard_optimizer=bool(options.get("shard_optimizer", False)))
+
+
+def new_folders(directory) -> list:
+    """`directory` and those of its parents that do not exist yet, deepest first."""
+    out, path = [], os.path.abspath(directory)
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def remove_empty(folders: list) -> None:
+    """Remove each of `folders` that is empty, deepest first: the folders a
+    plan made, for a run that wrote nothing in them."""
+    for folder in sorted(set(folders), key=len, reverse=True):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 def writable_directory(directory) -> None:
