@@ -8,16 +8,23 @@ The tokenizer is a byte-level BPE with exactly V ids, trained on the source
 text with Hugging Face `tokenizers` and saved as `tokenizer.json` beside the
 stream; its SHA-256 is the data identity's `tokenizer` part.
 
-Cache layout under a cache directory (by default runs/data under the current
-directory, beside the runs the main job writes to runs/<preset>, so that
-`coppelius tokenize` and `coppelius train` share one cache):
+Cache layout under a cache directory (by default the user's cache,
+`$COPPELIUS_CACHE`, else `$XDG_CACHE_HOME/coppelius`, else
+`~/.cache/coppelius`: one cache for every working folder, shared by
+`coppelius tokenize` and `coppelius train`):
 
-    <stem>-v<V>/<stem>-v<V>.tokens           the stream
-    <stem>-v<V>/tokenizer.json               its tokenizer
-    <stem>-v<V>/<stem>-v<V>.documents.json   its documents, in the keyed order
+    <entry>/<entry>.tokens           the stream
+    <entry>/tokenizer.json           its tokenizer
+    <entry>/<entry>.documents.json   its documents, in the keyed order
 
-where <stem> is stdlib-<python version> for the embedded corpus, the file's
-stem for a file, and the folder's name followed by `-dir` for a folder.
+where <entry> is `<stem>-v<V>-<key>`: <stem> is stdlib-<python version> for
+the embedded corpus, the file's stem for a file, and the folder's name
+followed by `-dir` for a folder (for the reader); <key> is the first 16 hex
+digits of the SHA-256 of the source's identity: its kind, the digest of its
+documents' texts in the keyed order, V, and the tokenizer settings (a given
+tokenizer's SHA-256, --eos, --text-field). Two folders of one name hold
+their own entries; the same documents from another working folder (or a
+copy of the folder) find the entry already made.
 
 A folder holds one stream, because its tokenizer is named `tokenizer.json`:
 writing a stream into a folder that holds another is refused. A cached stream
@@ -56,7 +63,7 @@ import time
 
 import numpy as np
 
-from coppelius.corpus import (EMBEDDED, FILE, FOLDER, RECORDS, TEXT_FIELD, Listing,
+from coppelius.corpus import (EMBEDDED, FILE, FOLDER, RECORDS, Listing,
                               file_listing, list_source, shown_name, summary)
 from coppelius.reference.errors import ConfigError, InUseError, StreamError
 from coppelius.reference.fsutil import (Lock, kind, open_regular, output_target, publish,
@@ -366,10 +373,49 @@ def separator(tokenizer, eos: str | None, given_path=None, listing: Listing | No
 # ---------------------------------------------------------------------------
 # Source -> stream, with the cache
 
+CACHE_ENV = "COPPELIUS_CACHE"  # moves the stream cache (a folder; made when first needed)
+
+
 def default_cache_dir() -> str:
-    """runs/data under the current directory: the one place `tokenize` and
-    `train` keep cached corpora and streams unless told otherwise."""
-    return os.path.join("runs", "data")
+    """The user's stream cache, one for every working folder: $COPPELIUS_CACHE,
+    else $XDG_CACHE_HOME/coppelius (an absolute XDG_CACHE_HOME only, as the
+    XDG base directory specification says), else ~/.cache/coppelius."""
+    moved = os.environ.get(CACHE_ENV)
+    if moved:
+        return os.path.abspath(moved)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "coppelius")
+
+
+DOCUMENTS_DIGEST = "coppelius-documents-sha256-v1"
+
+
+def documents_digest(listing: Listing) -> str:
+    """The SHA-256 of a source's documents: its kind, then each document's
+    text (as iter_documents yields it, in the keyed order) behind its length
+    in UTF-8 bytes. Equal for the same documents wherever they lie and
+    whatever their modification times; a renamed document changes it (its
+    marker line is part of its text)."""
+    h = hashlib.sha256(f"{DOCUMENTS_DIGEST}|{listing.kind}|{listing.text_field}\n".encode())
+    for text in listing.iter_documents():
+        body = text.encode("utf-8", "surrogatepass")
+        h.update(len(body).to_bytes(8, "little"))
+        h.update(body)
+    return h.hexdigest()
+
+
+def cache_key(digest: str, vocab: int, tokenizer_text: str | None, eos: str | None,
+              text_field: str | None) -> str:
+    """The cache entry's key: the source's documents (their digest) and every
+    setting that changes the ids made of them."""
+    def named(value):
+        return "none" if value is None else _short_hash(value, 64)
+
+    parts = [DOCUMENTS_DIGEST, digest, f"vocab={vocab}",
+             "tokenizer=" + ("trained" if tokenizer_text is None else named(tokenizer_text)),
+             "eos=" + named(eos), "text_field=" + named(text_field)]
+    return _short_hash("|".join(parts), 16)
 
 
 def head_and_tail(text) -> tuple:
@@ -427,7 +473,8 @@ def documents_beside(stream_path) -> str:
     return os.path.splitext(os.fspath(stream_path))[0] + ".documents.json"
 
 
-def documents_record(listing: Listing, streamed: dict | None = None) -> dict:
+def documents_record(listing: Listing, streamed: dict | None = None,
+                     digest: str | None = None) -> dict:
     """What the document list beside a stream holds: the kind of source, its
     documents in the keyed order, and what was skipped (for the summaries).
     A stream written document by document (tokenize_documents) records
@@ -438,6 +485,8 @@ def documents_record(listing: Listing, streamed: dict | None = None) -> dict:
               "binary": listing.binary, "skipped": listing.skipped}
     if streamed is not None:
         record.update(streamed)
+    if digest is not None:  # a cache entry's: the documents' digest it is keyed by
+        record["digest"] = digest
     return record
 
 
@@ -467,20 +516,23 @@ def documents_summary(stream_path) -> str | None:
 
 
 def is_fresh(stream_path, source, vocab: int, given: str | None = None,
-             streamed: dict | None = None) -> bool:
+             streamed: dict | None = None, digest: str | None = None) -> bool:
     """Whether the cached stream was made from the source as it is now, by
     the tokenizer of `vocab` ids that lies beside it (or, `given` the text of
     a --tokenizer file, by that one, byte for byte). `source`: a Listing,
     or what list_source takes (None for the embedded corpus, a path).
     `streamed`: a stream written document by document, with that separator
-    and field (its record names its tokenizer's SHA-256)."""
+    and field (its record names its tokenizer's SHA-256). `digest`: the
+    documents' digest of a cache entry; a list recording it stands for the
+    stamp (the same documents copied elsewhere, with other mtimes)."""
     listing = source if isinstance(source, Listing) else list_source(source)
     try:
-        if read_stream_header(stream_path) != listing.stamp:
-            return False
+        header = read_stream_header(stream_path)
         record = read_documents(stream_path)
         if record is None or (record["kind"], record["documents"]) != (
                 listing.kind, documents_record(listing)["documents"]):
+            return False
+        if header != listing.stamp and (digest is None or record.get("digest") != digest):
             return False
         if streamed is not None:
             if any(record.get(k) != v for k, v in streamed.items()):
@@ -717,7 +769,7 @@ def document_batches(parts, size: int | None = None):
 
 def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool = False,
                        given: tuple | None = None, eos: str | None = None,
-                       streamed: dict | None = None) -> dict:
+                       streamed: dict | None = None, digest: str | None = None) -> dict:
     """Tokenize a source document by document, in bounded memory (SPEC 22):
     train the BPE from an iterator of its documents (or take `given`), then
     encode batches of documents with the batch encoder (every core), each
@@ -774,7 +826,7 @@ def tokenize_documents(listing: Listing, stream_path, vocab: int, progress: bool
         return h.hexdigest()
 
     record = documents_record(listing, dict(streamed or {}, tokenizer=hashlib.sha256(
-        tokenizer_text.encode("utf-8")).hexdigest()))
+        tokenizer_text.encode("utf-8")).hexdigest()), digest=digest)
     tokenizer_path = publish_pair(stream_path, None, listing.mtime_ns, listing.size,
                                   tokenizer_text, listing, write_ids=write_ids, record=record)
     return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": counts["ids"],
@@ -790,7 +842,7 @@ def describe(listing: Listing) -> str:
 
 
 def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = False,
-                    given: tuple | None = None) -> dict:
+                    given: tuple | None = None, digest: str | None = None) -> dict:
     """Train the tokenizer on the source text (or take `given`, a
     (tokenizer, its file's text) pair), encode the text, publish the stream,
     its tokenizer.json and its document list (publish_pair). Returns what
@@ -840,7 +892,8 @@ def tokenize_source(listing: Listing, stream_path, vocab: int, progress: bool = 
         return h.hexdigest()
 
     tokenizer_path = publish_pair(stream_path, None, listing.mtime_ns, listing.size,
-                                  tokenizer_text, listing, write_ids=write_ids)
+                                  tokenizer_text, listing, write_ids=write_ids,
+                                  record=documents_record(listing, digest=digest))
     return {"stream": os.fspath(stream_path), "tokenizer": tokenizer_path, "ids": count[0],
             "seconds": time.perf_counter() - started}
 
@@ -852,13 +905,13 @@ def prepare_stream(*, source=None, stream=None, vocab: int, out=None, cache_dir=
 
     With `stream`, use it as is (with the tokenizer.json beside it, if any).
     Otherwise tokenize `source` (a file or a folder; the embedded default when
-    None) into `out` (default `<cache_dir>/<stem>-v<vocab>/<stem>-v<vocab>.tokens`,
-    cache_dir None meaning default_cache_dir()), reusing a fresh cached stream
-    and rebuilding a stale one. `tokenizer` (--tokenizer, SPEC 22: a
+    None) into `out` (default the cache entry of the source's identity,
+    `<cache_dir>/<stem>-v<vocab>-<key>/<stem>-v<vocab>-<key>.tokens`, cache_dir
+    None meaning default_cache_dir(); see cache_key), reusing a fresh cached
+    stream and rebuilding a stale one. `tokenizer` (--tokenizer, SPEC 22: a
     tokenizer.json or a directory holding one) encodes the source instead of
-    a BPE trained on it; its stream is cached apart, under
-    `<stem>-v<vocab>-t<the first 12 digits of its SHA-256>`, with a copy of
-    it beside the stream. `eos` (--eos) and `text_field` (--text-field):
+    a BPE trained on it (its SHA-256 is part of the key), with a copy of it
+    beside the stream. `eos` (--eos) and `text_field` (--text-field):
     see tokenize_documents and coppelius.corpus."""
     if stream is not None:
         if source is not None:
@@ -930,37 +983,62 @@ def stream_for_source(source, vocab: int, out=None, cache_dir=None,
         streamed = {"eos": sep}
         if listing.kind == RECORDS:
             streamed["text_field"] = listing.text_field
-    if out is None:
-        stem = cache_stem(listing, vocab)
-        if given is not None:
-            stem += "-t" + _short_hash(given[1])
-        if eos is not None:
-            stem += "-e" + _short_hash(eos, 8)
-        if text_field is not None and text_field != TEXT_FIELD:
-            stem += "-f" + _short_hash(text_field, 8)
+    digest = None
+    if out is None:  # the cache entry of the source's identity
+        digest = documents_digest(listing)
+        key = cache_key(digest, vocab, given and given[1], eos,
+                        listing.text_field if listing.kind == RECORDS else None)
+        stem = f"{cache_stem(listing, vocab)}-{key}"
         out = os.path.join(cache_dir, stem, stem + STREAM_SUFFIX)
     out = os.fspath(out)
     if os.path.isdir(out):
         raise StreamError(f"stream {out}: is a directory, not a token stream file")
     check_stream_output(out, listing)
-    with _cache_lock(out):
-        for leftover in (out, tokenizer_beside(out), digest_beside(out), documents_beside(out)):
-            remove_stale(leftover)  # temporaries of a run killed while it published
-        rebuilt = not is_fresh(out, listing, vocab, given and given[1], streamed)
-        if rebuilt:
-            check_folder_is_its_own(out)
-            check_can_write(out)
-            check_replaceable(out)
-            if streamed is None:
-                tokenize_source(listing, out, vocab, progress=progress, given=given)
-            else:
-                tokenize_documents(listing, out, vocab, progress=progress, given=given, eos=eos,
-                                   streamed=streamed)
-        elif streamed is None and read_documents(out) != documents_record(listing):
-            # the same documents, other files skipped (a binary file added, say):
-            # the stream stands, the list's counts are brought up to date
-            publish_documents(out, listing)
+    made = None
+    if digest is not None and not os.path.isdir(os.path.dirname(out)):
+        made = _make_entry(out)  # its folder made now, so that it is locked from the start
+    try:
+        with _cache_lock(out):
+            rebuilt = _fresh_or_rebuilt(out, listing, vocab, given, eos, streamed, progress,
+                                        digest)
+    except BaseException:
+        if made is not None:  # a refused or failed first build leaves no empty entry
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
+        raise
     return out, tokenizer_beside(out), rebuilt, listing
+
+
+def _make_entry(out: str) -> str | None:
+    """Make a cache entry's folder (and the cache's) -> the entry's folder."""
+    folder = os.path.dirname(out)
+    check_can_write(out)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise fs_error(f"stream {out}: cannot write", folder, e) from None
+    return folder
+
+
+def _fresh_or_rebuilt(out, listing, vocab, given, eos, streamed, progress, digest) -> bool:
+    """Under the stream's lock: reuse a fresh stream or rebuild it -> rebuilt?"""
+    for leftover in (out, tokenizer_beside(out), digest_beside(out), documents_beside(out)):
+        remove_stale(leftover)  # temporaries of a run killed while it published
+    rebuilt = not is_fresh(out, listing, vocab, given and given[1], streamed, digest)
+    if rebuilt:
+        check_folder_is_its_own(out)
+        check_can_write(out)
+        check_replaceable(out)
+        if streamed is None:
+            tokenize_source(listing, out, vocab, progress=progress, given=given, digest=digest)
+        else:
+            tokenize_documents(listing, out, vocab, progress=progress, given=given, eos=eos,
+                               streamed=streamed, digest=digest)
+    elif streamed is None and read_documents(out) != documents_record(listing, digest=digest):
+        # the same documents, other files skipped (a binary file added, say):
+        # the stream stands, the list's counts are brought up to date
+        publish_documents(out, listing, documents_record(listing, digest=digest))
+    return rebuilt
 
 
 def _cache_lock(out: str):

@@ -7,15 +7,19 @@ the checkpoint; a run's --eval-source or --eval-stream: that set's first K
 contexts, SPEC 22) unless --stream names another (any stream or shard form).
 A run's source is encoded as the run encoded it: with its tokenizer (train
 --tokenizer, remembered in run.json, or eval --tokenizer naming the same
-one), its separator and its records' field.
-The loss is computed by a backend's forward-only evaluation program, B contexts at a time, exactly as
-training evaluates: each context's mean row loss in float64, then their mean.
+one), its separator and its records' field. A run.json is trusted only
+where it is the run of this checkpoint, and the stream it names only where
+its digest is the one the checkpoint's data identity holds; the embedded
+corpus is prepared with a note. The loss is computed by a backend's
+forward-only evaluation program, B contexts at a time, exactly as training
+evaluates: each context's mean row loss in float64, then their mean.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 
 import numpy as np
 
@@ -88,8 +92,58 @@ def _part(identity: str, key: str):
     return None
 
 
-def main(args) -> int:
+def run_stream(path, run_dir, vocab: int, tokenizer: str | None = None) -> tuple:
+    """(stream path, first, run options) of the run that trained the
+    checkpoint `path`, from the run.json of its run directory (given, or the
+    checkpoint's folder): refused where there is none, or where it is
+    another run's (it names another checkpoint). `first`: 0 for the run's
+    --eval-source or --eval-stream (its first K contexts), else None. The
+    embedded corpus is prepared with a note (it may be tokenized now). The
+    run's source is encoded as the run encoded it: its tokenizer (or
+    `tokenizer`, eval --tokenizer, checked against the checkpoint already),
+    separator and records' field."""
     from coppelius import data
+    from coppelius.run_file import RUN_FILE, data_of, read_run_file, remembered_checkpoint
+
+    run_dir = run_dir or os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(run_dir, RUN_FILE)):
+        raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
+                       "(pass --stream)")
+    options = read_run_file(run_dir)
+    theirs = remembered_checkpoint(run_dir, options)
+    if os.path.realpath(theirs) != os.path.realpath(path):
+        raise RunError(f"checkpoint {path}: {os.path.join(run_dir, RUN_FILE)} is the run of "
+                       f"{theirs}, not of this checkpoint (pass --stream)")
+    if options.get("eval_stream"):
+        return options["eval_stream"], 0, options
+    kind, _ = data_of(options)
+    if kind == "embedded":
+        print("note: the run trained on the embedded corpus (the standard library): its stream "
+              "is read from the stream cache, tokenized first if it is not there "
+              "(--stream names one)", file=sys.stderr, flush=True)
+    given = tokenizer or (options.get("tokenizer") if options.get("stream") is None else None)
+    stream_path, tokenizer = data.prepare_stream(
+        source=options.get("source"), stream=options.get("stream"), vocab=vocab,
+        tokenizer=given, eos=options.get("eos"), text_field=options.get("text_field"))
+    if options.get("eval_source"):
+        stream_path, _ = data.prepare_stream(source=options["eval_source"], vocab=vocab,
+                                             tokenizer=tokenizer)
+        return stream_path, 0, options
+    return stream_path, None, options
+
+
+def check_stream(path, header: dict, stream, part: str) -> None:
+    """The stream a run.json names must be the one the checkpoint's data
+    identity names (its `stream=`, or `eval=` for a validation set): the
+    data may have changed since, or the run gone on with --new-data."""
+    want = _part(header.get("data", ""), part)
+    if want is not None and stream.sha256 != want:
+        raise RunError(f"checkpoint {path}: the {'validation ' if part == 'eval' else ''}stream "
+                       f"{stream.path} of its run.json is not the one it was trained on (digest "
+                       f"{stream.sha256[:16]}, the checkpoint's {want[:16]}); pass --stream")
+
+
+def main(args) -> int:
     from coppelius.reference.binding import state_from_source
     from coppelius.reference.sources import CheckpointFileSource
     from coppelius.run_file import RUN_FILE, read_run_file
@@ -112,29 +166,15 @@ def main(args) -> int:
             raise RunError(f"--tokenizer {args.tokenizer}: encodes the run's source; a --stream "
                            f"is encoded already (its tokenizer is the tokenizer.json beside it)")
         check_checkpoints_tokenizer(args.tokenizer, header, path)
+    checked = False  # the stream found in run.json: compared with the checkpoint's data identity
     if args.stream:
         stream_path = args.stream
     else:
-        run_dir = run_dir or os.path.dirname(os.path.abspath(path))
-        if not os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-            raise RunError(f"checkpoint {path}: no run.json beside it names the run's stream "
-                           "(pass --stream)")
-        options = read_run_file(run_dir)  # neither source nor stream: the embedded corpus
-        # encoded as the run encoded it: its tokenizer (or --tokenizer), separator, field
-        given = args.tokenizer or (options.get("tokenizer") if options.get("stream") is None
-                                   else None)
-        stream_path, tokenizer = data.prepare_stream(source=options.get("source"),
-                                                     stream=options.get("stream"),
-                                                     vocab=config.vocab, tokenizer=given,
-                                                     eos=options.get("eos"),
-                                                     text_field=options.get("text_field"))
-        if options.get("eval_stream"):
-            stream_path, first = options["eval_stream"], 0
-        elif options.get("eval_source"):
-            stream_path, _ = data.prepare_stream(source=options["eval_source"],
-                                                 vocab=config.vocab, tokenizer=tokenizer)
-            first = 0
+        stream_path, first, options = run_stream(path, run_dir, config.vocab, args.tokenizer)
+        checked = True
     stream = open_stream(stream_path, config.vocab)
+    if checked:
+        check_stream(path, header, stream, "eval" if first == 0 else "stream")
     K_stream = stream.n_contexts(config.context)
     K = args.contexts if args.contexts is not None else int(_part(header["data"], "heldout") or 0)
     if first == 0 and args.contexts is None:

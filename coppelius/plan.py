@@ -23,7 +23,8 @@ from coppelius.reference.errors import IdentityMismatch, RunError
 from coppelius.reference.params import initialize
 from coppelius.reference.state import State
 from coppelius.shards import open_any as open_stream
-from coppelius.run_file import REMEMBERED, read_run_file
+from coppelius.run_file import (REMEMBERED, RUN_FILE, RUN_OPTIONS, acquire_run_lock, data_of,
+                                 other_run, read_run_file, remembered_checkpoint, run_lock)
 
 LEARNER_OPTIONS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
 MAX_STEP = 2**62  # step numbers are uint64 in the result file; keep far from the edge
@@ -55,7 +56,9 @@ class Plan:
     eval_stream: object = None  # --eval-source/--eval-stream: its first `evaluate` contexts
     evaluate: int = 0  # K evaluated: the held-out count, or the eval stream's first K (SPEC 22)
     eval_every: int = 0  # E: evaluate every E steps (0 never) and after the last
-    remembered: dict | None = None  # what run.json will hold
+    remembered: dict | None = None  # what run.json will hold (run_file.RUN_OPTIONS, SETTINGS)
+    options: dict | None = None  # this invocation's options: the command line over run.json
+    final_step: int = 0  # the step this invocation trains to
     recompute: str | None = None  # reference/contract.py RECOMPUTE_MODES, None: off
     shard_optimizer: bool = False  # with W > 1 ranks, M and V sharded over them (SPEC 23)
     model_source: str = ""  # the preset's name, the model file, or the checkpoint it came from
@@ -73,51 +76,166 @@ def _nonnegative(value, name):
     return value
 
 
-def resolve_options(args) -> tuple:
-    """(run_dir, options): the command line over run.json over nothing.
-    Paths are remembered absolute, so a run continues from any directory."""
+PATH_OPTIONS = ("source", "stream", "checkpoint", "model", "tokenizer", "eval_source",
+                "eval_stream")
+
+
+def given_options(args) -> dict:
+    """The remembered options the command line gives (paths absolute)."""
+    given = {}
+    for key in REMEMBERED:
+        value = getattr(args, key, None)
+        if key == "repeat_data":
+            value = True if args.repeat_data else None
+        if value is not None and (key in PATH_OPTIONS or (key == "tensorboard"
+                                                          and isinstance(value, str))):
+            value = os.path.abspath(value)
+        if value is not None:
+            given[key] = value
+    return given
+
+
+def _given_data(given: dict) -> tuple | None:
+    return data_of(given) if given.get("source") or given.get("stream") else None
+
+
+def _own_name(given: dict, differs: str) -> str:
+    """The name of a run's own directory beside the default one: its
+    checkpoint's stem when the checkpoint is what differs, else its data's."""
+    if differs == "checkpoint":
+        path = given["checkpoint"]
+    else:
+        path = _given_data(given)[1]
+    stem = os.path.basename(os.path.normpath(path))
+    for suffix in (".gz", ".zst", ".jsonl", ".parquet", ".bin", ".tokens", ".txt"):
+        if stem.endswith(suffix) and stem != suffix:
+            stem = stem[:-len(suffix)]
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem).strip("-.")
+    return stem or "run"
+
+
+def choose_run_dir(args, given: dict) -> tuple:
+    """(run_dir, remembered, note): the run directory of this run and what its
+    run.json remembers (SPEC 9: a directory belongs to one run). --run-dir
+    as given; else runs/<name>, or, when that directory holds another run
+    (another checkpoint, or data the command line names otherwise),
+    runs/<name>-<this run's checkpoint or data>. A run that names other data
+    than the directory's run is that run only with --new-data (continuing
+    its checkpoint on the new data); one naming another checkpoint never is.
+    A refusal names --run-dir."""
     if args.model:
         default_name = os.path.splitext(os.path.basename(args.model))[0]
     elif args.preset is None and args.checkpoint is not None:  # the checkpoint's model, below
         default_name = os.path.splitext(os.path.basename(args.checkpoint))[0]
     else:
         default_name = args.preset or default_preset()
+    data = None if args.new_data else _given_data(given)
+    checkpoint = given.get("checkpoint")
     run_dir = args.run_dir or os.path.join("runs", default_name)
     remembered = read_run_file(run_dir)
-    options = {}
-    for key in REMEMBERED:
-        given = getattr(args, key, None)
-        if key == "repeat_data":
-            given = True if args.repeat_data else None
-        if key in ("source", "stream", "checkpoint", "model", "tokenizer", "eval_source",
-                   "eval_stream") and given is not None:
-            given = os.path.abspath(given)
-        if key == "tensorboard" and isinstance(given, str):
-            given = os.path.abspath(given)
-        if given is not None:
-            options[key] = given
-        elif key in remembered:
-            options[key] = remembered[key]
-    # the constant schedule has no warm-up, total or floor to remember, and
-    # only wsd has a decay
-    if args.schedule == "constant":
-        for key in ("warmup", "total", "floor"):
-            if getattr(args, key) is None:
-                options.pop(key, None)
-    if args.schedule is not None and args.schedule != "wsd" and args.decay is None:
-        options.pop("decay", None)
-    # a new source replaces a remembered stream, and the other way round
-    if args.source is not None:
-        options.pop("stream", None)
-    if args.stream is not None:
-        options.pop("source", None)
-    if getattr(args, "eval_source", None) is not None:
-        options.pop("eval_stream", None)
-    if getattr(args, "eval_stream", None) is not None:
-        options.pop("eval_source", None)
-        if getattr(args, "tokenizer", None) is None:  # a stream's tokenizer lies beside it
-            options.pop("tokenizer", None)
-    return run_dir, options
+    differs = other_run(run_dir, remembered, checkpoint, data)
+    if differs is None:
+        return run_dir, remembered, None
+    if args.run_dir:
+        raise RunError(refusal(run_dir, differs, given))
+    own = os.path.join("runs", f"{default_name}-{_own_name(given, differs[0])}")
+    theirs = read_run_file(own)
+    if other_run(own, theirs, checkpoint or os.path.abspath(os.path.join(own, "checkpoint.bin")),
+                 data) is not None:
+        raise RunError(f"{run_dir} and {own} hold other runs (their run.json); give this run a "
+                       f"--run-dir of its own")
+    return own, theirs, (f"note: {run_dir} holds the run of {differs[1]}; this run's "
+                         f"directory is {own}")
+
+
+def refusal(run_dir, differs: tuple, given: dict) -> str:
+    """Why an explicit --run-dir is refused to a run that is not its run's,
+    with what would work: a --run-dir of its own, and where the run's
+    checkpoint could go on with the new data, the options that do so."""
+    text = (f"run directory {run_dir} holds the run of {differs[1]} ({run_dir}/run.json); give "
+            f"this run a --run-dir of its own")
+    if differs[0] == "checkpoint":
+        return text
+    go_on = continue_options(run_dir, given)
+    if go_on:
+        text += f", or pass {go_on} to go on with that run's checkpoint on this data"
+    return text
+
+
+def continue_options(run_dir, given: dict) -> str | None:
+    """The options with which the run in `run_dir` goes on with the data
+    the command line names: --new-data, and --tokenizer with the run's own
+    tokenizer when the new data is a source and the checkpoint has one;
+    None where nothing would (a stream of another tokenizer)."""
+    from coppelius import data as data_module
+    from coppelius import shards
+
+    remembered = read_run_file(run_dir)
+    ckpt = remembered_checkpoint(run_dir, remembered)
+    if checkpoint.is_fresh(ckpt):
+        return "--new-data"
+    have = _part(checkpoint.validate(ckpt).header.get("data", ""), "tokenizer") or "none"
+    if given.get("stream"):
+        place = shards.tokenizer_place(given["stream"])
+        theirs = data_module.tokenizer_sha(place) if os.path.lexists(place) else None
+        return "--new-data" if (theirs or "none") == have else None
+    if have == "none":
+        return None  # a source is tokenized; the checkpoint's stream had no tokenizer
+    if given.get("tokenizer"):
+        return "--new-data"
+    for place in (os.path.join(os.path.dirname(ckpt), data_module.TOKENIZER_NAME),
+                  remembered.get("tokenizer")):
+        if place and os.path.isfile(place) and data_module.tokenizer_sha(place) == have:
+            return f"--new-data --tokenizer {place}"
+    return None
+
+
+def _part(identity: str, key: str):
+    for part in str(identity).split("|"):
+        name, _, value = part.partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def resolve_options(args) -> tuple:
+    """(run_dir, options, remembered, note): the options of this invocation
+    (the command line over run.json over nothing) and what run.json is to
+    remember after it (run_file.RUN_OPTIONS whenever given; the SETTINGS
+    only when given without --steps; `final_step` only from --until). Paths
+    are remembered absolute, so a run continues from any directory."""
+    given = given_options(args)
+    run_dir, remembered, note = choose_run_dir(args, given)
+    options = dict(remembered)
+    keep = dict(remembered)
+    for key, value in given.items():
+        options[key] = value
+        if key in RUN_OPTIONS or args.steps is None:
+            keep[key] = value
+    options.pop("final_step", None)  # make_plan's: --steps, --until, else this
+    if args.until is not None:
+        keep["final_step"] = args.until
+    for d in (options, keep):
+        # the constant schedule has no warm-up, total or floor to remember, and
+        # only wsd has a decay
+        if args.schedule == "constant":
+            for key in ("warmup", "total", "floor"):
+                if getattr(args, key) is None:
+                    d.pop(key, None)
+        if args.schedule is not None and args.schedule != "wsd" and args.decay is None:
+            d.pop("decay", None)
+        # a new source replaces a remembered stream, and the other way round
+        if args.source is not None:
+            d.pop("stream", None)
+        if args.stream is not None:
+            d.pop("source", None)
+        if getattr(args, "eval_source", None) is not None:
+            d.pop("eval_stream", None)
+        if getattr(args, "eval_stream", None) is not None:
+            d.pop("eval_source", None)
+            if getattr(args, "tokenizer", None) is None:  # a stream's tokenizer lies beside it
+                d.pop("tokenizer", None)
+    return run_dir, options, keep, note
 
 
 def choose_model(options: dict, ckpt: str, name: str) -> tuple:
@@ -227,7 +345,24 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     from coppelius import data  # tokenizers is imported only when a run needs it
 
     writes = rank == 0
-    run_dir, options = resolve_options(args)
+    # folders this plan makes, removed at the end when still empty (a run
+    # refused, or out of memory, before its first step leaves none behind);
+    # registered first, so it runs after the locks inside them are let go
+    made = []
+    resources.callback(remove_empty, made)
+    run_dir, options, keep, note = resolve_options(args)
+    # The run directory is locked before its run.json is trusted (or, when
+    # the folder does not exist yet, as soon as it is made), and stays
+    # locked until the run ends: a second run there is refused at once.
+    dir_lock = run_lock(run_dir)
+    resources.callback(dir_lock.release)
+    if writes and os.path.isdir(run_dir):
+        acquire_run_lock(dir_lock, run_dir)
+        if resolve_options(args)[:3] != (run_dir, options, keep):
+            raise RunError(f"run directory {run_dir}: another run wrote its {RUN_FILE} while "
+                           f"this one started; start this one again")
+    if writes and note:
+        print_safely(note)
     backend = options.get("backend") or accelerated.best_backend()
     check_gpus(backend, world)
     module = accelerated.backend_module(backend)  # a clear error when it is not available here
@@ -269,7 +404,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         stream_path, tokenizer = data.prepare_stream(
             source=options.get("source"), stream=options.get("stream"),
             vocab=config.vocab, tokenizer=options.get("tokenizer"), eos=options.get("eos"),
-            text_field=options.get("text_field"))  # cached under runs/data
+            text_field=options.get("text_field"))  # in the user's stream cache
     else:  # the stream rank 0 prepared: its digest is compared through the data identity
         stream_path, tokenizer = leader["stream"], leader["tokenizer"]
     stream = open_stream(stream_path, config.vocab)
@@ -299,30 +434,31 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     if not checkpoint.is_fresh(ckpt):
         t0 = checkpoint.validate(ckpt).header["step"]  # the update count decides the steps
 
-    # How far (SPEC 9): --steps S more, --until N, else the remembered final step,
-    # else the preset's step count; the run's final step is remembered.
+    # How far (SPEC 9): --steps S more (this time only), else the run's final step
+    # (--until's, remembered: keep's), else the model's step count (the
+    # preset's or the model file's `steps`, read again each time).
     if args.steps is not None:
         final_step = t0 + args.steps
-    elif args.until is not None:
-        final_step = args.until
     else:
-        final_step = options.get("final_step", config.steps)
+        final_step = keep.get("final_step", config.steps)
     options["final_step"] = final_step
     if options.get("schedule") in ("cosine", "wsd"):
         # the schedule's end is part of the learner: fixed when the run starts,
         # remembered, and not moved by a later --until (that needs --new-learner)
         options.setdefault("total", final_step)
+        keep.setdefault("total", options["total"])
     hyper = make_learner(options, final_step)
     if hyper.schedule == "wsd":
         # and so is wsd's decay length: a later --total moves the decay, keeping its length
         options.setdefault("decay", hyper.decay)
+        keep.setdefault("decay", options["decay"])
     ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
                                 stream.sha256, seed, heldout,
                                 None if eval_stream is None else eval_stream.sha256)
     if checkpoint.is_fresh(ckpt):
         state, c0 = State.fresh(initialize(config, seed)), 0
     else:
-        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner)
+        state, c0 = load_checkpoint(ckpt, config, ids, args.new_data, args.new_learner, options)
     steps = max(final_step - state.t, 0)
 
     default_data = options.get("source") is None and options.get("stream") is None
@@ -343,10 +479,20 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
 
         metrics.check_peak(options.get("peak_tflops"))  # a value refused before a folder is made
         # outputs: found unwritable now, not after the first interval of training
+        tb_dir = metrics.tensorboard_dir(options, run_dir)
+        for directory in (run_dir, os.path.dirname(os.path.abspath(ckpt)),
+                          os.path.dirname(os.path.abspath(args.results or ckpt)), tb_dir):
+            if directory is not None:
+                made.extend(new_folders(directory))
         for directory in {run_dir, os.path.dirname(os.path.abspath(ckpt)),
                           os.path.dirname(os.path.abspath(args.results or ckpt))}:
             writable_directory(directory)
         metrics.check_writers(options, run_dir)  # TensorBoard's directory, the wandb package
+        if not dir_lock.held:
+            acquire_run_lock(dir_lock, run_dir)
+            if os.path.lexists(os.path.join(run_dir, RUN_FILE)):  # none when the plan began
+                raise RunError(f"run directory {run_dir}: another run wrote its {RUN_FILE} "
+                               f"while this one started; start this one again")
         if not lock.held:
             lock.acquire()
             if not checkpoint.is_fresh(ckpt):
@@ -357,10 +503,30 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
                 steps=steps, interval=interval, run_dir=run_dir, checkpoint=ckpt,
                 results=args.results, repeat=repeat, stream=stream, tokenizer=tokenizer,
                 identities=ids, state=state, contexts=c0, default_data=default_data,
-                heldout=heldout, eval_every=eval_every, remembered=options,
+                heldout=heldout, eval_every=eval_every, remembered=keep, options=options,
+                final_step=final_step,
                 eval_stream=eval_stream, evaluate=evaluate,
                 recompute=recompute_mode(options.get("recompute")), model_source=model_source,
                 shard_optimizer=bool(options.get("shard_optimizer", False)))
+
+
+def new_folders(directory) -> list:
+    """`directory` and those of its parents that do not exist yet, deepest first."""
+    out, path = [], os.path.abspath(directory)
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def remove_empty(folders: list) -> None:
+    """Remove each of `folders` that is empty, deepest first: the folders a
+    plan made, for a run that wrote nothing in them."""
+    for folder in sorted(set(folders), key=len, reverse=True):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 def writable_directory(directory) -> None:
@@ -403,16 +569,20 @@ def publish_tokenizer(tokenizer, checkpoint_path) -> None:
         raise RunError(f"{target}: cannot publish the tokenizer ({e.strerror or e})") from None
 
 
-def load_checkpoint(path, config, identities, new_data=False, new_learner=False):
+def load_checkpoint(path, config, identities, new_data=False, new_learner=False,
+                    options: dict | None = None):
     """-> (State, contexts consumed): validated, identities compared, every
     parameter bound by name through the binding layer (SPEC 12). A refused
-    identity says which option to repeat."""
+    identity says which option to repeat (`options`: the run's, for the
+    hints that name its data)."""
     try:
         ck = load_state(path, config, expect=identities, new_data=new_data,
                         new_learner=new_learner)
     except IdentityMismatch as e:
         lifted = {"data": new_data, "learner": new_learner}
-        hint = identity_hint(checkpoint.validate(path).header, identities, lifted)
+        hint = identity_hint(checkpoint.validate(path).header, identities, lifted,
+                             dict(options or {}, checkpoint=os.path.abspath(path),
+                                  new_data=new_data))
         raise IdentityMismatch(f"{e}{'; ' + hint if hint else ''}") from None
     return ck.state, ck.contexts
 
@@ -425,11 +595,13 @@ _OPTION_OF = {"batch": "--batch", "precision": "--precision", "lr": "--lr", "bet
               "accumulate": "--accumulate"}
 
 
-def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
+def identity_hint(header: dict, run: dict, lifted: dict | None = None,
+                  options: dict | None = None) -> str:
     """'the checkpoint was trained with --batch 4', naming every option whose
     value differs between the checkpoint's identities and the run's, but
     the parts that --new-data and --new-learner lift where given (`lifted`:
-    identity key -> whether its parts are lifted)."""
+    identity key -> whether its parts are lifted). `options`: the run's
+    options (its data, its checkpoint), for hints with the real paths."""
     said = []
     for key in ("learner", "data", "initialization", "model"):
         have = dict(part.partition("=")[::2] for part in str(header.get(key, "")).split("|"))
@@ -451,9 +623,10 @@ def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
                 said.append("another stream (repeat its --source or --stream, or pass "
                             "--new-data)")
             elif part == "tokenizer" and have.get(part) not in (None, "none"):
-                said.append(f"the tokenizer {have[part]} (to go on with it on a new source: "
-                            f"coppelius train --run-dir RUN_DIR --source NEW --tokenizer "
-                            f"RUN_DIR/tokenizer.json --new-data)")
+                said.append(f"the tokenizer {have[part]}{_tokenizer_hint(have[part], options)}")
+            elif part == "batch":
+                said.append(f"--batch {have.get(part)} (the batch cannot change on resume, "
+                            f"SPEC §9: another batch is a new run, with a --run-dir of its own)")
             elif part in _OPTION_OF:
                 value = have.get(part)
                 if value is None:  # the run adds a part the checkpoint lacks
@@ -466,6 +639,27 @@ def identity_hint(header: dict, run: dict, lifted: dict | None = None) -> str:
                                         "--epsilon", "--clip", "--schedule", "--accumulate")
                        for o in said)
     return text + (" (or pass --new-learner to change the learner)" if learner_only else "")
+
+
+def _tokenizer_hint(sha: str, options: dict | None) -> str:
+    """How a run goes on with the checkpoint's tokenizer (sha): on a source,
+    with --tokenizer naming its copy beside the checkpoint (or the run's
+    --tokenizer) and --new-data; a stream of another tokenizer cannot."""
+    from coppelius import data
+
+    if options is None:  # nothing known of the run: the command in general
+        return (" (to go on with it on a new source: coppelius train --run-dir RUN_DIR --source "
+                "NEW --tokenizer RUN_DIR/tokenizer.json --new-data)")
+    if options.get("stream") or not options.get("checkpoint"):
+        return (" (a stream of another tokenizer cannot go on with this checkpoint; a "
+                "--run-dir of its own starts a new run)")
+    for place in (os.path.join(os.path.dirname(options["checkpoint"]), data.TOKENIZER_NAME),
+                  options.get("tokenizer")):
+        if place and os.path.isfile(place) and data.tokenizer_sha(place) == sha:
+            more = "" if options.get("new_data") else " --new-data"
+            return f" (to go on with it on this source: --tokenizer {place}{more})"
+    return (" (no copy of it lies beside the checkpoint: pass --tokenizer with it, or give this "
+            "run a --run-dir of its own)")
 
 
 def _schedule_options(value) -> str:

@@ -12,15 +12,27 @@ from coppelius.reference.errors import RunError
 
 # What run.json remembers (SPEC 9): every option that shapes the run. A
 # later `coppelius train --run-dir D` takes these from D/run.json unless the
-# command line gives them. Not remembered: how far to go this time (--steps,
-# --until: the remembered final step is), where to write this invocation's
-# results, the lifting switches, and the sample.
+# command line gives them. Not remembered: how far to go this time (--steps;
+# --until is remembered as the run's final step), where to write this
+# invocation's results, the lifting switches, and the sample.
 REMEMBERED = ("source", "stream", "tokenizer", "preset", "model", "backend", "precision", "batch", "accumulate",
               "gpus", "recompute", "shard_optimizer", "interval",
               "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule", "warmup", "total",
               "decay", "floor", "clip", "eval_contexts", "eval_every", "eval_source", "eval_stream",
               "seed", "checkpoint", "repeat_data", "final_step", "tensorboard", "wandb",
               "peak_tflops", "eos", "text_field")
+# Of those, what the run is: its data, model, checkpoint, and every option
+# its checkpoint's identities hold (or the contexts it reads). Remembered
+# whenever given: the checkpoint holds them from then on, so the run cannot
+# go on without them. The others (SETTINGS: how this invocation trains, and
+# `final_step`, which only --until sets) are remembered when given without
+# --steps: an invocation of `--steps S` (a smoke test, a few more steps) is
+# for this time only, and leaves them as the run had them.
+RUN_OPTIONS = ("source", "stream", "tokenizer", "preset", "model", "precision", "batch",
+               "accumulate", "lr", "beta1", "beta2", "weight_decay", "epsilon", "schedule",
+               "warmup", "total", "decay", "floor", "clip", "eval_contexts", "eval_source",
+               "eval_stream", "seed", "checkpoint", "repeat_data", "eos", "text_field")
+SETTINGS = tuple(k for k in REMEMBERED if k not in RUN_OPTIONS)
 RUN_FILE = "run.json"
 RUN_FORMAT = "coppelius-run-v1"
 RUN_FILE_BYTES = 1 << 20  # five paths and a few numbers; anything larger is not a run file
@@ -153,3 +165,72 @@ def write_run_file(run_dir, options: dict) -> None:
     """Publish run.json atomically and durably, as a checkpoint is."""
     body = json.dumps({"format": RUN_FORMAT, "options": options}, sort_keys=True, indent=1)
     fsutil.publish(os.path.join(run_dir, RUN_FILE), lambda f: f.write(body.encode() + b"\n"))
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def remembered_checkpoint(run_dir, remembered: dict) -> str:
+    """The checkpoint of the run a run directory holds: its run.json's, else
+    RUN_DIR/checkpoint.bin (absolute)."""
+    return os.path.abspath(remembered.get("checkpoint") or os.path.join(run_dir, "checkpoint.bin"))
+
+
+def data_of(options: dict) -> tuple:
+    """(kind, path) of a run's training data: ("source", path), ("stream",
+    path), or ("embedded", None) for the embedded corpus."""
+    for kind in ("source", "stream"):
+        if options.get(kind):
+            return kind, options[kind]
+    return "embedded", None
+
+
+def describe_data(data: tuple) -> str:
+    kind, path = data
+    return "the embedded corpus" if kind == "embedded" else f"{kind} {path}"
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def other_run(run_dir, remembered: dict, checkpoint: str | None,
+              data: tuple | None) -> tuple | None:
+    """What makes this run another run than the one `run_dir` holds (its
+    run.json: `remembered`) -> ("checkpoint" or "data", the directory's run's
+    checkpoint or data in words), or None: `checkpoint` (absolute) names
+    another checkpoint, or `data` ((kind, path), data_of) other training
+    data. None given means the command line named none (the run's own).
+    A run.json of no options (a run of defaults alone) is a run too."""
+    if not remembered and not os.path.lexists(os.path.join(run_dir, RUN_FILE)):
+        return None
+    theirs = remembered_checkpoint(run_dir, remembered)
+    if checkpoint is not None and not _same_path(checkpoint, theirs):
+        return "checkpoint", f"the checkpoint {theirs}"
+    mine = data_of(remembered)
+    if data is not None and (data[0] != mine[0] or not _same_path(data[1], mine[1])):
+        return "data", describe_data(mine)
+    return None
+
+
+def run_lock(run_dir):
+    """The lock of a run directory (its run.json), held by the run that
+    trains there from its plan to its end."""
+    return fsutil.Lock(os.path.join(run_dir, RUN_FILE), "run file")
+
+
+def acquire_run_lock(lock, run_dir) -> None:
+    """Take the run directory's lock; another run holding it is refused
+    at once (a run never waits: the other may train for hours)."""
+    from coppelius.reference.errors import InUseError
+
+    try:
+        lock.acquire()
+    except InUseError:
+        try:
+            with fsutil.open_regular(lock.path) as f:
+                holder = f.read(32).decode("ascii", "replace").strip()
+        except OSError:
+            holder = ""
+        by = f"process {holder}" if holder.isdigit() else "another process"
+        raise InUseError(f"run directory {run_dir}: another run trains there ({by}); wait for "
+                         f"it to finish, or give this run a --run-dir of its own") from None

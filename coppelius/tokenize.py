@@ -34,8 +34,9 @@ def register(subparsers) -> None:
                         "(default: coppelius with a GPU, else tiny)")
     p.add_argument("--vocab", type=int, metavar="N", help="vocabulary size V (default: the preset's)")
     p.add_argument("--cache-dir", metavar="DIR", type=path_argument,
-                   help="where cached corpora and streams live (default: runs/data, the "
-                        "cache `coppelius train` uses)")
+                   help="where cached streams live (default: the user's cache, "
+                        "$COPPELIUS_CACHE, else $XDG_CACHE_HOME/coppelius, else "
+                        "~/.cache/coppelius; the cache `coppelius train` uses)")
     add_source_options(p)
     p.set_defaults(func=run_tokenize)
 

@@ -332,20 +332,30 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     gathers = leader or sharded
     if dist is not None:
         dist.programs.append(program)
+    # What rank 0 writes besides the checkpoint (run.json, the tokenizer
+    # beside the checkpoint, the result file, the event files) is written
+    # once the first step has been taken (begin): a run that cannot take
+    # one (out of memory in the step) leaves no changed run.json and no
+    # result file of a header alone (SPEC 9, Reading).
+    writer = live = _Nothing()
     if leader:
-        publish_tokenizer(plan.tokenizer, plan.checkpoint)
-        meter = metrics.Meter(config, B, plan.backend, (plan.remembered or {}).get("peak_tflops"),
+        meter = metrics.Meter(config, B, plan.backend, (plan.options or {}).get("peak_tflops"),
                               1 if dist is None else dist.world)
-        writer = results.ResultWriter(results_path, header)  # refuses an existing path
         publisher = Publisher(plan)
-        try:
-            live = _live(plan, meter)
-        except BaseException:
-            writer.close()
-            raise
     else:
-        writer = publisher = live = _Nothing()
+        publisher = _Nothing()
         meter = None
+    forward = None  # the kind-1 record, computed before the first step
+
+    def begin():
+        nonlocal writer, live
+        if not leader or not isinstance(writer, _Nothing):
+            return
+        live = _live(plan, meter)
+        write_run_file(plan.run_dir, plan.remembered)
+        publish_tokenizer(plan.tokenizer, plan.checkpoint)
+        writer = results.ResultWriter(results_path, header)  # refuses an existing path
+        writer.forward(forward)
 
     K_train = plan.stream.n_contexts(T) - plan.heldout
 
@@ -369,7 +379,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
     first = batch_at(0)
     rows = results.prediction_rows(T)
     if leader:
-        writer.forward(program.logits(first[:1, :T])[0, rows])  # (3, V) before the first step
+        forward = program.logits(first[:1, :T])[0, rows]  # (3, V) before the first step
 
     losses, held_out = [], []
     done = 0
@@ -422,6 +432,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
                 trained = s + 1 + (following is not None)  # steps the device has taken
                 mfu = memory = math.nan
                 try:
+                    begin()  # the first step is taken: run.json and the result file
                     writer.step(step_no, row_losses)
                     writer.timing(step_no, host_s, records.device_seconds)
                     writer.norm(step_no, records.grad_norm)
@@ -516,7 +527,7 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
 
 def _live(plan: Plan, meter) -> metrics.Live:
     """The invocation's TensorBoard event file and W&B run (rank 0's)."""
-    options = plan.remembered or {}
+    options = plan.options or {}
     about = {"model": _model_name(plan), "backend": plan.backend, "precision": plan.precision,
              "batch": plan.batch, "first_step": int(plan.state.t), "steps": plan.steps,
              "flops_per_step": meter.flops, "device": meter.device, **plan.identities}
@@ -559,7 +570,7 @@ def main(args) -> int:
             raise RunError(f"--gpus {args.gpus}: the launcher ({launch.launcher}) started "
                            f"{launch.world} ranks")
         return run_rank(args, launch)
-    _, options = resolve_options(args)
+    options = resolve_options(args)[1]
     gpus = _positive(options.get("gpus", 1), "gpus")
     if gpus > 1:
         backend = options.get("backend") or accelerated.best_backend()
@@ -746,7 +757,7 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
     leader = dist is None or dist.rank == 0
     if plan.steps == 0:
         if leader:
-            final = plan.remembered.get("final_step", plan.state.t)
+            final = plan.final_step
             where = (f"past --until {args.until}" if args.until is not None and final < plan.state.t
                      else "the run's final step")
             print(f"coppelius train: nothing to do: {plan.checkpoint} is at step "
@@ -754,7 +765,6 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         return 0
     blas = limit_blas_threads(getattr(args, "blas_threads", None))
     if leader:
-        write_run_file(plan.run_dir, plan.remembered)
         h = plan.hyper
         schedule = ("" if h.schedule == "constant" else
                     f", cosine schedule (warm-up {h.warmup}, total {h.total})"
@@ -834,7 +844,7 @@ def _count(n: int, noun: str) -> str:
 def _model_name(plan) -> str:
     """The preset's name, or the model file (and the preset it overrides),
     or the checkpoint the model was read from."""
-    model, preset_name = plan.remembered.get("model"), plan.remembered.get("preset")
+    model, preset_name = plan.options.get("model"), plan.options.get("preset")
     if model:
         return f"{preset_name} with {model}" if preset_name else model
     if plan.model_source == plan.checkpoint:

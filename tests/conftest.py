@@ -80,6 +80,33 @@ def cuda_emulation():
         yield
 
 
+# The suite never writes into the real home: the user's stream cache
+# (coppelius.data.default_cache_dir, $COPPELIUS_CACHE) is moved to a folder
+# of the session's for the fixtures of wider scope, and to a folder of each
+# test's own for the test (a test that tokenizes finds an empty cache, as it
+# found an empty runs/data when the cache lay under the working folder).
+# Subprocesses inherit it.
+
+@pytest.fixture(scope="session", autouse=True)
+def session_stream_cache(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("session-cache") / "coppelius")
+    old = os.environ.get("COPPELIUS_CACHE")
+    os.environ["COPPELIUS_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("COPPELIUS_CACHE", None)
+    else:
+        os.environ["COPPELIUS_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def stream_cache(tmp_path_factory, monkeypatch):
+    """COPPELIUS_CACHE: a fresh folder of the test's own (made when first used)."""
+    path = tmp_path_factory.mktemp("cache", numbered=True) / "coppelius"
+    monkeypatch.setenv("COPPELIUS_CACHE", str(path))
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = gpu_here() or emulated_cupy()  # emulate.py --pytest*: the stand-ins' run
     try:

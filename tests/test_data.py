@@ -5,6 +5,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import pathlib
 import struct
@@ -237,8 +238,10 @@ def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
     source.write_text(sample_text(), encoding="utf-8")
     cache = tmp_path / "cache"
     stream, tok = data.prepare_stream(source=source, vocab=V, cache_dir=cache)
-    assert stream == os.path.join(cache, f"corpus-v{V}", f"corpus-v{V}.tokens")
-    assert tok == os.path.join(cache, f"corpus-v{V}", "tokenizer.json")
+    [entry] = os.listdir(cache)  # corpus-v<V>-<key of the source's identity>
+    assert re.fullmatch(f"corpus-v{V}-[0-9a-f]{{16}}", entry)
+    assert stream == os.path.join(cache, entry, f"{entry}.tokens")
+    assert tok == os.path.join(cache, entry, "tokenizer.json")
     assert len(counted) == 1
     st = os.stat(source)
     assert read_stream_header(stream) == (st.st_mtime_ns, st.st_size)
@@ -250,11 +253,14 @@ def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
     assert data.prepare_stream(source=source, vocab=V, cache_dir=cache) == (stream, tok)
     assert len(counted) == 1 and os.stat(stream).st_mtime_ns == written
 
-    # touched (same content, new mtime): stale
+    # touched (same content, new mtime): the same documents, the entry stands
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    data.prepare_stream(source=source, vocab=V, cache_dir=cache)
-    assert len(counted) == 2
-    assert read_stream_header(stream) == (st.st_mtime_ns + 10**9, st.st_size)
+    assert data.prepare_stream(source=source, vocab=V, cache_dir=cache) == (stream, tok)
+    assert len(counted) == 1
+    # changed: another entry (the source's identity is another); the first stays
+    source.write_text(sample_text() + "one more line\n", encoding="utf-8")
+    stream2, tok = data.prepare_stream(source=source, vocab=V, cache_dir=cache)
+    assert stream2 != stream and len(counted) == 2 and os.path.exists(stream)
 
     # the tokenizer gone: rebuilt
     os.unlink(tok)
@@ -262,8 +268,13 @@ def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
     assert len(counted) == 3 and os.path.exists(tok)
 
     # another vocabulary into the same stream file: rebuilt with it
-    data.prepare_stream(source=source, vocab=V + 16, out=stream, cache_dir=cache)
+    data.prepare_stream(source=source, vocab=V + 16, out=stream2, cache_dir=cache)
     assert len(counted) == 4
+    # a stream at a path of its own (not keyed) is stale by its stamp: touched, rebuilt
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    data.prepare_stream(source=source, vocab=V + 16, out=stream2, cache_dir=cache)
+    assert len(counted) == 5
+    assert read_stream_header(stream2)[0] == st.st_mtime_ns + 2 * 10**9
     assert data.load_tokenizer(tok).get_vocab_size() == V + 16
     assert data.tokenizer_sha(tok) == hashlib.sha256(open(tok, "rb").read()).hexdigest()
     # the stored tokenizer is the JSON the library writes, with the byte-level parts
@@ -485,9 +496,10 @@ def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path, capsys, with_sour
 
 
 # ---------------------------------------------------------------------------
-# One cache: runs/data under the current directory
+# One cache for the user (COPPELIUS_CACHE: the test's own, tests/conftest.py)
 
-def test_tokenize_and_train_share_the_default_cache(tmp_path, monkeypatch, capsys, counted):
+def test_tokenize_and_train_share_the_default_cache(tmp_path, monkeypatch, capsys, counted,
+                                                    stream_cache):
     root = tmp_path / "lib"  # a standard library of one file of real text
     root.mkdir()
     (root / "json.py").write_text(sample_text(), encoding="utf-8")
@@ -495,16 +507,18 @@ def test_tokenize_and_train_share_the_default_cache(tmp_path, monkeypatch, capsy
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert data.default_cache_dir() == os.path.join("runs", "data")
+    assert data.default_cache_dir() == str(stream_cache)
     assert main(["tokenize", "--vocab", str(V), "--preset", "tiny"]) == 0
-    stem = f"{corpus.default_source_name()}-v{V}"
-    expected = os.path.join("runs", "data", stem, stem + ".tokens")
+    [entry] = os.listdir(stream_cache)
+    assert entry.startswith(f"{corpus.default_source_name()}-v{V}-")
+    expected = os.path.join(stream_cache, entry, entry + ".tokens")
     assert f"wrote {expected}: " in capsys.readouterr().out
-    # what `coppelius train` asks for: the default cache, no rebuild
+    # what `coppelius train` asks for: the default cache, no rebuild, from any folder
+    monkeypatch.chdir(tmp_path)
     assert data.prepare_stream(vocab=V, cache_dir=None) == (
-        expected, os.path.join("runs", "data", stem, "tokenizer.json"))
+        expected, os.path.join(stream_cache, entry, "tokenizer.json"))
     assert len(counted) == 1
     # --cache-dir still puts it elsewhere
     assert main(["tokenize", "--vocab", str(V), "--cache-dir", str(tmp_path / "c")]) == 0
-    assert len(counted) == 2 and (tmp_path / "c" / stem / f"{stem}.tokens").is_file()
-    assert sorted(os.listdir(work)) == ["runs"]
+    assert len(counted) == 2 and (tmp_path / "c" / entry / f"{entry}.tokens").is_file()
+    assert os.listdir(work) == []  # nothing under the working folder

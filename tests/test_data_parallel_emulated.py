@@ -124,6 +124,7 @@ def test_two_rank_resume_is_exact_and_resumes_on_one_rank(tmp_path, stream):
     # W=2: 3 + 3 steps in two invocations against 6 in one: the same bytes
     assert ranks_run([train_argv(stream, a, "--steps", "3", "--interval", "2")] * 2) == [0, 0]
     shutil.copytree(a, c)  # the step-3 checkpoint, for W=1 below
+    (c / "run.json").unlink()  # a's run (it names a's checkpoint); the copy is a run of its own
     assert ranks_run([train_argv(stream, a, "--steps", "3")] * 2) == [0, 0]
     assert ranks_run([train_argv(stream, b, "--steps", "6")] * 2) == [0, 0]
     assert (a / "ck.bin").read_bytes() == (b / "ck.bin").read_bytes()

@@ -409,7 +409,7 @@ def test_fine_tune_a_transformers_model_from_the_command_line(tmp_path, capsys, 
     transformers: the model transformers loads is the fine-tuned checkpoint."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    monkeypatch.chdir(tmp_path)  # the stream cache: runs/data here
+    monkeypatch.chdir(tmp_path)  # the default run directory here (the stream cache: conftest's)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

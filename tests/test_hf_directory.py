@@ -251,7 +251,7 @@ def test_import_accepts_a_stored_tied_head_equal_to_the_embedding(run, tmp_path,
 
 def test_export_finds_the_tokenizer_in_the_stream_cache(tmp_path, text, capsys, monkeypatch):
     checkpoint, _, _ = make_run(tmp_path / "runs" / "small", tokenizer_text=text)
-    cache = tmp_path / "runs" / "data" / "stream-v320"
+    cache = tmp_path / "runs" / "data" / "stream-v320"  # the cache beside the runs (older layout)
     cache.mkdir(parents=True)
     os.replace(tmp_path / "runs" / "small" / "tokenizer.json", cache / "tokenizer.json")
     monkeypatch.chdir(tmp_path / "runs" / "small")  # so the default cache is elsewhere

@@ -477,10 +477,13 @@ def trained_once(tmp_path_factory):
 
 @pytest.fixture
 def trained(tmp_path, stream, trained_once):
-    """A checkpoint of 2 steps on `stream`, its result file and plot, in tmp_path/run."""
+    """A checkpoint of 2 steps on `stream`, its result file and plot, in
+    tmp_path/run, whose run.json names the copy's checkpoint and stream (a run
+    directory belongs to one run: the copy is a run of its own)."""
     import shutil
 
     shutil.copytree(trained_once, tmp_path / "run")
+    rewrite_run_file(tmp_path / "run", lambda options: None)
     return tmp_path / "run" / "ck.bin"
 
 
@@ -691,10 +694,11 @@ def test_train_never_replaces_another_tokenizer_json(tmp_path, stream, capsys):
     assert (run / "tokenizer.json").read_text() == '{"someone else": 1}'
     assert "is another file; left as it is" in capsys.readouterr().err
     # a checkpoint named tokenizer.json is trained, never replaced by a tokenizer
+    # (the run of another checkpoint: a run directory of its own)
     ck = run / "tokenizer.json"
     ck.unlink()
-    assert main(train_argv(stream, run, ck, "--steps", "1")) == 0
-    assert main(train_argv(stream, run, ck, "--steps", "1")) == 0
+    assert main(train_argv(stream, tmp_path / "run2", ck, "--steps", "1")) == 0
+    assert main(train_argv(stream, tmp_path / "run2", ck, "--steps", "1")) == 0
     assert validate(ck).header["step"] == 2
 
 
@@ -820,6 +824,9 @@ def test_a_second_trainer_on_one_checkpoint_is_refused_naming_the_first(tmp_path
     first = start_training(stream, tmp_path / "run", ck)
     try:
         status, _, err = cli(*train_argv(stream, tmp_path / "run", ck, "--steps", "1"))
+        one_line_error(status, err, f"run directory {tmp_path / 'run'}: another run trains "
+                                    f"there (process {first.pid})")
+        status, _, err = cli(*train_argv(stream, tmp_path / "run2", ck, "--steps", "1"))
         one_line_error(status, err, f"checkpoint {ck}: in use by process {first.pid}")
         link = tmp_path / "alias.bin"
         link.symlink_to(ck)

@@ -58,7 +58,7 @@ def model_flops(config, batch):
 
 
 def test_event_files_hold_the_result_file_values(tmp_path, stream, capsys):
-    assert train(stream, tmp_path, "--steps", "4", "--interval", "2", "--batch", "2",
+    assert train(stream, tmp_path, "--until", "4", "--interval", "2", "--batch", "2",
                  "--schedule", "cosine", "--warmup", "1", "--peak-tflops", "0.5") == 0
     r = results.read_results(tmp_path / "results-0.bin")
     got = scalars(tmp_path / "tb")
@@ -141,7 +141,7 @@ class FakeWandb(types.ModuleType):
 def test_wandb_gets_the_same_values(tmp_path, stream, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    assert train(stream, tmp_path, "--steps", "3", "--wandb", "proj", "--no-tensorboard") == 0
+    assert train(stream, tmp_path, "--until", "3", "--wandb", "proj", "--no-tensorboard") == 0
     assert not (tmp_path / "tb").exists()
     assert len(fake.inits) == 1 and fake.inits[0]["project"] == "proj" and fake.finished == 1
     r = results.read_results(tmp_path / "results-0.bin")

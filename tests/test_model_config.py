@@ -148,7 +148,7 @@ def train(tmp_path, *extra):
 
 def test_a_custom_shape_trains_and_resumes_on_the_reference(tmp_path, source, capsys,
                                                             monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the stream cache runs/data and the default run directory
+    monkeypatch.chdir(tmp_path)  # the default run directory (the stream cache: conftest's)
     model = toml_file(tmp_path / "small.toml", dict(SMALL, steps=3, batch=2))
     assert main(["train", "--backend", "reference", "--model", model, "--source", str(source),
                  "--prompt", "def"]) == 0

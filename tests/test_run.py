@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,9 +309,9 @@ def test_a_wsd_run_resumed_on_the_plateau_is_the_run_done_in_one_go(tmp_path, st
 
     assert float32_of(Fraction(3, 10000)) == np.float32(3 / 10000)  # lr's two roundings agree
     plateau = ["--schedule", "wsd", "--total", "10", "--decay", "5"]
-    assert main(train_args(stream, c, c / "wsd.bin", "--until", "5", *plateau)) == 0
-    assert main(train_args(stream, c, c / "constant.bin", "--until", "5", "--schedule",
-                           "constant")) == 0
+    assert main(train_args(stream, c / "wsd", c / "wsd.bin", "--until", "5", *plateau)) == 0
+    assert main(train_args(stream, c / "constant", c / "constant.bin", "--until", "5",
+                           "--schedule", "constant")) == 0
     wsd, constant = (load_state(str(c / name), CFG).state for name in ("wsd.bin", "constant.bin"))
     for x, y in ((wsd.P, constant.P), (wsd.M, constant.M), (wsd.V, constant.V)):
         assert x.tobytes() == y.tobytes()
@@ -570,13 +571,14 @@ def test_recompute_reaches_the_backend_and_is_remembered_but_is_not_part_of_the_
     def remembered():
         return json.loads(run_file.read_text())["options"]["recompute"]
 
-    assert main(train_args(stream, a, a / "ck.bin", "--steps", "1", "--recompute")) == 0
+    # remembered when given without --steps (SPEC 9, Reading)
+    assert main(train_args(stream, a, a / "ck.bin", "--until", "1", "--recompute")) == 0
     assert remembered() == "gate-up"
     assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample"]) == 0
-    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample",
+    assert main(["train", "--run-dir", str(a), "--until", "3", "--no-sample",
                  "--recompute", "block"]) == 0
     assert remembered() == "block"
-    assert main(["train", "--run-dir", str(a), "--steps", "1", "--no-sample",
+    assert main(["train", "--run-dir", str(a), "--until", "4", "--no-sample",
                  "--no-recompute"]) == 0
     assert remembered() == "none"
     doc = json.loads(run_file.read_text())
@@ -742,7 +744,7 @@ def test_train_fine_tunes_an_imported_checkpoint_with_its_tokenizer(tmp_path, ca
     from coppelius.reference import step
     from coppelius.reference.stream import open_stream
 
-    monkeypatch.chdir(tmp_path)  # the stream cache: runs/data here
+    monkeypatch.chdir(tmp_path)  # the run directory: runs/imported here
     imported, hf_dir, text, config = imported_llama(tmp_path, capsys)
     before = load_state(imported, config)
     source = tmp_path / "notes.txt"
@@ -758,7 +760,7 @@ def test_train_fine_tunes_an_imported_checkpoint_with_its_tokenizer(tmp_path, ca
     sha = hashlib.sha256((hf_dir / "tokenizer.json").read_bytes()).hexdigest()
     assert f"|tokenizer={sha}|" in header["data"]
     # the stream: the tokenizer's own encoding of the source, id for id
-    [stream_path] = (tmp_path / "runs" / "data").glob("*/*.tokens")
+    [stream_path] = Path(os.environ["COPPELIUS_CACHE"]).glob("*/*.tokens")  # conftest's
     ids = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text).ids
     stream = open_stream(stream_path, config.vocab)
     assert stream.ids.tolist() == ids

@@ -170,7 +170,7 @@ def test_load_parameters_gives_back_what_was_written(run):
 
 
 def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # nothing in the default cache, runs/data
+    monkeypatch.chdir(tmp_path)  # nothing in the default cache (the test's own: conftest)
     prompt = "def decode(self, s"
     assert main(["sample", str(run["ckpt"]), "--prompt", prompt, "--tokens", "12",
                  "--temperature", "0"]) == 0
@@ -208,7 +208,7 @@ def test_the_continuation_is_handed_on_as_it_is_made(run, monkeypatch, tmp_path)
 
 
 def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # nothing in the default cache, runs/data
+    monkeypatch.chdir(tmp_path)  # nothing in the default cache (the test's own: conftest)
     lone = tmp_path / "elsewhere" / "checkpoint.bin"
     lone.parent.mkdir()
     lone.write_bytes(run["ckpt"].read_bytes())

@@ -67,7 +67,7 @@ SHARD = "--shard-optimizer"
 def test_sharded_run_is_the_unsharded_one_and_agrees_with_one_rank(tmp_path, stream,
                                                                      precision):
     one, whole, sharded = tmp_path / "one", tmp_path / "whole", tmp_path / "sharded"
-    extra = ["--steps", "4", "--interval", "2"]
+    extra = ["--until", "4", "--interval", "2"]  # a fresh run: 4 steps, its settings remembered
     assert one_rank(train_argv(stream, one, *extra, precision=precision)) == 0
     assert ranks_run([train_argv(stream, whole, *extra, precision=precision)] * 2) == [0, 0]
     assert ranks_run([train_argv(stream, sharded, *extra, SHARD, precision=precision)] * 2) \
@@ -116,7 +116,8 @@ def test_resume_is_exact_and_crosses_between_sharded_and_unsharded(tmp_path, str
     way round), the same bytes as staying sharded: without clipping the
     update is the same either way."""
     split, whole, mixed, back = (tmp_path / n for n in ("split", "whole", "mixed", "back"))
-    assert ranks_run([train_argv(stream, split, "--steps", "2", SHARD)] * 2) == [0, 0]
+    # remembered when given without --steps (SPEC 9, Reading)
+    assert ranks_run([train_argv(stream, split, "--until", "2", SHARD)] * 2) == [0, 0]
     assert ranks_run([train_argv(stream, split, "--steps", "2")] * 2) == [0, 0]  # remembered
     assert ranks_run([train_argv(stream, whole, "--steps", "4", SHARD)] * 2) == [0, 0]
     out = "".join(capsys.readouterr())
@@ -125,8 +126,8 @@ def test_resume_is_exact_and_crosses_between_sharded_and_unsharded(tmp_path, str
     got = np.concatenate([rows_of(split / "results-0.bin"), rows_of(split / "results-2.bin")])
     assert got.tobytes() == rows_of(whole / "results-0.bin").tobytes()
     # sharded, then unsharded; unsharded, then sharded
-    assert ranks_run([train_argv(stream, mixed, "--steps", "2", SHARD)] * 2) == [0, 0]
-    assert ranks_run([train_argv(stream, mixed, "--steps", "2", "--no-shard-optimizer")] * 2) \
+    assert ranks_run([train_argv(stream, mixed, "--until", "2", SHARD)] * 2) == [0, 0]
+    assert ranks_run([train_argv(stream, mixed, "--until", "4", "--no-shard-optimizer")] * 2) \
         == [0, 0]
     assert json.loads((mixed / "run.json").read_text())["options"]["shard_optimizer"] is False
     assert ranks_run([train_argv(stream, back, "--steps", "2")] * 2) == [0, 0]
@@ -285,7 +286,7 @@ def test_one_rank_of_the_reference_accepts_the_option_as_a_no_op(tmp_path, capsy
         run = runs[name] = tmp_path / name
         assert cli.main(["train", "--preset", "test", "--backend", "reference", "--stream",
                          stream, "--run-dir", str(run), "--checkpoint", str(run / "ck.bin"),
-                         "--no-sample", "--batch", "2", "--steps", "2", *extra]) == 0
+                         "--no-sample", "--batch", "2", "--until", "2", *extra]) == 0
     assert (runs["with"] / "ck.bin").read_bytes() == (runs["without"] / "ck.bin").read_bytes()
     assert json.loads((runs["with"] / "run.json").read_text())["options"]["shard_optimizer"]
     assert "shard_optimizer" not in json.loads((runs["without"] / "run.json").read_text())[

@@ -300,7 +300,7 @@ def test_an_eval_source_is_tokenized_with_the_runs_tokenizer(tmp_path, monkeypat
 
     from coppelius import reference
 
-    monkeypatch.chdir(tmp_path)  # the source's stream is cached under runs/data here
+    monkeypatch.chdir(tmp_path)  # the default run directory here (the stream cache: conftest's)
     letters = "abcdefghijklmnopqrstuvwxyz ,.\n"
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(letters)}, merges=[]))
     folder = tmp_path / "train"
