@@ -243,9 +243,15 @@ def nvrtc_library():
 
 def compile_cubin(lib=None, source: str | None = None, options: list | None = None):
     """(cubin bytes, the compiler's log) of the module's source for sm_90a."""
-    lib = lib or nvrtc_library()
-    source = module_source() if source is None else source
-    options = compile_options() if options is None else options
+    return nvrtc_compile(lib or nvrtc_library(), module_source() if source is None else source,
+                         compile_options() if options is None else options, cubin=True)
+
+
+def nvrtc_compile(lib, source: str, options: list, cubin: bool = True):
+    """NVRTC on `source`: (the cubin's bytes, or None when cubin is False, as
+    for a compute_XX target that makes PTX only; the compiler's log).
+    Compile errors raise GemmError with the log (dev/cuda/nvrtc_check.py
+    compiles the step's module through this too)."""
     prog = ctypes.c_void_p()
     status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemm_sm90.cu", 0,
                                     None, None)
@@ -260,13 +266,15 @@ def compile_cubin(lib=None, source: str | None = None, options: list | None = No
         lib.nvrtcGetProgramLog(prog, log)
         text = log.value.decode(errors="replace")
         if status:
-            raise GemmError(f"gemm_sm90.cu did not compile (status {status}):\n{text}")
+            raise GemmError(f"did not compile (status {status}):\n{text}")
+        if not cubin:
+            return None, text
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        status = lib.nvrtcGetCUBIN(prog, cubin)
+        out = ctypes.create_string_buffer(size.value)
+        status = lib.nvrtcGetCUBIN(prog, out)
         if status:
             raise GemmError(f"nvrtcGetCUBIN: status {status}")
-        return cubin.raw, text
+        return out.raw, text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

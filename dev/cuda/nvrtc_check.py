@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from coppelius.accelerated.cuda import gemm  # noqa: E402
 from coppelius.accelerated.cuda.compile import compile_options, module_source  # noqa: E402
 
 
@@ -32,17 +33,11 @@ def load(path=None):
 
 
 def compile_source(lib, source, options):
-    prog = ctypes.c_void_p()
-    status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernels.cu", 0, None,
-                                    None)
-    assert status == 0, status
-    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-    status = lib.nvrtcCompileProgram(prog, len(options), opts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    return status, log.value.decode()
+    """(status, log): 0 and the log, or 1 and the errors."""
+    try:
+        return 0, gemm.nvrtc_compile(lib, source, options, cubin=False)[1]
+    except gemm.GemmError as e:
+        return 1, str(e)
 
 
 def main():
