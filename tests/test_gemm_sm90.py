@@ -56,6 +56,22 @@ def test_the_rope_arguments_are_checked():
         gemm.check_rope(gemm.VARIANTS["gemm_f32t_c_n128_s6"], 1536, good)
 
 
+def test_a_plan_checks_its_outputs():
+    """check_plan (the real and the stand-in plans'): H given exactly for
+    the SwiGLU variants, a's rows whole 16-byte strides for the copy
+    engine's SwiGLU epilogue (F a multiple of 8), the rope's arguments."""
+    args = dict(M=1000, K=512, A=1 << 20, lda=512, B=1 << 21, ldb=512, C=1 << 22)
+    gemm.check_plan("gemm_swiglut_c_n128_s6", N=2816, ldc=2816, H=1 << 23, **args)
+    gemm.check_plan("gemm_swiglu_c_n128_s6", N=2824, ldc=2824, H=1 << 23, **args)
+    with pytest.raises(ValueError, match="F = 1412"):
+        gemm.check_plan("gemm_swiglut_c_n128_s6", N=2824, ldc=2824, H=1 << 23, **args)
+    for name, H in (("gemm_swiglut_c_n128_s6", 0), ("gemm_f32t_c_n128_s6", 1 << 23)):
+        with pytest.raises(ValueError, match="H is"):
+            gemm.check_plan(name, N=2816, ldc=2816, H=H, **args)
+    with pytest.raises(ValueError, match="rope arguments"):
+        gemm.check_plan("gemm_rope64_c_n128_s6", N=1536, ldc=1536, **args)
+
+
 def test_map_geometry_is_innermost_first_in_bytes():
     g = gemm.map_geometry(rows=1000, cols=200, ld=264, box_rows=128)
     assert g.dims == (200, 1000) and g.strides == (528,) and g.box == (64, 128)
@@ -86,7 +102,7 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
     also carry the up half) lies in exactly one tile, and in clusters of
     two the tiles come in vertical pairs."""
     v = gemm.VARIANTS[name]
-    cols, width = (N // 2, v.bn // 2) if v.epilogue == "swiglu" else (N, v.bn)
+    cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
     origins = set()
     r = 0
     while r < M:

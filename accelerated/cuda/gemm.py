@@ -42,7 +42,7 @@ class Variant:
     mt: int  # 64-row blocks of a warpgroup's tile (ping-pong), else 1
     bn: int  # a tile's columns
     stages: int
-    epilogue: str  # "f32", "f32_tma" (stored by the copy engine), "swiglu" or "rope"
+    epilogue: str  # "f32", "f32_tma" (stored by the copy engine), "swiglu", "swiglu_tma" or "rope"
     pingpong: bool
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
     rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
@@ -56,8 +56,16 @@ class Variant:
         return 64 * self.mt if self.pingpong else 64
 
     @property
+    def swiglu(self) -> bool:  # the gate/up tiles: bn/2 gate and as many up columns
+        return self.epilogue in ("swiglu", "swiglu_tma")
+
+    @property
+    def staged(self) -> bool:  # stored through shared memory and the copy engine
+        return self.epilogue in ("f32_tma", "swiglu_tma", "rope")
+
+    @property
     def box_b(self) -> int:  # the rows of B one copy brings
-        return self.bn // 2 if self.epilogue == "swiglu" or self.cluster == 2 else self.bn
+        return self.bn // 2 if self.swiglu or self.cluster == 2 else self.bn
 
 
 VARIANTS = {
@@ -77,10 +85,15 @@ VARIANTS = {
     "gemm_swiglu_c2_n256_s4": Variant(1, 256, 4, "swiglu", False, 2),
     "gemm_swiglu_c2_n128_s6": Variant(1, 128, 6, "swiglu", False, 2),
     "gemm_swiglu_p2_m2n128_s6": Variant(2, 128, 6, "swiglu", True, 2),
+    "gemm_swiglut_c_n128_s6": Variant(1, 128, 6, "swiglu_tma", False),
+    "gemm_swiglut_c_n256_s4": Variant(1, 256, 4, "swiglu_tma", False),
+    "gemm_swiglut_p_m2n128_s4": Variant(2, 128, 4, "swiglu_tma", True),
+    "gemm_swiglut_p_m1n256_s4": Variant(1, 256, 4, "swiglu_tma", True),
     "gemm_rope64_c_n128_s6": Variant(1, 128, 6, "rope", False, rope=64),
-    "gemm_rope64_p_m2n128_s4": Variant(2, 128, 4, "rope", True, rope=64),
     "gemm_rope128_c_n128_s6": Variant(1, 128, 6, "rope", False, rope=128),
-    "gemm_rope128_p_m2n128_s4": Variant(2, 128, 4, "rope", True, rope=128),
+    "gemm_rope64_p_m1n256_s4": Variant(1, 256, 4, "rope", True, rope=64),
+    "gemm_rope128_p_m1n128_s6": Variant(1, 128, 6, "rope", True, rope=128),
+    "gemm_rope128_p_m1n256_s4": Variant(1, 256, 4, "rope", True, rope=128),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -96,11 +109,11 @@ class GemmError(RuntimeError):
 
 
 def shared_bytes(v: Variant) -> int:
-    """The dynamic shared memory a variant asks for: the stages, the f32_tma
-    staging buffers (two per multiplying warpgroup, each its rows of 32
-    float32), the stages' two barriers each, the two order barriers, and
-    up to 1024 bytes to align the first stage."""
-    staging = 2 * 2 * v.staging_rows * 128 if v.epilogue in ("f32_tma", "rope") else 0
+    """The dynamic shared memory a variant asks for: the stages, the staged
+    epilogues' buffers (two per multiplying warpgroup, each its rows of 128
+    bytes), the stages' two barriers each, the two order barriers, and up
+    to 1024 bytes to align the first stage."""
+    staging = 2 * 2 * v.staging_rows * 128 if v.staged else 0
     return v.stages * (v.bm + v.bn) * BK * 2 + staging + (v.stages + 1) * 16 + 1024
 
 
@@ -133,7 +146,7 @@ def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
     16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
     epilogue N is 2F, so F is a multiple of 4)."""
-    if epilogue not in ("f32", "f32_tma", "swiglu", "rope"):
+    if epilogue not in ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope"):
         raise ValueError(f"epilogue {epilogue!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
@@ -180,11 +193,26 @@ def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
             raise ValueError("rope: the cos and sin tables must be 8-byte aligned")
 
 
+def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, ldb: int,
+               C: int, ldc: int, H: int = 0, rope: Rope | None = None) -> None:
+    """Everything a plan of `variant` checks before it encodes a map (the
+    CPU stand-in's plans check the same)."""
+    v = VARIANTS[variant]
+    check_shape(M, N, K, v.epilogue)
+    check_rope(v, N, rope)
+    check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H)
+    if v.swiglu != bool(H):
+        raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+    if v.epilogue == "swiglu_tma" and (N // 2) % 8:
+        raise ValueError(f"{variant}: F = {N // 2}: a's rows through the copy engine need a "
+                         f"multiple of 8 columns")
+
+
 def tiles(M: int, N: int, v: Variant) -> int:
     """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
     columns and as many up columns; in clusters of two, a pair of tiles
     one above the other counts as two, the lower one past M too)."""
-    cols, width = (N // 2, v.bn // 2) if v.epilogue == "swiglu" else (N, v.bn)
+    cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
     return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
 
 
@@ -324,7 +352,7 @@ class Planned:
     grid: int
     shared: int
     args: tuple
-    maps: object  # the device buffer of the tensor maps (A, B, and f32_tma: C)
+    maps: object  # the device buffer of the tensor maps (A, B, then the staged epilogue's)
 
     def launch(self, stream=None) -> None:
         self.function((self.grid,), (THREADS,), self.args, shared_mem=self.shared,
@@ -368,15 +396,17 @@ class Kernels:
         SwiGLU variants' a; else 0); the rope variants write rope.out
         instead of C (C may be 0)."""
         v = VARIANTS[variant]
-        check_shape(M, N, K, v.epilogue)
-        check_rope(v, N, rope)
-        check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H)
-        if (v.epilogue == "swiglu") != bool(H):
-            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
+        F = N // 2
         encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
                    + encode_map(B, map_geometry(N, K, ldb, v.box_b)))
         if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows, item=4), FLOAT32)
+        if v.epilogue == "swiglu_tma":  # gu's gate and up halves, and a
+            for half in (C, C + 4 * F):
+                encoded += encode_map(half, map_geometry(M, F, ldc, v.staging_rows, item=4),
+                                      FLOAT32)
+            encoded += encode_map(H, map_geometry(M, F, F, v.staging_rows))
         if v.epilogue == "rope":
             encoded += encode_map(rope.out, map_geometry(M, N, rope.ld, v.staging_rows))
         maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))

@@ -138,12 +138,12 @@ def main() -> None:
                 if name == "gate_up":
                     row(B, name, "cublas+swiglu", err_blas, t_base, 1.0, "-")
                 for v in variants:
-                    epilogue = gemm.VARIANTS[v].epilogue
-                    if epilogue == "swiglu" and name != "gate_up" or epilogue == "rope":
+                    swiglu = gemm.VARIANTS[v].swiglu
+                    if swiglu and name != "gate_up" or gemm.VARIANTS[v].epilogue == "rope":
                         continue  # (the rope variants: below)
-                    base = t_base if epilogue == "swiglu" else t_blas
+                    base = t_base if swiglu else t_blas
                     C1 = cp.full((M, N), cp.nan, cp.float32)
-                    H = cp.full((M, F), 0xFFFF, cp.uint16) if epilogue == "swiglu" else None
+                    H = cp.full((M, F), 0xFFFF, cp.uint16) if swiglu else None
                     try:
                         plan = kernels.plan(v, A, W, C1, H)
                         plan.launch(stream)

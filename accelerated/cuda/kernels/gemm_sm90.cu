@@ -20,7 +20,9 @@
 // - the epilogue works on the float32 accumulators in registers: EPI_F32
 //   stores them; EPI_SWIGLU (B the fused (2F, D) gate/up weights, each tile
 //   BN/2 gate columns and the same BN/2 up columns) stores gu (M, 2F) and
-//   a (M, F) = silu(g) * u as the swiglu kernel computes it, as bfloat16.
+//   a (M, F) = silu(g) * u as the swiglu kernel computes it, as bfloat16;
+//   EPI_F32_TMA, EPI_SWIGLU_TMA and EPI_ROPE store through shared memory and
+//   the copy engine (`staged`).
 //
 // Shapes: K and N multiples of 8 (TMA's 16-byte row strides), M any; the
 // last tiles' rows and columns past the matrix are read as zeros (TMA) and
@@ -39,6 +41,7 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_SWIGLU 1
 #define EPI_F32_TMA 2
 #define EPI_ROPE 3
+#define EPI_SWIGLU_TMA 4
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -307,43 +310,112 @@ __device__ __forceinline__ void release(u64* bar) {
     }
 }
 
-// EPI_F32_TMA: a warpgroup's 64*MT x BN accumulators to C through its two
-// staging buffers (64*MT rows of 32 float32 each, in TMA's 128-byte
-// swizzle: the 16-byte chunk c of row r at chunk c ^ (r mod 8)) and the
-// copy engine, 32 columns at a time: the threads fill one buffer while the
-// engine reads the other, and the warpgroup goes on to its next tile
-// without waiting for the stores. Rows and columns past C are clipped by
-// the engine. map: C's (box 32 x 64*MT), (x0, y0) the block's first column
-// and row.
-template <int MT, int BN>
-__device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], unsigned char* staging,
-                                               const TensorMap* map, int x0, int y0, int id) {
+// The epilogues through the copy engine: a warpgroup's tile as Q chunks of
+// 64*MT rows of 128 bytes (32 float32 or 64 bfloat16 columns), each written
+// by the threads into one of the warpgroup's two staging buffers (TMA's
+// 128-byte swizzle: the 16-byte chunk c of row r at chunk c ^ (r mod 8),
+// `swizzled`) and stored by the engine while the threads fill the other;
+// the warpgroup goes on to its next tile without waiting for the stores.
+// Rows and columns past a map's tensor are clipped by the engine.
+// fill(q, buf) writes chunk q; store(q, buf) (one thread) issues its copy.
+// `id`: the warpgroup's named barrier.
+__device__ __forceinline__ unsigned char* swizzled(unsigned char* buf, int r, int byte) {
+    return buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+}
+
+template <int MT, int Q, class Fill, class Store>
+__device__ __forceinline__ void staged(unsigned char* staging, int id, Fill fill, Store store) {
     constexpr int CHUNK = 64 * MT * 128;
-    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int t = threadIdx.x % 128;
 #pragma unroll
-    for (int q = 0; q < BN / 32; q++) {
+    for (int q = 0; q < Q; q++) {
         unsigned char* buf = staging + (q & 1) * CHUNK;
         if (t == 0) bulk_wait_read<1>();  // the store two chunks back (this buffer's) has read it
         warpgroup_sync(id);
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int jj = 0; jj < 4; jj++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int j = 4 * q + jj, r = m * 64 + warp * 16 + lane / 4 + 8 * h;
-                    const int byte = jj * 32 + 8 * (lane % 4);  // in the row's 128
-                    *reinterpret_cast<float2*>(buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) +
-                                               (byte & 15)) =
-                        make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
-                }
+        fill(q, buf);
         fence_async_shared();
         warpgroup_sync(id);
         if (t == 0) {
-            tma_store(map, buf, x0 + 32 * q, y0);
+            store(q, buf);
             bulk_commit();
         }
     }
+}
+
+// this thread's row of 64-row block m, half h, in a warpgroup's staged tile
+__device__ __forceinline__ int staged_row(int m, int h) {
+    const int t = threadIdx.x % 128;
+    return m * 64 + (t / 32) * 16 + (t % 32) / 4 + 8 * h;
+}
+
+// the float32 accumulators of the groups j0 .. j0+3 (32 columns) into a chunk
+template <int MT, int BN>
+__device__ __forceinline__ void fill_f32(const float (&d)[MT][BN / 2], int j0, unsigned char* buf) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = j0 + jj;
+                *reinterpret_cast<float2*>(swizzled(buf, staged_row(m, h), jj * 32 + 8 * (lane % 4))) =
+                    make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
+            }
+}
+
+// EPI_F32_TMA: the 64*MT x BN accumulators to C, 32 columns a chunk. map:
+// C's (box 32 x 64*MT), (x0, y0) the warpgroup's first column and row.
+template <int MT, int BN>
+__device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], unsigned char* staging,
+                                               const TensorMap* map, int x0, int y0, int id) {
+    staged<MT, BN / 32>(
+        staging, id, [&](int q, unsigned char* buf) { fill_f32<MT, BN>(d, 4 * q, buf); },
+        [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 32 * q, y0); });
+}
+
+// EPI_SWIGLU_TMA: the SwiGLU tile's (BN/2 gate columns, then the same BN/2
+// up columns) gate and up halves as float32 to gu's two halves, 32 columns
+// a chunk, then a = silu(g) u (the swiglu kernel's formula) as bfloat16, 64
+// columns a chunk. maps: gu's gate half and up half (float32, box 32 x
+// 64*MT, each F columns of gu's rows) and a's (bfloat16, box 64 x 64*MT);
+// x0 the tile's first gate column, y0 the warpgroup's first row.
+template <int MT, int BN>
+__device__ __forceinline__ void store_tile_swiglu(const float (&d)[MT][BN / 2],
+                                                  unsigned char* staging, const TensorMap* maps,
+                                                  int x0, int y0, int id) {
+    constexpr int UP = BN / 16;      // the up columns' first group
+    constexpr int HALF = BN / 64;    // float32 chunks of a half
+    const int lane = threadIdx.x % 32;
+    staged<MT, 2 * HALF + BN / 128>(
+        staging, id,
+        [&](int q, unsigned char* buf) {
+            if (q < 2 * HALF) {  // gate chunks, then up chunks
+                fill_f32<MT, BN>(d, q < HALF ? 4 * q : UP + 4 * (q - HALF), buf);
+                return;
+            }
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 8 * (q - 2 * HALF) + jj;
+                        const float g0 = d[m][4 * j + 2 * h], g1 = d[m][4 * j + 2 * h + 1];
+                        const float u0 = d[m][4 * (j + UP) + 2 * h];
+                        const float u1 = d[m][4 * (j + UP) + 2 * h + 1];
+                        *reinterpret_cast<unsigned*>(
+                            swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
+                            pack_bf16x2(swiglu_value(g0, sigmoid(g0), u0),
+                                        swiglu_value(g1, sigmoid(g1), u1));
+                    }
+        },
+        [&](int q, unsigned char* buf) {
+            if (q < 2 * HALF)
+                tma_store(&maps[q < HALF ? 0 : 1], buf, x0 + 32 * (q % HALF), y0);
+            else
+                tma_store(&maps[2], buf, x0 + 64 * (q - 2 * HALF), y0);
+        });
 }
 
 // EPI_ROPE: the q | k | v product's epilogue, heads of R columns rotated
@@ -351,64 +423,77 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], uns
 // heads of a row (q's and k's) rotated as kernels/rope.cu's rope_forward
 // rotates them (its rope_first and rope_second on the float32 product,
 // the pair's other element in this thread's registers R/16 groups of 8
-// columns away), v's passed, each rounded to a bfloat16 operand, through
-// two staging buffers of 64 columns (128 bytes a row, TMA's swizzle) and
-// the copy engine into the operand matrix: no float32 q | k | v is
-// written. cs, sn (T, R/2): the rotation's cos and sin by position, the
-// position of row r being r mod T. map: the operands' (box 64 x 64*MT).
+// columns away), v's passed, each rounded to a bfloat16 operand, 64
+// columns a chunk, into the operand matrix: no float32 q | k | v is
+// written. rc, rs: this thread's cos and sin (rope_tables, loaded before
+// the mainloop). map: the operands' (box 64 x 64*MT).
 template <int MT, int BN, int R>
 __device__ __forceinline__ void store_tile_rope(const float (&d)[MT][BN / 2],
                                                 unsigned char* staging, const TensorMap* map,
                                                 int x0, int y0, int id,
-                                                const float* __restrict__ cs,
-                                                const float* __restrict__ sn, int T,
-                                                int rotated) {
+                                                const float2 (&rc)[MT][2][R / 16],
+                                                const float2 (&rs)[MT][2][R / 16], int rotated) {
     static_assert(R % 16 == 0 && BN % R == 0 && BN % 64 == 0, "tiles of whole heads");
-    constexpr int CHUNK = 64 * MT * 128;
+    constexpr int PAIR = R / 16;  // groups between a pair's elements
+    const int lane = threadIdx.x % 32;
+    staged<MT, BN / 64>(
+        staging, id,
+        [&](int q, unsigned char* buf) {
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 8 * q + jj;                // the group of 8 columns
+                        const bool first = (8 * j) % R < R / 2;  // in its head's first half
+                        const int jp = first ? j + PAIR : j - PAIR;
+                        float v0 = d[m][4 * j + 2 * h], v1 = d[m][4 * j + 2 * h + 1];
+                        if ((x0 + 8 * j) / R < rotated) {
+                            const float p0 = d[m][4 * jp + 2 * h], p1 = d[m][4 * jp + 2 * h + 1];
+                            const float2 c = rc[m][h][j % PAIR], s = rs[m][h][j % PAIR];
+                            if (first) {
+                                v0 = rope_first(v0, p0, c.x, s.x);
+                                v1 = rope_first(v1, p1, c.y, s.y);
+                            } else {
+                                v0 = rope_second(p0, v0, c.x, s.x);
+                                v1 = rope_second(p1, v1, c.y, s.y);
+                            }
+                        }
+                        *reinterpret_cast<unsigned*>(
+                            swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
+                            pack_bf16x2(v0, v1);
+                    }
+        },
+        [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 64 * q, y0); });
+}
+
+// EPI_ROPE's cos and sin for this thread's accumulators of a tile of rows
+// from y0 (the warpgroup's first): for each 64-row block m and half h, the
+// rows' positions (row mod T) and the R/16 pairs of columns it holds in
+// half a head, from the tables cs, sn (T, R/2). Loaded before the tile's
+// mainloop, only where the tile has rotated heads, so that their latency
+// hides under the products (the tables, 2 T R/2 float32, do not stay in
+// the first-level cache beside the stages).
+template <int MT, int R>
+__device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 (&rs)[MT][2][R / 16],
+                                            int y0, const float* __restrict__ cs,
+                                            const float* __restrict__ sn, int T) {
+    static_assert(MT * R <= 128, "the tables' registers beside the accumulators");
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
 #pragma unroll
-    for (int q = 0; q < BN / 64; q++) {
-        unsigned char* buf = staging + (q & 1) * CHUNK;
-        if (t == 0) bulk_wait_read<1>();  // the store two chunks back (this buffer's) has read it
-        warpgroup_sync(id);
+    for (int m = 0; m < MT; m++)
 #pragma unroll
-        for (int m = 0; m < MT; m++)
+        for (int h = 0; h < 2; h++) {
+            const long long base =
+                (long long)((y0 + m * 64 + warp * 16 + lane / 4 + 8 * h) % T) * (R / 2) +
+                2 * (lane % 4);
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    constexpr int PAIR = R / 16;          // groups between a pair's elements
-                    const int j = 8 * q + jj;             // the group of 8 columns
-                    const bool first = (8 * j) % R < R / 2;  // in its head's first half
-                    const int jp = first ? j + PAIR : j - PAIR;
-                    const int r = m * 64 + warp * 16 + lane / 4 + 8 * h;
-                    const int col = x0 + 8 * j + 2 * (lane % 4);
-                    float v0 = d[m][4 * j + 2 * h], v1 = d[m][4 * j + 2 * h + 1];
-                    if (col / R < rotated) {
-                        const float p0 = d[m][4 * jp + 2 * h], p1 = d[m][4 * jp + 2 * h + 1];
-                        const long long at =
-                            (long long)((y0 + r) % T) * (R / 2) + (8 * j) % (R / 2) + 2 * (lane % 4);
-                        const float2 c = *reinterpret_cast<const float2*>(cs + at);
-                        const float2 s = *reinterpret_cast<const float2*>(sn + at);
-                        if (first) {
-                            v0 = rope_first(v0, p0, c.x, s.x);
-                            v1 = rope_first(v1, p1, c.y, s.y);
-                        } else {
-                            v0 = rope_second(p0, v0, c.x, s.x);
-                            v1 = rope_second(p1, v1, c.y, s.y);
-                        }
-                    }
-                    const int byte = jj * 16 + 4 * (lane % 4);  // in the row's 128
-                    *reinterpret_cast<unsigned*>(buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) +
-                                                 (byte & 15)) = pack_bf16x2(v0, v1);
-                }
-        fence_async_shared();
-        warpgroup_sync(id);
-        if (t == 0) {
-            tma_store(map, buf, x0 + 64 * q, y0);
-            bulk_commit();
+            for (int g = 0; g < R / 16; g++) {
+                rc[m][h][g] = __ldg(reinterpret_cast<const float2*>(cs + base + 8 * g));
+                rs[m][h][g] = __ldg(reinterpret_cast<const float2*>(sn + base + 8 * g));
+            }
         }
-    }
 }
 
 // Two schedules of the multiplying warpgroups over the block's tiles:
@@ -425,11 +510,13 @@ __device__ __forceinline__ void store_tile_rope(const float (&d)[MT][BN / 2],
 //   writes it into both (multicast), so a stage goes back when the
 //   warpgroups of both blocks are done with it.
 // maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2),
-// and with EPI_F32_TMA C's (float32, box 32 x 64*MT), with EPI_ROPE the
+// and with EPI_F32_TMA C's (float32, box 32 x 64*MT), with EPI_SWIGLU_TMA
+// gu's gate and up halves' (float32, box 32 x 64*MT) and a's (bfloat16,
+// box 64 x 64*MT), with EPI_ROPE the
 // operands' (bfloat16, box 64 x 64*MT; C is then not written). cs, sn, T,
 // rotated: EPI_ROPE's (store_tile_rope); R its head width, else 0.
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
-// H = a (M, F) bfloat16 bits.
+// H = a (M, F) bfloat16 bits (EPI_SWIGLU_TMA: the same through its maps).
 template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL, int R = 0>
 __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
                                         float* __restrict__ C, int ldc,
@@ -445,15 +532,17 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
-    constexpr int STAGING = EPI == EPI_F32_TMA || EPI == EPI_ROPE ? 2 * 2 * CHUNK : 0;
+    constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA;
+    constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA;  // the gate/up tiles
+    constexpr int STAGING = STAGED ? 2 * 2 * CHUNK : 0;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + STAGING);
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;  // ping-pong: order[c], warpgroup c's turn to multiply
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    const int F = N / 2;                                // EPI_SWIGLU
-    const int cols = EPI == EPI_SWIGLU ? F : N;         // the tiles cover these columns
-    const int width = EPI == EPI_SWIGLU ? BN / 2 : BN;  // of them, a tile's
+    const int F = N / 2;                  // SWI
+    const int cols = SWI ? F : N;         // the tiles cover these columns
+    const int width = SWI ? BN / 2 : BN;  // of them, a tile's
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (cols + width - 1) / width;
     const int slabs = (K + GEMM_BK - 1) / GEMM_BK;
     // the block's work: items first, first + step, ... of `items`; item i is
@@ -487,10 +576,10 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                     unsigned char* sa = smem + s * STAGE_BYTES;
                     tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
                     if constexpr (CL == 2) {  // this block's half of B, into both blocks
-                        const int rows = rank * (EPI == EPI_SWIGLU ? F : BN / 2) + tn * width;
+                        const int rows = rank * (SWI ? F : BN / 2) + tn * width;
                         tma_load_multicast(sa + A_BYTES + rank * (B_BYTES / 2), &maps[1], &full[s],
                                            kb * GEMM_BK, rows, 0x3);
-                    } else if constexpr (EPI == EPI_SWIGLU) {
+                    } else if constexpr (SWI) {
                         tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tn * width);
                         tma_load(sa + A_BYTES + B_BYTES / 2, &maps[1], &full[s], kb * GEMM_BK,
                                  F + tn * width);
@@ -515,6 +604,11 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 continue;
             }
             const int tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
+            const int y0 = tm * BM + (PINGPONG ? 0 : c * 64);  // the warpgroup's first row
+            constexpr int RG = EPI == EPI_ROPE ? R / 16 : 1;
+            float2 rc[EPI == EPI_ROPE ? MT : 1][2][RG], rs[EPI == EPI_ROPE ? MT : 1][2][RG];
+            if constexpr (EPI == EPI_ROPE)
+                if (tn * width < rotated * R) rope_tables<MT, R>(rc, rs, y0, cs, sn, T);
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
             int held = -1;  // the stage the batch in flight reads
@@ -544,13 +638,13 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             if (ldc > 0) {
                 if constexpr (EPI == EPI_F32_TMA) {
                     store_tile_tma<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                           &maps[2], tn * width, tm * BM + (PINGPONG ? 0 : c * 64),
-                                           1 + c);
+                                           &maps[2], tn * width, y0, 1 + c);
                 } else if constexpr (EPI == EPI_ROPE) {
                     store_tile_rope<MT, BN, R>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                               &maps[2], tn * width,
-                                               tm * BM + (PINGPONG ? 0 : c * 64), 1 + c, cs, sn, T,
-                                               rotated);
+                                               &maps[2], tn * width, y0, 1 + c, rc, rs, rotated);
+                } else if constexpr (EPI == EPI_SWIGLU_TMA) {
+                    store_tile_swiglu<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
+                                              &maps[2], tn * width, y0, 1 + c);
                 } else {
 #pragma unroll
                     for (int m = 0; m < MT; m++)
@@ -561,7 +655,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             }
         }
         // the last stores have read their buffers before the block's memory goes
-        if ((EPI == EPI_F32_TMA || EPI == EPI_ROPE) && t == 0) bulk_wait_all();
+        if (STAGED && t == 0) bulk_wait_all();
     }
     // no block leaves while its peer may still arrive on its barriers
     if constexpr (CL == 2) cluster_sync();
@@ -607,7 +701,12 @@ GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_p2_m2n128_s6, 2, 128, 6, EPI_SWIGLU, true)
+GEMM_KERNEL(gemm_swiglut_c_n128_s6, 1, 128, 6, EPI_SWIGLU_TMA, false)
+GEMM_KERNEL(gemm_swiglut_c_n256_s4, 1, 256, 4, EPI_SWIGLU_TMA, false)
+GEMM_KERNEL(gemm_swiglut_p_m2n128_s4, 2, 128, 4, EPI_SWIGLU_TMA, true)
+GEMM_KERNEL(gemm_swiglut_p_m1n256_s4, 1, 256, 4, EPI_SWIGLU_TMA, true)
 GEMM_KERNEL_ROPE(gemm_rope64_c_n128_s6, 1, 128, 6, false, 64)
-GEMM_KERNEL_ROPE(gemm_rope64_p_m2n128_s4, 2, 128, 4, true, 64)
 GEMM_KERNEL_ROPE(gemm_rope128_c_n128_s6, 1, 128, 6, false, 128)
-GEMM_KERNEL_ROPE(gemm_rope128_p_m2n128_s4, 2, 128, 4, true, 128)
+GEMM_KERNEL_ROPE(gemm_rope64_p_m1n256_s4, 1, 256, 4, true, 64)
+GEMM_KERNEL_ROPE(gemm_rope128_p_m1n128_s6, 1, 128, 6, true, 128)
+GEMM_KERNEL_ROPE(gemm_rope128_p_m1n256_s4, 1, 256, 4, true, 128)

@@ -71,12 +71,6 @@ class FakeGemmKernels:
     def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
-        v = gemm.VARIANTS[variant]
-        gemm.check_shape(M, N, K, v.epilogue)
-        gemm.check_rope(v, N, rope)
-        gemm.check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc,
-                             H)
-        if (v.epilogue == "swiglu") != bool(H):
-            raise ValueError(f"{variant}: H is the SwiGLU variants' output")
+        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
         self.planned += 1
         return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
