@@ -152,10 +152,22 @@ def test_the_products_rule():
                    {"n": 12288, "ldc": 12288}, {"n": 1540, "ldc": 1540}, {"A": (1 << 20) + 8},
                    {"lda": 516}):
         assert products.choose(**{**base, **change}) is None, change
-    for name in (products.choose(**base), products.SWIGLU):
+    for name in (products.choose(**base), products.SWIGLU, products.SWIGLU_ANY_F,
+                 *products.ROPE.values(), *products.ROPE_FEW_ROWS.values()):
         assert name in gemm.VARIANTS
-    assert gemm.VARIANTS[products.SWIGLU].epilogue == "swiglu"
-    assert products.choose_swiglu(8192, 1408, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22,
-                                  1 << 23) == products.SWIGLU
-    assert products.choose_swiglu(1024, 1408, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22,
-                                  1 << 23) is None
+    assert gemm.VARIANTS[products.SWIGLU].epilogue == "swiglu_tma"
+    assert gemm.VARIANTS[products.SWIGLU_ANY_F].epilogue == "swiglu"
+    pointers = (512, 1 << 21, 512, 1 << 22, 1 << 23)
+    assert products.choose_swiglu(8192, 1408, 512, 1 << 20, *pointers) == products.SWIGLU
+    # F = 1412: a's rows are no whole 16 bytes for the copy engine
+    assert products.choose_swiglu(8192, 1412, 512, 1 << 20, *pointers) == products.SWIGLU_ANY_F
+    assert products.choose_swiglu(1024, 1408, 512, 1 << 20, *pointers) is None
+    for E in (64, 128):
+        rope = dict(n=1536, k=512, A=1 << 20, lda=512, W=1 << 21, ldw=512, out=1 << 22,
+                    ldo=1536, E=E, R=E)
+        assert gemm.VARIANTS[products.choose_rope(8192, **rope)].rope == E
+        assert products.choose_rope(8192, **rope) == products.ROPE[E]
+        assert products.choose_rope(1024, **rope) == products.ROPE_FEW_ROWS[E]
+        assert products.choose_rope(8192, **{**rope, "R": E // 2}) is None  # partial rotary
+    assert products.choose_rope(8192, 1536, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22, 1536,
+                                96, 96) is None  # no variant of that head width

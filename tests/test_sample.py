@@ -2,6 +2,7 @@
 greedy and top-k sampling on the reference forward."""
 
 import os
+import re
 import shutil
 import sysconfig
 
@@ -183,6 +184,29 @@ def test_cli_greedy_sample_finds_the_tokenizer_and_continues(run, capsys, monkey
     assert len(set(out[len(ids):])) > 3  # a continuation that depends on the context
     assert printed == tok.decode(out) + "\n"
     assert printed.startswith(prompt)
+
+
+SPEED = re.compile(r"(\d+) tokens in \d+\.\d\d s: \d+\.\d tokens/s \((\w+), (\w+)\)")
+
+
+def test_cli_reports_the_generation_s_rate_on_stderr(run, capsys, tmp_path):
+    """One line on stderr after the text: the tokens asked for, their time
+    and rate, the backend and precision; stdout holds the text alone. The
+    tiny preset's model (V=2048) takes the run's 320-id tokenizer (SPEC 22)."""
+    tiny = PRESETS["tiny"]
+    ckpt = tmp_path / "tiny" / "checkpoint.bin"
+    ckpt.parent.mkdir()
+    shutil.copy(run["tok_path"], ckpt.parent / "tokenizer.json")
+    ids = identities(tiny, Hyper(), "fp32", 1, data.tokenizer_sha(run["tok_path"]), "ab" * 32)
+    write_checkpoint(ckpt, tiny, ids, State.fresh(initialize(tiny, 0)), contexts=0)
+    assert main(["sample", str(ckpt), "--backend", "reference", "--tokens", "7",
+                 "--temperature", "0", "--prompt", "def"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("def") and "tokens/s" not in printed.out
+    lines = printed.err.splitlines()
+    assert len(lines) == 1, printed.err  # the reference builds no program
+    speed = SPEED.fullmatch(lines[0])
+    assert speed and speed.groups() == ("7", "reference", "fp32"), lines[0]
 
 
 def test_the_continuation_is_handed_on_as_it_is_made(run, monkeypatch, tmp_path):

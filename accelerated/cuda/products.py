@@ -29,8 +29,12 @@ except ImportError:  # the backend is simply unavailable
 ENV = "COPPELIUS_PRODUCTS"  # "own": the project's kernel where the rule picks it
 MIN_ROWS = 4096  # below, cuBLAS (H200, B = 1 at T = 1024: the grid has too few tiles)
 MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06x cuBLAS
-SWIGLU = "gemm_swiglu_c_n128_s6"
-ROPE = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_c_n128_s6"}  # by head width
+# H200, B = 8 (dev/cuda/NOTES.md): fused gate/up + SwiGLU 66.7 us against cuBLAS + swiglu
+# 79.1 (through the copy engine; F a multiple of 8, else the register stores' variant);
+# fused q | k | v + rope 22.7 us against 50.2 (and at B = 1 6.4 against 9.1: every M)
+SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
+ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
+ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_c_n128_s6"}  # M < MIN_ROWS
 
 
 def own_products(precision: str) -> bool:
@@ -68,18 +72,19 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
     the swiglu kernel)."""
     if m < MIN_ROWS or (2 * F) % 8 or k % 8 or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
         return None
-    return SWIGLU
+    return SWIGLU if F % 8 == 0 else SWIGLU_ANY_F
 
 
 def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                 ldo: int, E: int, R: int) -> str | None:
     """The fused q | k | v + rope variant, or None (then the product into
     float32 and the rope kernel): heads rotated whole (R = E) of a width
-    the kernel is built for."""
-    if R != E or E not in ROPE or m < MIN_ROWS or n > MAX_COLUMNS or n % E or k % 8 \
+    the kernel is built for, at any M (faster than cuBLAS + rope at B = 1
+    too)."""
+    if R != E or E not in ROPE or n > MAX_COLUMNS or n % E or k % 8 \
             or not _aligned(A, lda, W, ldw, out, ldo):
         return None
-    return ROPE[E]
+    return (ROPE if m >= MIN_ROWS else ROPE_FEW_ROWS)[E]
 
 
 class Products:

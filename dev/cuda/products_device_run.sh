@@ -4,7 +4,7 @@
 # a short table last.
 #   PART=check        dev/cuda/gemm_check.py under the watchdog (q|k|v) and in full
 #   PART=tests        tests/cuda/test_gemm_sm90.py and tests/cuda/test_products.py
-#   PART=conformance  the conformance suite with the own products, bf16, B = 1 and 8
+#   PART=conformance  the conformance suite with the own products, bf16, B = 4 and 8
 #   PART=bench        coppelius bench, cuBLAS and own products, beside the peer
 #   PART=profile      dev/cuda/step_profile.py with and without the own products
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel.
@@ -27,7 +27,7 @@ if [[ ${PART:-} == *check* ]]; then
         > "$OUT/watchdog.log" 2>&1
     row "gemm_check --watchdog qkv B=8 (exit $?)" "$(grep -c -i 'trap\|watchdog' "$OUT/watchdog.log") watchdog lines"
     timeout ${CHECK_S:-170} python3 dev/cuda/gemm_check.py --batches ${BATCHES:-1,8,32} \
-        > "$OUT/check.log" 2>&1
+        --shapes ${SHAPES:-qkv,o,gate_up,down,classifier} > "$OUT/check.log" 2>&1
     row "gemm_check (exit $?)" "$(grep -c -i 'FAIL' "$OUT/check.log") FAIL lines"
 fi
 if [[ ${PART:-} == *tests* ]]; then
@@ -40,11 +40,16 @@ verdicts() {
         | paste -sd';' | grep . || tail -1 "$1"
 }
 if [[ ${PART:-} == *conformance* ]]; then
-    for B in 1 8; do
-        log="$OUT/conf-own-B$B.log"
-        COPPELIUS_PRODUCTS=own timeout 120 python3 -m coppelius.conformance --backend cupy \
-            --failures-only --steps 8 --preset $PRESET --batch $B --precision bf16 > "$log" 2>&1
-        row "conformance own products $PRESET B=$B (exit $?)" "$(verdicts "$log")"
+    # the own products serve 4096 rows and more: models of T = 1024 at B = 4 and 8, two
+    # layers, so that the reference's steps are quick
+    for model in ${CONF_MODELS:-dev/cuda/families/products*.toml}; do
+        for B in ${CONF_B:-4 8}; do
+            log="$OUT/conf-own-$(basename "$model" .toml)-B$B.log"
+            COPPELIUS_PRODUCTS=own timeout ${CONF_S:-150} python3 -m coppelius.conformance \
+                --backend cupy --failures-only --steps ${CONF_STEPS:-4} --model "$model" \
+                --batch $B --precision bf16 > "$log" 2>&1
+            row "conformance own $(basename "$model") B=$B (exit $?)" "$(verdicts "$log")"
+        done
     done
 fi
 if [[ ${PART:-} == *bench* ]]; then
