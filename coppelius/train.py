@@ -828,11 +828,14 @@ def _run(args, plan: Plan, prepared: float, dist: Dist | None = None) -> int:
         # the prompt marked off from what the model writes, which is shown as it is made
         print_safely(f"sample prompt ({whence}):\n{prompt}", out)
         print_safely("sample (80 tokens, as they are made):", out)
+        rate = []  # the generation's alone (sample.speed_line), beside the whole time
         sample.generate_text(plan.checkpoint, prompt=prompt, tokens=80, temperature=0.8,
                              top_k=40, seed=0, tokenizer=plan.tokenizer,
-                             logits_of=summary["program"].logits,
-                             on_text=lambda piece: print_safely(piece, out, end=""))
-        print_safely(f"\n(sampled in {time.perf_counter() - t1:.1f} s)", out)
+                             logits_of=summary["program"].logits, backend=plan.backend,
+                             precision=plan.precision,
+                             on_text=lambda piece: print_safely(piece, out, end=""),
+                             report=rate.append)
+        print_safely(f"\n({rate[-1]}; sampled in {time.perf_counter() - t1:.1f} s)", out)
     return 0
 
 
