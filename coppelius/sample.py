@@ -5,7 +5,9 @@ names the tokenizer by SHA-256 (`tokenizer=<sha256>`). Generation runs a
 forward on a sliding window of at most T tokens: each new token costs one
 forward of the window. The forward is the backend's (`--backend`, default
 the best available: CuPy with a GPU) on its program built on the
-checkpoint's parameters (no update is taken), or the reference's in fp32;
+checkpoint's parameters (no update is taken; CuPy's last_logits: the window
+padded to a few fixed lengths, only the last row read back), or the
+reference's in fp32;
 the sampling rules (pick) are the same on every backend.
 """
 
@@ -183,8 +185,9 @@ def generate(config: Config, P: np.ndarray, ids, tokens: int, temperature: float
              on_token=None) -> list:
     """`ids` followed by `tokens` new ids, each predicted from the last T
     (at most) ids: by default with the reference forward in fp32;
-    `logits_of(window (1,n)) -> (1,n,V)` is another forward of the same
-    parameters (a backend's program, which the run loop uses on a GPU).
+    `logits_of(window (1,n)) -> (1,n',V)` is another forward of the same
+    parameters whose last row is the logits at the window's last position
+    (a backend's program, which the run loop uses on a GPU).
     `on_token(ids)`: called with the ids so far after each new one."""
     from coppelius.reference import forward
 
@@ -282,7 +285,10 @@ def backend_logits(backend: str, config: Config, P: np.ndarray, precision: str |
     module = accelerated.backend_module(backend)  # a clear error when it is not available here
     check_implemented(config, getattr(module, "IMPLEMENTED", ()), backend)
     program = module.capture(config, Hyper(), precision, 1, State.fresh(P))
-    return program.logits
+    last = getattr(program, "last_logits", None)
+    if last is None:
+        return program.logits
+    return lambda window: last(window)[None, None, :]  # generate reads [0, -1]
 
 
 def speed_line(tokens: int, seconds: float, backend: str, precision: str) -> str:

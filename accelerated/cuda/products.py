@@ -3,9 +3,12 @@ project's own Hopper kernel (gemm.py, kernels/gemm_sm90.cu) for the
 forward's x @ W^T products, with the gate/up product's SwiGLU and the
 q | k | v product's rope in their epilogues.
 
-The own kernel is opt-in while it is being measured into the step
-(dev/cuda/NOTES.md, "A product kernel of the project's own"):
-COPPELIUS_PRODUCTS=own with the bf16 policy. The choice is a fixed rule of
+The own kernel serves the bf16 policy on Hopper (compute capability 9.0,
+which its wgmma and tensor-map code needs) where the rule below picks it,
+measured faster there (dev/cuda/NOTES.md, "A product kernel of the
+project's own"); COPPELIUS_PRODUCTS=cublas keeps every product on cuBLAS,
+=own asks for the rule on any device (the CPU stand-ins' tests), =auto (or
+unset) is the default. The choice is a fixed rule of
 the product's shape, types and alignment, not a timing taken at capture:
 two processes of one run must make the same choice, or a resumed run's
 bits would differ from an uninterrupted one's (SPEC 9). The memory plan's
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from ...reference.errors import ConfigError
 from . import gemm
 
 try:
@@ -26,7 +30,7 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-ENV = "COPPELIUS_PRODUCTS"  # "own": the project's kernel where the rule picks it
+ENV = "COPPELIUS_PRODUCTS"  # "auto" (Hopper: the own kernel where the rule picks it), "own", "cublas"
 MIN_ROWS = 4096  # below, cuBLAS (H200, B = 1 at T = 1024: the grid has too few tiles)
 MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06x cuBLAS
 # H200, B = 8 (dev/cuda/NOTES.md): fused gate/up + SwiGLU 66.7 us against cuBLAS + swiglu
@@ -34,12 +38,25 @@ MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06
 # fused q | k | v + rope 22.7 us against 50.2 (and at B = 1 6.4 against 9.1: every M)
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
-ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_c_n128_s6"}  # M < MIN_ROWS
+ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
 
 
 def own_products(precision: str) -> bool:
-    """Whether the step's products may take the own kernel."""
-    return precision == "bf16" and os.environ.get(ENV, "") == "own"
+    """Whether the step's products may take the own kernel: bf16, and
+    COPPELIUS_PRODUCTS=own, or auto (the default) on a Hopper GPU."""
+    choice = os.environ.get(ENV, "") or "auto"
+    if choice not in ("auto", "own", "cublas"):
+        raise ConfigError(f"{ENV}={choice!r}: auto, own or cublas")
+    if precision != "bf16" or choice == "cublas":
+        return False
+    return choice == "own" or _hopper()
+
+
+def _hopper() -> bool:
+    try:
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:  # no device, or the CPU stand-ins (which have no capability)
+        return False
 
 
 def _aligned(*pointers_and_strides) -> bool:

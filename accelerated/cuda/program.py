@@ -177,6 +177,7 @@ class CupyProgram(CapturedProgram):
                             if k > 1 else None)
         self.device_state = self._owned = DeviceState(self.P, self.M, self.V, self.t)
         self._eager = None  # (B', T', Activations) of the last logits() shape
+        self._windows = {}  # last_logits: padded length -> its Activations and token buffer
         self._uploaded = False
         self._stepped = False
         self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each replay
@@ -418,7 +419,7 @@ class CupyProgram(CapturedProgram):
         self.blas.close()
         self.graph = self.eval_graph = None
         self.collectives = self.comm = None  # the communicator is its owner's to end
-        self.acts = self.buffers = self.model = self._eager = None
+        self.acts = self.buffers = self.model = self._eager = self._windows = None
         self.P = self.M = self.V = self.G = self.Pb = self.t = self.ids = self.norm = None
         self.c = self.rates = self.partial = self.decay = None
         self.device_state = self._owned = None
@@ -543,6 +544,35 @@ class CupyProgram(CapturedProgram):
             self.model.forward(acts, ids, T2)  # after any pending replay, on the same stream
         self.stream.synchronize()
         return acts.logits.get(stream=self.stream).reshape(B2, T2, self.config.vocab)
+
+    def last_logits(self, window) -> np.ndarray:
+        """window (1, n), n <= T -> the logits (V,) float32 at its last
+        position with the current parameters, for sampling a token after
+        another: the window padded with id 0 to its bucket (the next power
+        of two from 64, at most T), whose buffers (and the attention's
+        plans) stay, so that a whole generation takes at most log2(T)
+        shapes; attention is causal, so the padding does not reach
+        position n - 1. Only that row is read back."""
+        tokens = check_logits_tokens(self.config, window)
+        if tokens.shape[0] != 1:
+            raise ReplayError(f"last_logits window {tokens.shape}: one row")
+        n, T = tokens.shape[1], self.config.context
+        L = min(T, max(64, 1 << (n - 1).bit_length()))
+        if L not in self._windows:
+            op = np.uint16 if self.precision == "bf16" else np.float32
+            alloc = Buffers(self.stream)
+            self._windows[L] = (Activations(self.config, 1, L, op, alloc, train=False),
+                                alloc((1, L), np.int32))
+        acts, ids = self._windows[L]
+        padded = np.zeros((1, L), np.int32)
+        padded[0, :n] = tokens[0]
+        self._done.synchronize()
+        with self.stream:
+            ids.set(padded, stream=self.stream)
+            self.model.forward(acts, ids, L)
+        row = acts.logits[n - 1].get(stream=self.stream)
+        self.stream.synchronize()
+        return row
 
     def activations(self, tokens) -> dict:
         """tokens (B, T+1) -> every named intermediate of one step's forward

@@ -5,7 +5,8 @@
 #   PART=check        dev/cuda/gemm_check.py under the watchdog (q|k|v) and in full
 #   PART=tests        tests/cuda/test_gemm_sm90.py and tests/cuda/test_products.py
 #   PART=conformance  the conformance suite with the own products, bf16, B = 4 and 8
-#   PART=bench        coppelius bench, cuBLAS and own products, beside the peer
+#   PART=bench        coppelius bench, cuBLAS (COPPELIUS_PRODUCTS=cublas) beside the peer,
+#                     then the own products
 #   PART=profile      dev/cuda/step_profile.py with and without the own products
 # WHEELS: a folder holding the nvidia-cudnn-frontend wheel.
 #     PART=check,tests WHEELS=.whl bash dev/cuda/products_device_run.sh
@@ -54,16 +55,17 @@ if [[ ${PART:-} == *conformance* ]]; then
 fi
 if [[ ${PART:-} == *bench* ]]; then
     B=${BENCH_B:-8}
-    timeout 200 python3 -m coppelius bench --preset $PRESET --backend cupy --precision bf16 \
-        --no-reference --batch $B --steps 20 --warmup 5 > "$OUT/bench-cublas.log" 2>&1
-    row "bench cuBLAS + peer (exit $?)" "see bench-cublas.log"
+    COPPELIUS_PRODUCTS=cublas timeout 200 python3 -m coppelius bench --preset $PRESET --backend cupy --precision bf16 \
+        --no-reference --batch $B --steps 20 --warmup 5 > "$OUT/bench-cublas-$B.log" 2>&1
+    row "bench cuBLAS + peer (exit $?)" "see bench-cublas-$B.log"
     COPPELIUS_PRODUCTS=own timeout 100 python3 -m coppelius bench --preset $PRESET --backend cupy \
         --precision bf16 --no-reference --no-peer --batch $B --steps 20 --warmup 5 \
-        > "$OUT/bench-own.log" 2>&1
-    row "bench own products (exit $?)" "see bench-own.log"
+        > "$OUT/bench-own-$B.log" 2>&1
+    row "bench own products (exit $?)" "see bench-own-$B.log"
 fi
 if [[ ${PART:-} == *profile* ]]; then
-    timeout 150 python3 dev/cuda/step_profile.py --batch ${BENCH_B:-8} > "$OUT/profile-cublas.log" 2>&1
+    COPPELIUS_PRODUCTS=cublas timeout 150 python3 dev/cuda/step_profile.py --batch ${BENCH_B:-8} \
+        > "$OUT/profile-cublas.log" 2>&1
     row "step_profile cuBLAS (exit $?)" "see profile-cublas.log"
     COPPELIUS_PRODUCTS=own timeout 150 python3 dev/cuda/step_profile.py --batch ${BENCH_B:-8} \
         > "$OUT/profile-own.log" 2>&1
@@ -71,5 +73,5 @@ if [[ ${PART:-} == *profile* ]]; then
 fi
 echo "================================================================ summary"
 printf '%s\n' "${summary[@]}"
-for f in "$OUT"/bench-*.log; do [ -f "$f" ] && { echo "--- $f"; tail -6 "$f"; }; done
+for f in "$OUT"/bench-*${BENCH_B:-8}.log; do [ -f "$f" ] && { echo "--- $f"; tail -6 "$f"; }; done
 exit 0

@@ -57,7 +57,7 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
     state = random_state(config, seed=61, t=2)
     inputs = windows(2, seed=62, config=config, batch=4)
     mine = capture(config, Hyper(), "bf16", 4, state.copy(), recompute=recompute)
-    monkeypatch.delenv(products.ENV)
+    monkeypatch.setenv(products.ENV, "cublas")
     theirs = capture(config, Hyper(), "bf16", 4, state.copy(), recompute=recompute)
     assert mine.blas.own and not theirs.blas.own
     named = [c.name for c in mine.plan.commands if c.kind == "product"]
@@ -89,11 +89,24 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
                                    rtol=2e-3, atol=2e-3)
 
 
-def test_the_rule_leaves_fp32_and_the_default_to_cublas(monkeypatch):
+def test_the_rule_by_precision_device_and_choice(monkeypatch):
+    """fp32 and COPPELIUS_PRODUCTS=cublas on cuBLAS; =own on the rule; the
+    default (auto) on the rule on a Hopper GPU only (never the stand-ins);
+    another value refused by name."""
+    from coppelius.reference.errors import ConfigError
+
     monkeypatch.delenv(products.ENV, raising=False)
-    assert not products.own_products("bf16")
+    hopper = not _emulated() and cupy.cuda.Device().compute_capability == "90"
+    assert products.own_products("bf16") == hopper and not products.own_products("fp32")
+    monkeypatch.setenv(products.ENV, "auto")
+    assert products.own_products("bf16") == hopper
     monkeypatch.setenv(products.ENV, "own")
     assert products.own_products("bf16") and not products.own_products("fp32")
+    monkeypatch.setenv(products.ENV, "cublas")
+    assert not products.own_products("bf16")
+    monkeypatch.setenv(products.ENV, "mine")
+    with pytest.raises(ConfigError, match="COPPELIUS_PRODUCTS='mine'"):
+        products.own_products("bf16")
 
 
 def test_a_product_first_seen_inside_a_capture_is_refused(own):
