@@ -91,6 +91,10 @@ class TorchPeer:
         for spec in self.reg:
             value = np.array(P[spec.slice], dtype=np.float32).reshape(spec.shape)
             self.w[spec.name] = torch.nn.Parameter(torch.from_numpy(value).to(self.device))
+        # a float, not the config's Fraction: float(Fraction) inside the forward breaks
+        # torch.compile's graph at every norm (and the recompiles by layer name then
+        # hit dynamo's limit and leave the rest eager)
+        self.eps = float(config.norm_eps)
         self.cos, self.sin = rope_tables(config.context, config.rotary_dim, config.rope_base,
                                          self.device)
         self.hyper = hyper
@@ -118,8 +122,7 @@ class TorchPeer:
     # ---------------------------------------------------------------- forward
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # x (B,T,D) float32: the config's norm, its eps (SPEC 3, 21)
-        c, w = self.config, self.w
-        eps = float(c.norm_eps)
+        c, w, eps = self.config, self.w, self.eps
         if c.norm_bias:
             return F.layer_norm(x, (c.d_model,), w[name + ".weight"], w[name + ".bias"], eps)
         return F.rms_norm(x, (c.d_model,), w[name + ".weight"], eps)
@@ -246,7 +249,9 @@ class CompiledGraphStep:
             raise ValueError("torch.compile with a CUDA graph needs a CUDA device for torch")
         self.peer = TorchPeer(config, P, hyper, precision=precision, device=device,
                               capturable=True, gqa=gqa)
-        self.loss_fn = torch.compile(self.peer.mean_loss, dynamic=False)
+        # one graph or an error: a graph break would leave parts of the step eager and
+        # the peer slower than PyTorch is
+        self.loss_fn = torch.compile(self.peer.mean_loss, dynamic=False, fullgraph=True)
         self.tokens = self.peer.to_tokens(tokens)  # (B,T+1), the static input slot
         saved = {n: p.detach().cpu() for n, p in self.peer.w.items()}  # on the host: no device peak
         side = torch.cuda.Stream(self.peer.device)
