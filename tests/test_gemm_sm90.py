@@ -138,7 +138,8 @@ def test_the_source_compiles_for_sm90a_with_wgmma():
 def test_the_products_rule():
     """products.choose: the own kernel for the forward's bf16 x @ W^T with a
     float32 result at or above the row floor, aligned; cuBLAS for every
-    other layout, type, scaling, batch, a wide classifier or a small M."""
+    other layout, type, scaling, batch, a wide classifier, a K past the measured
+    shapes or a small M."""
     from coppelius.accelerated.cuda import products
 
     base = dict(trans_a=False, trans_b=True, m=8192, n=1536, k=512, A=1 << 20, lda=512,
@@ -150,7 +151,7 @@ def test_the_products_rule():
     for change in ({"trans_a": True}, {"trans_b": False}, {"ab_type": "float32"},
                    {"c_type": "bfloat16"}, {"beta": 1.0}, {"batch": 2}, {"m": 1024},
                    {"n": 12288, "ldc": 12288}, {"n": 1540, "ldc": 1540}, {"A": (1 << 20) + 8},
-                   {"lda": 516}):
+                   {"lda": 516}, {"k": 2048, "lda": 2048, "ldb": 2048}):
         assert products.choose(**{**base, **change}) is None, change
     for name in (products.choose(**base), products.SWIGLU, products.SWIGLU_ANY_F,
                  *products.ROPE.values(), *products.ROPE_FEW_ROWS.values()):
@@ -162,6 +163,8 @@ def test_the_products_rule():
     # F = 1412: a's rows are no whole 16 bytes for the copy engine
     assert products.choose_swiglu(8192, 1412, 512, 1 << 20, *pointers) == products.SWIGLU_ANY_F
     assert products.choose_swiglu(1024, 1408, 512, 1 << 20, *pointers) is None
+    assert products.choose_swiglu(8192, 5632, 2048, 1 << 20, 2048, 1 << 21, 2048, 1 << 22,
+                                  1 << 23) is None  # d_model 2048: not measured faster
     for E in (64, 128):
         rope = dict(n=1536, k=512, A=1 << 20, lda=512, W=1 << 21, ldw=512, out=1 << 22,
                     ldo=1536, E=E, R=E)

@@ -235,7 +235,15 @@ def place(buffers: list, indices: list, horizon: int) -> int:
     freed by the backward in reverse: stacked, they leave no holes), then
     the others largest first. Ties: earlier, then in allocation order
     (deterministic). A buffer that is not a candidate lives over the whole
-    step [0, horizon]. Sets each offset; returns the arena's bytes."""
+    step [0, horizon]; a candidate no command touches (the float32 q | k | v
+    where the product's epilogue applies the rope) takes no bytes of its
+    own, at offset 0. Sets each offset; returns the arena's bytes."""
+    unused = [i for i in indices if buffers[i].candidate and buffers[i].first is None]
+    for i in unused:
+        buffers[i].offset = 0
+    floor = max((_aligned(max(buffers[i].nbytes, 1)) for i in unused), default=0)
+    indices = [i for i in indices if i not in set(unused)]
+
     def span(i):
         b = buffers[i]
         return (0, horizon) if not b.candidate or b.first is None else (b.first, b.last)
@@ -262,7 +270,7 @@ def place(buffers: list, indices: list, horizon: int) -> int:
             best = (arena, offsets)
     for i in indices:
         buffers[i].offset = best[1][i]
-    return best[0]
+    return max(best[0], floor)  # the unused views lie inside the arena
 
 
 def _first_fit(buffers: list, order: list, spans: dict) -> dict:

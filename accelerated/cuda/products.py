@@ -33,6 +33,10 @@ except ImportError:  # the backend is simply unavailable
 ENV = "COPPELIUS_PRODUCTS"  # "auto" (Hopper: the own kernel where the rule picks it), "own", "cublas"
 MIN_ROWS = 4096  # below, cuBLAS (H200, B = 1 at T = 1024: the grid has too few tiles)
 MAX_COLUMNS = 4096  # above (the classifier's 12288), cuBLAS: measured 1.02-1.06x cuBLAS
+# above, cuBLAS: the shapes measured are K = 512 to 1408 (the coppelius preset, the ~110M
+# shape's q | k | v, o and gate/up); at d_model 2048 (the ~890M shape) the own o, gate/up
+# and down products made the step 1.1x slower
+MAX_K = 1408
 # H200, B = 8 (dev/cuda/NOTES.md): fused gate/up + SwiGLU 66.7 us against cuBLAS + swiglu
 # 79.1 (through the copy engine; F a multiple of 8, else the register stores' variant);
 # fused q | k | v + rope 22.7 us against 50.2 (and at B = 1 6.4 against 9.1: every M)
@@ -78,7 +82,8 @@ def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: in
     if trans_a or not trans_b or ab_type != "bfloat16" or c_type != "float32" or beta != 0.0 \
             or batch != 1:
         return None
-    if m < MIN_ROWS or n > MAX_COLUMNS or n % 8 or k % 8 or not _aligned(A, lda, B, ldb, C, ldc):
+    if m < MIN_ROWS or n > MAX_COLUMNS or k > MAX_K or n % 8 or k % 8 \
+            or not _aligned(A, lda, B, ldb, C, ldc):
         return None
     return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
 
@@ -87,7 +92,8 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
                   a: int) -> str | None:
     """The fused gate/up + SwiGLU variant, or None (then the product and
     the swiglu kernel)."""
-    if m < MIN_ROWS or (2 * F) % 8 or k % 8 or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
+    if m < MIN_ROWS or k > MAX_K or (2 * F) % 8 or k % 8 \
+            or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
         return None
     return SWIGLU if F % 8 == 0 else SWIGLU_ANY_F
 
@@ -98,7 +104,7 @@ def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out:
     float32 and the rope kernel): heads rotated whole (R = E) of a width
     the kernel is built for, at any M (faster than cuBLAS + rope at B = 1
     too)."""
-    if R != E or E not in ROPE or n > MAX_COLUMNS or n % E or k % 8 \
+    if R != E or E not in ROPE or n > MAX_COLUMNS or k > MAX_K or n % E or k % 8 \
             or not _aligned(A, lda, W, ldw, out, ldo):
         return None
     return (ROPE if m >= MIN_ROWS else ROPE_FEW_ROWS)[E]
