@@ -74,10 +74,10 @@ def check_checkpoints_tokenizer(tokenizer, header: dict, path) -> None:
     """Refuse an eval --tokenizer that is not the one the checkpoint was
     trained with (its data identity's `tokenizer` part, SPEC 22): its ids
     would mean other text to the model."""
-    from coppelius import data
+    from coppelius.tokenizer import tokenizer_file, tokenizer_sha
 
     want = _part(header["data"], "tokenizer")
-    got = data.tokenizer_sha(data.tokenizer_file(tokenizer))
+    got = tokenizer_sha(tokenizer_file(tokenizer))
     if want is not None and got != want:
         theirs = "none" if want == "none" else f"{want[:12]}..."
         raise RunError(f"--tokenizer {tokenizer}: is not checkpoint {path}'s tokenizer (its "

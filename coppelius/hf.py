@@ -654,10 +654,10 @@ class ShardedSource(CheckpointSource):
 def load_tokenizer_bytes(body: bytes, path: str, config: Config):
     """A tokenizer.json's bytes as a `tokenizers.Tokenizer`, refused unless
     every id it produces is below the model's V (SPEC 22) and stands for one
-    token (coppelius.data's checks)."""
+    token (coppelius.tokenizer's checks)."""
     from tokenizers import Tokenizer
 
-    from coppelius.data import shared_id, tokenizer_ids
+    from coppelius.tokenizer import shared_id, tokenizer_ids
 
     try:
         tokenizer = Tokenizer.from_str(body.decode("utf-8"))

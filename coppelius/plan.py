@@ -167,8 +167,8 @@ def continue_options(run_dir, given: dict) -> str | None:
     the command line names: --new-data, and --tokenizer with the run's own
     tokenizer when the new data is a source and the checkpoint has one;
     None where nothing would (a stream of another tokenizer)."""
-    from coppelius import data as data_module
     from coppelius import shards
+    from coppelius.tokenizer import TOKENIZER_NAME, tokenizer_sha
 
     remembered = read_run_file(run_dir)
     ckpt = remembered_checkpoint(run_dir, remembered)
@@ -177,15 +177,15 @@ def continue_options(run_dir, given: dict) -> str | None:
     have = _part(checkpoint.validate(ckpt).header.get("data", ""), "tokenizer") or "none"
     if given.get("stream"):
         place = shards.tokenizer_place(given["stream"])
-        theirs = data_module.tokenizer_sha(place) if os.path.lexists(place) else None
+        theirs = tokenizer_sha(place) if os.path.lexists(place) else None
         return "--new-data" if (theirs or "none") == have else None
     if have == "none":
         return None  # a source is tokenized; the checkpoint's stream had no tokenizer
     if given.get("tokenizer"):
         return "--new-data"
-    for place in (os.path.join(os.path.dirname(ckpt), data_module.TOKENIZER_NAME),
+    for place in (os.path.join(os.path.dirname(ckpt), TOKENIZER_NAME),
                   remembered.get("tokenizer")):
-        if place and os.path.isfile(place) and data_module.tokenizer_sha(place) == have:
+        if place and os.path.isfile(place) and tokenizer_sha(place) == have:
             return f"--new-data --tokenizer {place}"
     return None
 
@@ -343,6 +343,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     own options and files but writes nothing and locks nothing: it reads
     the stream rank 0 prepared (`leader`, rank 0's plan_summary)."""
     from coppelius import data  # tokenizers is imported only when a run needs it
+    from coppelius.tokenizer import check_tokenizer, tokenizer_sha
 
     writes = rank == 0
     # folders this plan makes, removed at the end when still empty (a run
@@ -410,7 +411,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
     stream = open_stream(stream_path, config.vocab)
     resources.callback(stream.close)
     if tokenizer:
-        data.check_tokenizer(tokenizer, config.vocab)  # ids below V: not found bad after training
+        check_tokenizer(tokenizer, config.vocab)  # ids below V: not found bad after training
     K_stream = stream.n_contexts(config.context)
     if K_stream == 0:
         raise RunError(f"stream {stream_path}: holds no context of {config.context + 1} tokens")
@@ -452,7 +453,7 @@ def make_plan(args, resources: contextlib.ExitStack, world: int = 1, rank: int =
         # and so is wsd's decay length: a later --total moves the decay, keeping its length
         options.setdefault("decay", hyper.decay)
         keep.setdefault("decay", options["decay"])
-    ids = checkpoint.identities(config, hyper, precision, batch, data.tokenizer_sha(tokenizer),
+    ids = checkpoint.identities(config, hyper, precision, batch, tokenizer_sha(tokenizer),
                                 stream.sha256, seed, heldout,
                                 None if eval_stream is None else eval_stream.sha256)
     if checkpoint.is_fresh(ckpt):
@@ -645,7 +646,7 @@ def _tokenizer_hint(sha: str, options: dict | None) -> str:
     """How a run goes on with the checkpoint's tokenizer (sha): on a source,
     with --tokenizer naming its copy beside the checkpoint (or the run's
     --tokenizer) and --new-data; a stream of another tokenizer cannot."""
-    from coppelius import data
+    from coppelius.tokenizer import TOKENIZER_NAME, tokenizer_sha
 
     if options is None:  # nothing known of the run: the command in general
         return (" (to go on with it on a new source: coppelius train --run-dir RUN_DIR --source "
@@ -653,9 +654,9 @@ def _tokenizer_hint(sha: str, options: dict | None) -> str:
     if options.get("stream") or not options.get("checkpoint"):
         return (" (a stream of another tokenizer cannot go on with this checkpoint; a "
                 "--run-dir of its own starts a new run)")
-    for place in (os.path.join(os.path.dirname(options["checkpoint"]), data.TOKENIZER_NAME),
+    for place in (os.path.join(os.path.dirname(options["checkpoint"]), TOKENIZER_NAME),
                   options.get("tokenizer")):
-        if place and os.path.isfile(place) and data.tokenizer_sha(place) == sha:
+        if place and os.path.isfile(place) and tokenizer_sha(place) == sha:
             more = "" if options.get("new_data") else " --new-data"
             return f" (to go on with it on this source: --tokenizer {place}{more})"
     return (" (no copy of it lies beside the checkpoint: pass --tokenizer with it, or give this "

@@ -47,7 +47,7 @@ def corpus_prompt(stream, config: Config, tokenizer, context_index: int) -> str:
     DEFAULT_PROMPT). DEFAULT_PROMPT where the context holds no text.
 
     `tokenizer`: a tokenizers.Tokenizer, or the path of a tokenizer.json."""
-    from coppelius.data import load_tokenizer
+    from coppelius.tokenizer import load_tokenizer
 
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
@@ -119,7 +119,8 @@ def tokenizer_candidates(checkpoint_path) -> list:
     """Where a checkpoint's tokenizer may lie, in order: beside the
     checkpoint (a run copies its stream's tokenizer there), the stream cache
     `data` beside its run directory, the default stream cache."""
-    from coppelius.data import TOKENIZER_NAME, default_cache_dir
+    from coppelius.data import default_cache_dir
+    from coppelius.tokenizer import TOKENIZER_NAME
 
     run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
     places = [os.path.join(run_dir, TOKENIZER_NAME)]
@@ -135,7 +136,7 @@ def tokenizer_candidates(checkpoint_path) -> list:
 def find_tokenizer(checkpoint_path, header: dict, override=None) -> str:
     """The tokenizer.json whose SHA-256 the checkpoint names; `override`
     (--tokenizer) is used as given."""
-    from coppelius.data import tokenizer_sha
+    from coppelius.tokenizer import tokenizer_sha
 
     if override is not None:
         override = os.fspath(override)
@@ -308,7 +309,7 @@ def generate_text(checkpoint_path, prompt: str = DEFAULT_PROMPT, tokens: int = 2
     how long the backend's program took to build (when one was built
     here), then the generation's rate (speed_line; `backend` and
     `precision` name the forward in it, also when `logits_of` is given)."""
-    from coppelius.data import load_tokenizer, tokenizer_file, tokenizer_ids
+    from coppelius.tokenizer import load_tokenizer, tokenizer_file, tokenizer_ids
 
     check_options(tokens, temperature, top_k, seed)
     check_prompt(prompt)

@@ -1,5 +1,6 @@
 """`coppelius tokenize`: a source made a token stream (coppelius/data.py
-does the work), and the source options `train` shares (SPEC 8, 22)."""
+does the work, coppelius/tokenizer.py trains or loads the tokenizer), and
+the source options `train` shares (SPEC 8, 22)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import os
 import sys
 import time
 
-from coppelius.data import (describe, documents_beside, read_documents, stream_for_source,
-                            tokenizer_sha)
+from coppelius.data import describe, documents_beside, read_documents, stream_for_source
 from coppelius.plan import default_preset
 from coppelius.reference.config import PRESETS, preset
 from coppelius.reference.fsutil import path_argument
 from coppelius.reference.stream import HEADER_BYTES, TOKEN_BYTES
+from coppelius.tokenizer import tokenizer_sha
 
 
 def register(subparsers) -> None:

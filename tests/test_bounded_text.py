@@ -2,7 +2,7 @@
 folders are read a block at a time and cut into the pieces the whole text
 would be cut into, so the stream and its tokenizer are byte for byte those
 of the whole-text path (the source joined in memory, trained on and encoded
-by data.pieces), and what is held at once does not grow with the source."""
+by coppelius.tokenizer.pieces), and what is held at once does not grow with the source."""
 
 import os
 import sysconfig
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from coppelius import corpus, data
 from coppelius.reference.stream import open_stream
+from coppelius.tokenizer import encode, pieces, stream_pieces, tokenizer_beside, train_tokenizer
 
 V = 300
 # characters that make the piece boundaries (printable ASCII around a
@@ -33,8 +34,8 @@ def base_text() -> str:
 
 def whole_text_path(text: str, vocab: int):
     """The stream's ids and tokenizer as the source joined in memory gives them."""
-    tokenizer = data.train_tokenizer([text], vocab)
-    return data.encode(tokenizer, text), tokenizer.to_str()
+    tokenizer = train_tokenizer([text], vocab)
+    return encode(tokenizer, text), tokenizer.to_str()
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def small_bounds(monkeypatch):
     """Blocks, pieces and groups small enough that a small source crosses many."""
     monkeypatch.setattr(corpus, "SNIFF_BYTES", 7)
     monkeypatch.setattr(corpus, "BLOCK_BYTES", 61)
-    monkeypatch.setattr(data, "PIECE_CHARS", 97)
+    monkeypatch.setattr("coppelius.tokenizer.PIECE_CHARS", 97)
     monkeypatch.setattr(data, "ENCODE_PIECES", 3)
 
 
@@ -52,7 +53,7 @@ def small_bounds(monkeypatch):
 def test_stream_pieces_are_the_pieces_of_the_whole_text(text, cuts, size):
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    assert list(data.stream_pieces(chunks, size)) == list(data.pieces(text, size))
+    assert list(stream_pieces(chunks, size)) == list(pieces(text, size))
 
 
 @settings(max_examples=15, deadline=None)
@@ -64,7 +65,7 @@ def test_a_folder_streams_to_the_ids_of_the_whole_text(tmp_path_factory, documen
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(corpus, "SNIFF_BYTES", 7)
         mp.setattr(corpus, "BLOCK_BYTES", 61)
-        mp.setattr(data, "PIECE_CHARS", 97)
+        mp.setattr("coppelius.tokenizer.PIECE_CHARS", 97)
         mp.setattr(data, "ENCODE_PIECES", 3)
         folder = tmp_path_factory.mktemp("src")
         (folder / "base.txt").write_text(base_text(), encoding="utf-8", newline="")
@@ -77,7 +78,7 @@ def test_a_folder_streams_to_the_ids_of_the_whole_text(tmp_path_factory, documen
         out = tmp_path_factory.mktemp("c") / "a.tokens"
         data.prepare_stream(source=folder, vocab=V, out=out)
         assert np.array_equal(open_stream(out, V).ids, want_ids)
-        assert open(data.tokenizer_beside(out), encoding="utf-8").read() == want_tokenizer
+        assert open(tokenizer_beside(out), encoding="utf-8").read() == want_tokenizer
         assert data.is_fresh(out, folder, V)
 
 
@@ -88,7 +89,7 @@ def test_a_file_several_times_the_bounds_is_tokenized_in_bounded_memory(tmp_path
     those bounds, where the whole-text path holds the text and every id
     (more than 5 MB); the ids are the whole-text path's."""
     monkeypatch.setattr(corpus, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(data, "PIECE_CHARS", 4000)
+    monkeypatch.setattr("coppelius.tokenizer.PIECE_CHARS", 4000)
     text = base_text()
     source = tmp_path / "big.txt"
     with open(source, "w", encoding="utf-8", newline="") as f:
@@ -107,7 +108,7 @@ def test_a_file_several_times_the_bounds_is_tokenized_in_bounded_memory(tmp_path
     whole = source.read_text(encoding="utf-8")
     want_ids, want_tokenizer = whole_text_path(whole, V)
     assert np.array_equal(open_stream(out, V).ids, want_ids)
-    assert open(data.tokenizer_beside(out), encoding="utf-8").read() == want_tokenizer
+    assert open(tokenizer_beside(out), encoding="utf-8").read() == want_tokenizer
 
 
 def test_a_document_changed_after_it_was_listed_stops_with_one_line(tmp_path):

@@ -15,6 +15,7 @@ from coppelius import corpus, data
 from coppelius.cli import main
 from coppelius.reference.errors import StreamError
 from coppelius.reference.stream import open_stream, read_stream_header
+from coppelius.tokenizer import load_tokenizer, tokenizer_beside
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 300  # 256 byte symbols and 44 merges: trains in milliseconds
@@ -160,7 +161,7 @@ def test_cli_tokenize_a_folder_counts_documents_and_binary_files(folder, tmp_pat
     stream = entry / f"{entry.name}.tokens"
     tok = stream.parent / "tokenizer.json"
     ids = open_stream(stream, V).ids
-    assert data.load_tokenizer(tok).decode(ids.tolist()) == expected_text(TEXTS)
+    assert load_tokenizer(tok).decode(ids.tolist()) == expected_text(TEXTS)
     assert data.read_documents(stream)["documents"] == keyed(TEXTS)
     assert data.documents_summary(stream) == "8 documents, 4 binary files skipped"
 
@@ -193,7 +194,7 @@ def test_a_folders_stream_goes_stale_when_any_document_changes(folder, tmp_path,
 
     def build():
         stream, tok = data.prepare_stream(source=folder, vocab=V, out=out)
-        return data.load_tokenizer(tok).decode(open_stream(stream, V).ids.tolist())
+        return load_tokenizer(tok).decode(open_stream(stream, V).ids.tolist())
 
     texts = dict(TEXTS)
     assert build() == expected_text(texts) and len(counted) == 1
@@ -256,7 +257,7 @@ def test_the_document_list_is_published_after_the_stream(folder, tmp_path, monke
         data.prepare_stream(source=folder, vocab=V, out=out)
     monkeypatch.setattr(fsutil, "_hook", None)
     now = corpus.list_source(folder)
-    tok = data.load_tokenizer(data.tokenizer_beside(out))
+    tok = load_tokenizer(tokenizer_beside(out))
     assert tok.decode(open_stream(out, V).ids.tolist()) == now.text()  # the new stream
     assert data.read_documents(out)["documents"] != now.documents  # the old list
     assert not data.is_fresh(out, folder, V)

@@ -21,6 +21,8 @@ from coppelius.cli import main
 from coppelius.reference import fsutil
 from coppelius.reference.errors import ConfigError, StreamError
 from coppelius.reference.stream import open_stream, read_stream_header
+from coppelius.tokenizer import (encode, load_tokenizer, pieces, read_source, tokenizer_sha,
+                                 train_tokenizer)
 
 V = 320  # 256 byte symbols and 64 merges: trains in milliseconds
 
@@ -42,38 +44,38 @@ def other_text() -> str:
 def decodes_to(stream_path, tokenizer_path, text) -> bool:
     """Whether the pair on disk gives back `text`: the stream's ids decoded
     with the tokenizer beside it."""
-    ids = open_stream(stream_path, data.load_tokenizer(tokenizer_path).get_vocab_size()).ids
-    return data.load_tokenizer(tokenizer_path).decode(ids.tolist()) == text
+    ids = open_stream(stream_path, load_tokenizer(tokenizer_path).get_vocab_size()).ids
+    return load_tokenizer(tokenizer_path).decode(ids.tolist()) == text
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return data.train_tokenizer([sample_text()], V)
+    return train_tokenizer([sample_text()], V)
 
 
 def test_tokenizer_has_exactly_v_ids(tokenizer):
     assert tokenizer.get_vocab_size() == V
     assert sorted(tokenizer.get_vocab().values()) == list(range(V))
-    ids = data.encode(tokenizer, sample_text())
+    ids = encode(tokenizer, sample_text())
     assert ids.dtype == np.uint32 and ids.max() < V
     # merges were learnt: fewer ids than bytes
     assert ids.size < len(sample_text().encode("utf-8"))
 
 
 def test_training_is_deterministic(tokenizer):
-    again = data.train_tokenizer([sample_text()], V)
+    again = train_tokenizer([sample_text()], V)
     assert again.to_str() == tokenizer.to_str()
 
 
 def test_pieces_train_like_the_whole_text(tokenizer):
     text = sample_text()
-    in_pieces = data.train_tokenizer(list(data.pieces(text, 997)), V)
+    in_pieces = train_tokenizer(list(pieces(text, 997)), V)
     assert in_pieces.to_str() == tokenizer.to_str()
 
 
 @given(st.text())
 def test_any_text_round_trips(tokenizer, text):
-    ids = data.encode(tokenizer, text)
+    ids = encode(tokenizer, text)
     assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == text
 
 
@@ -84,7 +86,7 @@ lines = st.lists(st.text(alphabet=st.sampled_from("ab \t'9é\u2028\r\n#"), max_s
 @given(lines, st.integers(1, 40))
 def test_piece_boundaries_do_not_change_the_words_or_ids(tokenizer, parts, size):
     text = "\n".join(parts)
-    chunks = list(data.pieces(text, size))
+    chunks = list(pieces(text, size))
     assert "".join(chunks) == text
     # the pre-tokenizer's words (BPE never merges across them), then the ids
     split = tokenizer.pre_tokenizer.pre_tokenize_str
@@ -97,13 +99,13 @@ def test_a_source_too_small_is_refused_naming_it_and_the_count(tmp_path):
     source = tmp_path / "small.txt"
     source.write_text("abab abab")
     with pytest.raises(StreamError, match=r"small\.txt: yields (\d+) distinct tokens.*V=400") as e:
-        data.train_tokenizer(source, 400)
+        train_tokenizer(source, 400)
     assert 256 < int(e.value.args[0].split("yields ")[1].split()[0]) < 400
 
 
 def test_a_vocabulary_below_the_byte_symbols_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="vocab=64"):
-        data.train_tokenizer(["text"], 64)
+        train_tokenizer(["text"], 64)
     with pytest.raises(ConfigError, match="vocab=255"):
         data.prepare_stream(vocab=255, cache_dir=tmp_path)
     assert os.listdir(tmp_path) == []  # refused before anything is written
@@ -113,7 +115,7 @@ def test_a_source_not_utf8_is_refused_at_its_offset(tmp_path):
     source = tmp_path / "latin.txt"
     source.write_bytes(b"caf\xe9 au lait")
     with pytest.raises(StreamError, match=r"latin\.txt: not UTF-8 at byte offset 3"):
-        data.read_source(source)
+        read_source(source)
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
     st = os.stat(source)
     assert read_stream_header(stream) == (st.st_mtime_ns, st.st_size)
     opened = open_stream(stream, V)
-    tokenizer = data.load_tokenizer(tok)
+    tokenizer = load_tokenizer(tok)
     assert tokenizer.decode(opened.ids.tolist()) == sample_text()
     written = os.stat(stream).st_mtime_ns
 
@@ -275,8 +277,8 @@ def test_cache_is_reused_when_fresh_and_rebuilt_when_stale(tmp_path, counted):
     data.prepare_stream(source=source, vocab=V + 16, out=stream2, cache_dir=cache)
     assert len(counted) == 5
     assert read_stream_header(stream2)[0] == st.st_mtime_ns + 2 * 10**9
-    assert data.load_tokenizer(tok).get_vocab_size() == V + 16
-    assert data.tokenizer_sha(tok) == hashlib.sha256(open(tok, "rb").read()).hexdigest()
+    assert load_tokenizer(tok).get_vocab_size() == V + 16
+    assert tokenizer_sha(tok) == hashlib.sha256(open(tok, "rb").read()).hexdigest()
     # the stored tokenizer is the JSON the library writes, with the byte-level parts
     spec = json.loads(open(tok, encoding="utf-8").read())
     assert spec["model"]["type"] == "BPE" and spec["pre_tokenizer"]["type"] == "ByteLevel"
@@ -302,7 +304,7 @@ def test_a_missing_source_is_refused_naming_it(tmp_path):
     with pytest.raises(StreamError, match=r"source .*absent\.txt: no such file"):
         data.prepare_stream(source=tmp_path / "absent.txt", vocab=V, cache_dir=tmp_path)
     assert os.listdir(tmp_path) == []
-    assert data.tokenizer_sha(tmp_path / "tokenizer.json") is None
+    assert tokenizer_sha(tmp_path / "tokenizer.json") is None
 
 
 # ---------------------------------------------------------------------------
@@ -317,7 +319,7 @@ def test_cli_tokenize_writes_a_valid_stream(tmp_path, capsys):
     printed = capsys.readouterr().out
     stream = open_stream(out, V)
     tok = tmp_path / "out" / "tokenizer.json"
-    assert data.load_tokenizer(tok).decode(stream.ids.tolist()) == sample_text()
+    assert load_tokenizer(tok).decode(stream.ids.tolist()) == sample_text()
     assert f"wrote {out}: {len(stream):,} ids, {stream.n_contexts(256):,} contexts" in printed
     assert hashlib.sha256(tok.read_bytes()).hexdigest() in printed
     assert main(["tokenize", str(source), "--out", str(out), "--vocab", str(V),
@@ -340,9 +342,9 @@ def test_cli_tokenize_missing_source_exits_2_with_one_line(tmp_path, capsys):
 def test_head_and_tail_encode_to_the_ends_of_the_whole_encoding(tokenizer, monkeypatch):
     text = sample_text()
     ids = tokenizer.encode(text, add_special_tokens=False).ids  # one call, no pieces
-    other = data.train_tokenizer([other_text()], V)
+    other = train_tokenizer([other_text()], V)
     for size in (40, 700, 9000, 10**6):  # the last: one piece, no tail
-        monkeypatch.setattr(data, "PIECE_CHARS", size)
+        monkeypatch.setattr("coppelius.tokenizer.PIECE_CHARS", size)
         head, tail = data.head_and_tail(text)
         assert text.startswith(head) and text.endswith(tail) and len(head) >= min(size, len(text))
         assert bool(tail) == (len(head) < len(text))
@@ -387,13 +389,13 @@ def test_a_stream_beside_another_streams_tokenizer_is_rebuilt(tmp_path, counted)
     b_src.write_text(other_text(), encoding="utf-8")
     a, a_tok = data.prepare_stream(source=a_src, vocab=V, out=tmp_path / "d" / "a.tokens")
     b, b_tok = data.prepare_stream(source=b_src, vocab=V, out=tmp_path / "e" / "b.tokens")
-    a_sha = data.tokenizer_sha(a_tok)
-    assert a_sha != data.tokenizer_sha(b_tok) and len(counted) == 2
+    a_sha = tokenizer_sha(a_tok)
+    assert a_sha != tokenizer_sha(b_tok) and len(counted) == 2
     shutil.copyfile(b_tok, a_tok)  # same V, header still fresh: only the ids tell
     assert read_stream_header(a) == (os.stat(a_src).st_mtime_ns, os.stat(a_src).st_size)
     assert not data.is_fresh(a, a_src, V)
     data.prepare_stream(source=a_src, vocab=V, out=a)
-    assert len(counted) == 3 and data.tokenizer_sha(a_tok) == a_sha
+    assert len(counted) == 3 and tokenizer_sha(a_tok) == a_sha
     assert decodes_to(a, a_tok, sample_text())
 
 
@@ -456,7 +458,7 @@ def test_a_crash_between_the_two_renames_is_rebuilt(tmp_path, monkeypatch, count
     with pytest.raises(Crash):
         data.prepare_stream(source=source, vocab=vocab, out=out)
     monkeypatch.setattr(fsutil, "_hook", None)
-    assert out.read_bytes() == old_stream and data.load_tokenizer(tok).get_vocab_size() == vocab
+    assert out.read_bytes() == old_stream and load_tokenizer(tok).get_vocab_size() == vocab
     assert not data.is_fresh(out, source, vocab)
     data.prepare_stream(source=source, vocab=vocab, out=out)
     assert len(counted) == 3 and data.is_fresh(out, source, vocab)

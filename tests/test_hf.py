@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from tests.test_hf_directory import make_run, stdlib_text  # noqa: E402
 
 from coppelius.cli import main  # noqa: E402
-from coppelius.data import encode, load_tokenizer  # noqa: E402
+from coppelius.tokenizer import encode, load_tokenizer  # noqa: E402
 from coppelius.reference import forward, preset, round_bf16  # noqa: E402
 from coppelius.reference.binding import load_state  # noqa: E402
 from coppelius.sample import generate  # noqa: E402

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from coppelius import hf
 from coppelius.cli import main
-from coppelius.data import train_tokenizer, tokenizer_sha
+from coppelius.tokenizer import train_tokenizer, tokenizer_sha
 from coppelius.reference import Config, State, initialize, preset, registry, round_bf16
 from coppelius.reference import fsutil
 from coppelius.reference.binding import load_state

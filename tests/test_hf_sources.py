@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from tests.test_hf_directory import SMALL, stdlib_text, trained_like  # noqa: E402
 
 from coppelius.cli import main  # noqa: E402
-from coppelius.data import tokenizer_sha, train_tokenizer  # noqa: E402
+from coppelius.tokenizer import tokenizer_sha, train_tokenizer  # noqa: E402
 from coppelius.reference import State  # noqa: E402
 from coppelius.reference.checkpoint import identities, write_checkpoint  # noqa: E402
 from coppelius.reference.config import Hyper  # noqa: E402

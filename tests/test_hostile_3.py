@@ -197,6 +197,7 @@ def test_a_folder_holding_a_name_that_is_not_utf8_is_tokenized_skipping_it(tmp_p
     entries shows it as \\xff, and the stream is published with its
     tokenizer, document list and digest; a file source so named is read."""
     from coppelius import data
+    from coppelius.tokenizer import tokenizer_beside
 
     folder = tmp_path / "src"
     folder.mkdir()
@@ -207,7 +208,7 @@ def test_a_folder_holding_a_name_that_is_not_utf8_is_tokenized_skipping_it(tmp_p
     assert status == 0 and "Traceback" not in err, err
     assert "1 document, 1 other entry skipped" in stdout
     assert json.loads(open(data.documents_beside(out)).read())["skipped"] == ["\\xff.txt"]
-    assert data.read_digest(out) is not None and os.path.exists(data.tokenizer_beside(out))
+    assert data.read_digest(out) is not None and os.path.exists(tokenizer_beside(out))
     assert cli("tokenize", folder, "--vocab", V, "--out", out)[1].startswith("up to date")
     odd = tmp_path / os.fsdecode(b"x\xfe.txt")
     os.rename(folder / "a.txt", odd)

@@ -219,6 +219,7 @@ def sample_prompt(out: str) -> str:
 
 def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsys, monkeypatch):
     from coppelius import data, sample
+    from coppelius.tokenizer import load_tokenizer
     from coppelius.reference.stream import open_stream
 
     monkeypatch.chdir(tmp_path)
@@ -229,7 +230,7 @@ def test_the_sample_continues_a_line_of_the_last_context(tmp_path, source, capsy
     stream = open_stream(stream_path, SMALL["vocab"])
     T = SMALL["context"]
     K = stream.n_contexts(T)
-    tok = data.load_tokenizer(tok_path)
+    tok = load_tokenizer(tok_path)
     last = tok.decode(stream.ids[(K - 1) * T:K * T].tolist())  # the last context's inputs
     prompt = sample.corpus_prompt(stream, Config(**SMALL), tok, K - 1)
     assert text == prompt and prompt != sample.DEFAULT_PROMPT

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from coppelius import data, sample
+from coppelius import sample
 from coppelius.cli import main
 from coppelius.reference import Hyper, forward, initialize, preset
 from coppelius.reference.checkpoint import identities, write_checkpoint
@@ -19,6 +19,7 @@ from coppelius.reference.config import MODEL_FIELDS, PRESETS, Config, config_fro
 from coppelius.reference.errors import ConfigError, NonFiniteError
 from coppelius.reference.params import registry
 from coppelius.reference.state import State
+from coppelius.tokenizer import tokenizer_sha, train_tokenizer
 
 CONFIG = preset("test")  # V=64, T=16
 TIE = 1e-5  # logits closer than this may order differently between two forwards
@@ -153,12 +154,12 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     tok_path = root / "data" / "corpus-v320" / "tokenizer.json"
     tok_path.parent.mkdir(parents=True)
-    tok = data.train_tokenizer([corpus_text()], BPE.vocab)
+    tok = train_tokenizer([corpus_text()], BPE.vocab)
     tok_path.write_text(tok.to_str(), encoding="utf-8")
     P = spread_parameters(BPE, seed=1)
     ckpt = root / "tiny" / "checkpoint.bin"
     ckpt.parent.mkdir()
-    ids = identities(BPE, Hyper(), "fp32", 1, data.tokenizer_sha(tok_path), "ab" * 32)
+    ids = identities(BPE, Hyper(), "fp32", 1, tokenizer_sha(tok_path), "ab" * 32)
     write_checkpoint(ckpt, BPE, ids, State.fresh(P), contexts=0)
     return dict(ckpt=ckpt, tok=tok, tok_path=tok_path, P=P, ids=ids)
 
@@ -197,7 +198,7 @@ def test_cli_reports_the_generation_s_rate_on_stderr(run, capsys, tmp_path):
     ckpt = tmp_path / "tiny" / "checkpoint.bin"
     ckpt.parent.mkdir()
     shutil.copy(run["tok_path"], ckpt.parent / "tokenizer.json")
-    ids = identities(tiny, Hyper(), "fp32", 1, data.tokenizer_sha(run["tok_path"]), "ab" * 32)
+    ids = identities(tiny, Hyper(), "fp32", 1, tokenizer_sha(run["tok_path"]), "ab" * 32)
     write_checkpoint(ckpt, tiny, ids, State.fresh(initialize(tiny, 0)), contexts=0)
     assert main(["sample", str(ckpt), "--backend", "reference", "--tokens", "7",
                  "--temperature", "0", "--prompt", "def"]) == 0
@@ -237,10 +238,10 @@ def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
     lone.parent.mkdir()
     lone.write_bytes(run["ckpt"].read_bytes())
     # a tokenizer.json beside it, but not the one the checkpoint names
-    other = data.train_tokenizer([corpus_text()[:6000]], BPE.vocab)
+    other = train_tokenizer([corpus_text()[:6000]], BPE.vocab)
     (lone.parent / "tokenizer.json").write_text(other.to_str(), encoding="utf-8")
-    sha = data.tokenizer_sha(run["tok_path"])
-    assert data.tokenizer_sha(lone.parent / "tokenizer.json") != sha
+    sha = tokenizer_sha(run["tok_path"])
+    assert tokenizer_sha(lone.parent / "tokenizer.json") != sha
     assert main(["sample", str(lone), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -251,7 +252,7 @@ def test_cli_refuses_a_missing_tokenizer(run, capsys, monkeypatch, tmp_path):
 
 def test_cli_refuses_a_tokenizer_with_more_ids_than_the_model(run, capsys, tmp_path):
     large = tmp_path / "tokenizer.json"
-    large.write_text(data.train_tokenizer([corpus_text()], 400).to_str(), encoding="utf-8")
+    large.write_text(train_tokenizer([corpus_text()], 400).to_str(), encoding="utf-8")
     assert main(["sample", str(run["ckpt"]), "--tokenizer", str(large)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has 400 ids" in err and "V=320" in err, err
@@ -261,7 +262,7 @@ def test_cli_takes_a_tokenizer_with_fewer_ids_than_the_model(run, capsys, tmp_pa
     """SPEC 22: V may exceed the tokenizer's vocabulary (an imported model's
     padded one); --tokenizer may name the directory that holds it."""
     small = tmp_path / "tokenizer.json"
-    tok = data.train_tokenizer([corpus_text()], 300)
+    tok = train_tokenizer([corpus_text()], 300)
     small.write_text(tok.to_str(), encoding="utf-8")
     assert main(["sample", str(run["ckpt"]), "--tokenizer", str(tmp_path), "--tokens", "3",
                  "--temperature", "0", "--prompt", "def"]) == 0

@@ -19,6 +19,7 @@ import pytest
 from coppelius import corpus, data, hf
 from coppelius.cli import main
 from coppelius.plan import identity_hint
+from coppelius.tokenizer import tokenizer_beside, tokenizer_sha, train_tokenizer
 
 EOS = "<|endoftext|>"
 VOCAB = 512
@@ -160,7 +161,7 @@ def test_own_bpe_with_eos_separates_documents_and_keeps_its_v(tmp_path, capsys):
     status, _, err = tokenize(capsys, tmp_path / "a.jsonl", "--vocab", VOCAB, "--eos", EOS,
                               "--out", out)
     assert status == 0, err
-    tokenizer = data.tokenizer_beside(out)
+    tokenizer = tokenizer_beside(out)
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(tokenizer).get_vocab_size() == VOCAB
@@ -176,7 +177,7 @@ def test_own_bpe_on_records_without_eos_is_the_concatenation(tmp_path, capsys):
     status, _, err = tokenize(capsys, tmp_path / "a.jsonl", "--vocab", VOCAB, "--out", out)
     assert status == 0, err
     assert np.array_equal(stream_ids(out),
-                          library_ids(data.tokenizer_beside(out), documents, eos=None))
+                          library_ids(tokenizer_beside(out), documents, eos=None))
 
 
 def test_a_text_folder_with_eos_separates_its_marked_documents(tmp_path, tokenizer_file, capsys):
@@ -315,13 +316,13 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, tokenizer_file):
 
 
 def test_the_hf_export_names_the_separator(tmp_path):
-    own = data.train_tokenizer(words(300), 300, eos=EOS)
+    own = train_tokenizer(words(300), 300, eos=EOS)
     body = own.to_str().encode("utf-8")
     assert hf.tokenizer_eos(body) == (EOS, own.token_to_id(EOS))
     config = hf.tokenizer_config_json(corpus_config(), EOS)
     assert config["eos_token"] == EOS
     assert hf.generation_config_json(own.token_to_id(EOS))["eos_token_id"] == own.token_to_id(EOS)
-    plain = data.train_tokenizer(words(300), 300)
+    plain = train_tokenizer(words(300), 300)
     assert hf.tokenizer_eos(plain.to_str().encode("utf-8")) is None
     assert "eos_token" not in hf.tokenizer_config_json(corpus_config())
 
@@ -361,7 +362,7 @@ def test_continued_pretraining_keeps_the_runs_tokenizer(tmp_path, capsys, monkey
     common = ["--new-data", "--steps", "1", "--backend", "reference", "--no-sample"]
     assert main(["train", "--checkpoint", str(imported), "--run-dir", str(run_dir), "--source",
                  str(first), "--tokenizer", str(hf_dir), *common]) == 0, capsys.readouterr().err
-    own = data.tokenizer_beside(imported)  # the run's copy of its tokenizer
+    own = tokenizer_beside(imported)  # the run's copy of its tokenizer
     assert open(own, "rb").read() == (hf_dir / "tokenizer.json").read_bytes()
     capsys.readouterr()
     assert main(["train", "--run-dir", str(run_dir), "--source", str(second), "--tokenizer",
@@ -382,4 +383,4 @@ def test_continued_pretraining_keeps_the_runs_tokenizer(tmp_path, capsys, monkey
                    str(other_path), *common])
     err = capsys.readouterr().err
     assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert data.tokenizer_sha(own) in err and f"--tokenizer {own})" in err, err  # it works: above
+    assert tokenizer_sha(own) in err and f"--tokenizer {own})" in err, err  # it works: above
