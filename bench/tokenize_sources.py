@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--library-megabytes", type=int, default=None,
                         help="the library's corpus, if smaller (default: --megabytes)")
     args = parser.parse_args()
-    from coppelius.data import train_tokenizer
+    from coppelius.tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "corpus.jsonl")
