@@ -138,11 +138,13 @@ def tensorboard_dir(options: dict, run_dir) -> str | None:
 
 def check_writers(options: dict, run_dir) -> None:
     """Refuse, before anything is trained, a TensorBoard directory that
-    cannot be written and --wandb without the wandb package."""
-    import importlib.util
-
+    cannot be written or without the tensorboardX package (a tree run
+    without its install), and --wandb without the wandb package."""
     directory = tensorboard_dir(options, run_dir)
     if directory is not None:
+        if not _importable("tensorboardX"):
+            raise RunError(f"--tensorboard {directory}: the tensorboardX package is not "
+                           f"installed (pip install tensorboardX), or --no-tensorboard")
         try:
             os.makedirs(directory, exist_ok=True)
             probe = os.path.join(directory, f".coppelius-probe-{os.getpid()}")
@@ -153,13 +155,18 @@ def check_writers(options: dict, run_dir) -> None:
             raise RunError(f"--tensorboard {directory}: cannot write there "
                            f"({e.strerror or e})") from None
     if options.get("wandb"):
-        try:
-            found = importlib.util.find_spec("wandb") is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not _importable("wandb"):
             raise RunError(f"--wandb {options['wandb']}: the wandb package is not installed "
                            f"(pip install wandb)")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # (None in sys.modules: ValueError)
+        return False
 
 
 def previous_scalar(tb_dir, tag: str, step: int):

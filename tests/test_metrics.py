@@ -164,6 +164,19 @@ def test_wandb_without_the_package_is_refused(tmp_path, stream, monkeypatch, cap
     assert not (tmp_path / "run.json").exists() and not (tmp_path / "results-0.bin").exists()
 
 
+def test_tensorboard_without_the_package_is_refused(tmp_path, stream, monkeypatch, capsys):
+    """The default TensorBoard directory where tensorboardX is missing (the
+    tree run without its install): one line naming the option and the way
+    out, before anything is published; --no-tensorboard trains."""
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # not importable
+    assert train(stream, tmp_path, "--steps", "1") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensorboard" in err[0] and "tensorboardX" in err[0] \
+        and "--no-tensorboard" in err[0]
+    assert not (tmp_path / "run.json").exists() and not (tmp_path / "results-0.bin").exists()
+    assert train(stream, tmp_path, "--steps", "1", "--no-tensorboard") == 0
+
+
 def test_unwritable_tensorboard_dir_is_refused(tmp_path, stream, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
