@@ -364,6 +364,24 @@ __device__ __forceinline__ void fill_f32(const float (&d)[MT][BN / 2], int j0, u
             }
 }
 
+// 64 bfloat16 columns (8 groups of 8) into a chunk: pair(m, jj, h), this
+// thread's two values of group jj in block m, half h, rounded
+template <int MT, class Pair>
+__device__ __forceinline__ void fill_bf16(unsigned char* buf, Pair pair) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float2 v = pair(m, jj, h);
+                *reinterpret_cast<unsigned*>(
+                    swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
+                    pack_bf16x2(v.x, v.y);
+            }
+}
+
 // EPI_F32_TMA: the 64*MT x BN accumulators to C, 32 columns a chunk. map:
 // C's (box 32 x 64*MT), (x0, y0) the warpgroup's first column and row.
 template <int MT, int BN>
@@ -386,7 +404,6 @@ __device__ __forceinline__ void store_tile_swiglu(const float (&d)[MT][BN / 2],
                                                   int x0, int y0, int id) {
     constexpr int UP = BN / 16;      // the up columns' first group
     constexpr int HALF = BN / 64;    // float32 chunks of a half
-    const int lane = threadIdx.x % 32;
     staged<MT, 2 * HALF + BN / 128>(
         staging, id,
         [&](int q, unsigned char* buf) {
@@ -394,21 +411,14 @@ __device__ __forceinline__ void store_tile_swiglu(const float (&d)[MT][BN / 2],
                 fill_f32<MT, BN>(d, q < HALF ? 4 * q : UP + 4 * (q - HALF), buf);
                 return;
             }
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int jj = 0; jj < 8; jj++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int j = 8 * (q - 2 * HALF) + jj;
-                        const float g0 = d[m][4 * j + 2 * h], g1 = d[m][4 * j + 2 * h + 1];
-                        const float u0 = d[m][4 * (j + UP) + 2 * h];
-                        const float u1 = d[m][4 * (j + UP) + 2 * h + 1];
-                        *reinterpret_cast<unsigned*>(
-                            swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
-                            pack_bf16x2(swiglu_value(g0, sigmoid(g0), u0),
-                                        swiglu_value(g1, sigmoid(g1), u1));
-                    }
+            fill_bf16<MT>(buf, [&](int m, int jj, int h) {
+                const int j = 8 * (q - 2 * HALF) + jj;
+                const float g0 = d[m][4 * j + 2 * h], g1 = d[m][4 * j + 2 * h + 1];
+                const float u0 = d[m][4 * (j + UP) + 2 * h];
+                const float u1 = d[m][4 * (j + UP) + 2 * h + 1];
+                return make_float2(swiglu_value(g0, sigmoid(g0), u0),
+                                   swiglu_value(g1, sigmoid(g1), u1));
+            });
         },
         [&](int q, unsigned char* buf) {
             if (q < 2 * HALF)
@@ -435,35 +445,27 @@ __device__ __forceinline__ void store_tile_rope(const float (&d)[MT][BN / 2],
                                                 const float2 (&rs)[MT][2][R / 16], int rotated) {
     static_assert(R % 16 == 0 && BN % R == 0 && BN % 64 == 0, "tiles of whole heads");
     constexpr int PAIR = R / 16;  // groups between a pair's elements
-    const int lane = threadIdx.x % 32;
     staged<MT, BN / 64>(
         staging, id,
         [&](int q, unsigned char* buf) {
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int jj = 0; jj < 8; jj++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int j = 8 * q + jj;                // the group of 8 columns
-                        const bool first = (8 * j) % R < R / 2;  // in its head's first half
-                        const int jp = first ? j + PAIR : j - PAIR;
-                        float v0 = d[m][4 * j + 2 * h], v1 = d[m][4 * j + 2 * h + 1];
-                        if ((x0 + 8 * j) / R < rotated) {
-                            const float p0 = d[m][4 * jp + 2 * h], p1 = d[m][4 * jp + 2 * h + 1];
-                            const float2 c = rc[m][h][j % PAIR], s = rs[m][h][j % PAIR];
-                            if (first) {
-                                v0 = rope_first(v0, p0, c.x, s.x);
-                                v1 = rope_first(v1, p1, c.y, s.y);
-                            } else {
-                                v0 = rope_second(p0, v0, c.x, s.x);
-                                v1 = rope_second(p1, v1, c.y, s.y);
-                            }
-                        }
-                        *reinterpret_cast<unsigned*>(
-                            swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
-                            pack_bf16x2(v0, v1);
+            fill_bf16<MT>(buf, [&](int m, int jj, int h) {
+                const int j = 8 * q + jj;                // the group of 8 columns
+                const bool first = (8 * j) % R < R / 2;  // in its head's first half
+                const int jp = first ? j + PAIR : j - PAIR;
+                float v0 = d[m][4 * j + 2 * h], v1 = d[m][4 * j + 2 * h + 1];
+                if ((x0 + 8 * j) / R < rotated) {
+                    const float p0 = d[m][4 * jp + 2 * h], p1 = d[m][4 * jp + 2 * h + 1];
+                    const float2 c = rc[m][h][j % PAIR], s = rs[m][h][j % PAIR];
+                    if (first) {
+                        v0 = rope_first(v0, p0, c.x, s.x);
+                        v1 = rope_first(v1, p1, c.y, s.y);
+                    } else {
+                        v0 = rope_second(p0, v0, c.x, s.x);
+                        v1 = rope_second(p1, v1, c.y, s.y);
                     }
+                }
+                return make_float2(v0, v1);
+            });
         },
         [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 64 * q, y0); });
 }
