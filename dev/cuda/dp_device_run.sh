@@ -9,11 +9,8 @@
 # attention; the device has cuDNN, not the frontend).
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/dp_device}; mkdir -p "$OUT"
-FE=""
-if [ -n "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
-        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=/tmp/fe:
-fi
+source dev/cuda/wheels.sh && install_wheels "$OUT/pip.log"
+FE=${FE_DIR:+$FE_DIR:}
 export PYTHONPATH=$FE$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader

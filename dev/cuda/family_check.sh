@@ -21,11 +21,8 @@
 cd "$(dirname "$0")/../.." || exit 2
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/family_check}; mkdir -p "$OUT"
-FE=""
-if [ -n "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
-        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=:/tmp/fe
-fi
+source dev/cuda/wheels.sh && install_wheels "$OUT/pip.log"
+FE=${FE_DIR:+:$FE_DIR}
 export PYTHONPATH=$PWD$FE
 summary=()
 row() { summary+=("$(printf '%-58s %s' "$1" "$2")"); }

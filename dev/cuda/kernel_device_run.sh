@@ -14,11 +14,8 @@ cd "$(dirname "$0")/../.." || exit 2
 NEW=$PWD
 OUT=${OUT:-/tmp/kernel_run}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 OPENBLAS_NUM_THREADS=8
-FE=""
-if [ -n "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
-        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=/tmp/fe:
-fi
+source dev/cuda/wheels.sh && install_wheels "$OUT/pip.log"
+FE=${FE_DIR:+$FE_DIR:}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
 printf 'vocab = 37\ncontext = 9\nd_model = 18\nn_layer = 2\nn_head = 3\nd_ff = 13\n' > "$OUT/odd.toml"
 

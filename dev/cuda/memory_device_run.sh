@@ -20,11 +20,8 @@ OLD=$(cd "$OLD" && pwd) || exit 2
 OUT=${OUT:-/tmp/memory_run}; mkdir -p "$OUT"
 WORK=/tmp/memory_run_work; mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4
-FE=""
-if [ -n "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
-        "$WHEELS"/*.whl > "$WORK/pip.log" 2>&1 && FE=/tmp/fe:
-fi
+source dev/cuda/wheels.sh && install_wheels "$WORK/pip.log"
+FE=${FE_DIR:+$FE_DIR:}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
 cp dev/cuda/memory_check.py "$OLD/dev/cuda/"  # run from OLD's root: it imports OLD
 

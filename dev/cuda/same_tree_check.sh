@@ -12,11 +12,8 @@ cd "$(dirname "$0")/../.." || exit 2
 export PYTHONUNBUFFERED=1
 OLD=${OLD:-.old}; OUT=${OUT:-/tmp/same_tree_check}; mkdir -p "$OUT"
 NEW=$PWD; OLD=$(cd "$OLD" && pwd) || exit 2
-FE=""
-if [ -n "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fe \
-        "$WHEELS"/*.whl > "$OUT/pip.log" 2>&1 && FE=:/tmp/fe
-fi
+source dev/cuda/wheels.sh && install_wheels "$OUT/pip.log"
+FE=${FE_DIR:+:$FE_DIR}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 PYTHONPATH=$NEW$FE python -c "from coppelius.accelerated.cuda import cudnn_attention as c; \
 print('cuDNN frontend', c.versions() if hasattr(c, 'versions') else c.frontend().__version__)"
