@@ -36,13 +36,18 @@ except ImportError:  # the backend is simply unavailable
 FILES = ("common.cuh", "swiglu.cu", "rope.cu", "gemm_sm90.cu")  # the module's source, in order
 BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
 
+# kernels/gemm_sm90.cu's EPI_* epilogues, by name
+EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope")
+STAGED = ("f32_tma", "swiglu_tma", "rope")  # stored through shared memory and the copy engine
+
+
 # name -> Variant; kernels/gemm_sm90.cu's instantiations
 @dataclass(frozen=True)
 class Variant:
     mt: int  # 64-row blocks of a warpgroup's tile (ping-pong), else 1
     bn: int  # a tile's columns
     stages: int
-    epilogue: str  # "f32", "f32_tma" (stored by the copy engine), "swiglu", "swiglu_tma" or "rope"
+    epilogue: str  # one of EPILOGUES
     pingpong: bool
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
     rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
@@ -61,7 +66,7 @@ class Variant:
 
     @property
     def staged(self) -> bool:  # stored through shared memory and the copy engine
-        return self.epilogue in ("f32_tma", "swiglu_tma", "rope")
+        return self.epilogue in STAGED
 
     @property
     def box_b(self) -> int:  # the rows of B one copy brings
@@ -146,7 +151,7 @@ def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
     16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
     epilogue N is 2F, so F is a multiple of 4)."""
-    if epilogue not in ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope"):
+    if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
