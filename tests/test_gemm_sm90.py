@@ -35,6 +35,11 @@ def test_the_variants_are_the_sources_instantiations():
             source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(),
                                    pingpong == "true", 2 if macro.endswith("PAIR") else 1)
+    for name, mt, bn, stages, epi, pingpong, ta in re.findall(
+            r"^GEMM_KERNEL_T\((\w+), (\d+), (\d+), (\d+), EPI_(\w+), (true|false), (true|false)\)",
+            source, re.M):
+        found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(),
+                                   pingpong == "true", layout="mn" if ta == "true" else "kn")
     for name, mt, bn, stages, pingpong, R in re.findall(
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
@@ -70,6 +75,23 @@ def test_a_plan_checks_its_outputs():
             gemm.check_plan(name, N=2816, ldc=2816, H=H, **args)
     with pytest.raises(ValueError, match="rope arguments"):
         gemm.check_plan("gemm_rope64_c_n128_s6", N=1536, ldc=1536, **args)
+    # the dswiglu variants: their outputs given exactly for them, F a multiple of 8,
+    # gu's rows 2F long at least, dgu and a 16-byte aligned
+    back = dict(M=1000, K=512, A=1 << 20, lda=512, B=1 << 21, ldb=1408, C=1 << 22)
+    d = gemm.Dswiglu(dgu=1 << 23, a=1 << 24)
+    gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816, dswiglu=d, **back)
+    with pytest.raises(ValueError, match="dswiglu arguments"):
+        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816, **back)
+    with pytest.raises(ValueError, match="dswiglu arguments"):
+        gemm.check_plan("gemm_f32t_kn_c_n128_s6", N=1408, ldc=1408, dswiglu=d, **back)
+    with pytest.raises(ValueError, match="at least 2F"):
+        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=1408, dswiglu=d, **back)
+    with pytest.raises(ValueError, match="aligned"):
+        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816,
+                        dswiglu=gemm.Dswiglu(1 << 23, (1 << 24) + 8), **back)
+    with pytest.raises(ValueError, match="A given as"):
+        gemm.check_plan("gemm_f32t_mn_c_n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
+                        B=1 << 21, ldb=512, C=1 << 22, ldc=512)
 
 
 def test_map_geometry_is_innermost_first_in_bytes():
@@ -148,11 +170,28 @@ def test_the_products_rule():
     assert products.choose(**base) == "gemm_f32t_p_m2n128_s4"
     assert products.choose(**{**base, "k": 1408, "lda": 1408, "ldb": 1408}) == \
         "gemm_f32t_c_n256_s4"
-    for change in ({"trans_a": True}, {"trans_b": False}, {"ab_type": "float32"},
+    for change in ({"trans_a": True}, {"ab_type": "float32"},
                    {"c_type": "bfloat16"}, {"beta": 1.0}, {"batch": 2}, {"m": 1024},
                    {"n": 12288, "ldc": 12288}, {"n": 1540, "ldc": 1540}, {"A": (1 << 20) + 8},
                    {"lda": 516}, {"k": 2048, "lda": 2048, "ldb": 2048}):
         assert products.choose(**{**base, **change}) is None, change
+    # the backward's dX = dY W (B given as (k, n)): float32 or bfloat16 results, K to 1024
+    back = {**base, "trans_b": False, "n": 512, "ldb": 512, "ldc": 512}
+    assert products.choose(**back) == products.BACKWARD_INPUT["float32"]
+    assert products.choose(**{**back, "c_type": "bfloat16"}) == \
+        products.BACKWARD_INPUT["bfloat16"]
+    for change in ({"k": 1536, "lda": 1536}, {"m": 1024}, {"beta": 1.0},
+                   {"c_type": "bfloat16", "ldc": 516}, {"trans_a": True}):
+        assert products.choose(**{**back, **change}) is None, change
+    for name in products.BACKWARD_INPUT.values():
+        assert gemm.VARIANTS[name].layout == "kn"
+    dsw = dict(m=8192, F=1408, k=512, A=1 << 20, lda=512, W=1 << 21, ldw=1408, gu=1 << 22,
+               dgu=1 << 23, a=1 << 24)
+    assert products.choose_dswiglu(**dsw) == products.DSWIGLU
+    assert gemm.VARIANTS[products.DSWIGLU].epilogue == "dswiglu"
+    for change in ({"m": 1024}, {"F": 1412, "ldw": 1412}, {"k": 1536, "lda": 1536},
+                   {"a": (1 << 24) + 8}):
+        assert products.choose_dswiglu(**{**dsw, **change}) is None, change
     for name in (products.choose(**base), products.SWIGLU, products.SWIGLU_ANY_F,
                  *products.ROPE.values(), *products.ROPE_FEW_ROWS.values()):
         assert name in gemm.VARIANTS

@@ -1,7 +1,9 @@
 """The project's own matrix-product kernel on Hopper (kernels/gemm_sm90.cu):
 row-major C (M,N) float32 = A (M,K) @ B (N,K)^T with bfloat16 operands, the
-forward's products (x @ W^T), and the same product with the SwiGLU of the
-gate/up projections done in its epilogue.
+forward's products (x @ W^T), the same product with the SwiGLU of the
+gate/up projections or the rope of q | k | v done in its epilogue, and the
+backward's layouts: B given as (K,N) (`kn`: dX = dY W), and A as (K,M)
+too (`mn`: dW = dY^T X), with float32 or bfloat16 results.
 
 The kernel needs sm_90a (wgmma, setmaxnreg), which CuPy's RawModule does
 not target (it names the device's plain architecture itself), so this
@@ -37,8 +39,12 @@ FILES = ("common.cuh", "swiglu.cu", "rope.cu", "gemm_sm90.cu")  # the module's s
 BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
 
 # kernels/gemm_sm90.cu's EPI_* epilogues, by name
-EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope")
-STAGED = ("f32_tma", "swiglu_tma", "rope")  # stored through shared memory and the copy engine
+EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu")
+# stored through shared memory and the copy engine
+STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu")
+# the operands' layouts: kk both K-major (A (M,K), B (N,K)); kn B given as
+# (K,N); mn A as (K,M) and B as (K,N)
+LAYOUTS = ("kk", "kn", "mn")
 
 
 # name -> Variant; kernels/gemm_sm90.cu's instantiations
@@ -51,6 +57,7 @@ class Variant:
     pingpong: bool
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
     rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
+    layout: str = "kk"  # one of LAYOUTS
 
     @property
     def bm(self) -> int:  # a tile's rows
@@ -69,8 +76,12 @@ class Variant:
         return self.epilogue in STAGED
 
     @property
-    def box_b(self) -> int:  # the rows of B one copy brings
+    def box_b(self) -> int:  # the rows of B one copy brings (K-major)
         return self.bn // 2 if self.swiglu or self.cluster == 2 else self.bn
+
+    @property
+    def c_item(self) -> int:  # bytes of an element of the result C
+        return 2 if self.epilogue == "bf16_tma" else 4
 
 
 VARIANTS = {
@@ -99,6 +110,18 @@ VARIANTS = {
     "gemm_rope64_p_m1n256_s4": Variant(1, 256, 4, "rope", True, rope=64),
     "gemm_rope128_p_m1n128_s6": Variant(1, 128, 6, "rope", True, rope=128),
     "gemm_rope128_p_m1n256_s4": Variant(1, 256, 4, "rope", True, rope=128),
+    "gemm_bf16t_p_m2n128_s4": Variant(2, 128, 4, "bf16_tma", True),
+    "gemm_f32t_kn_c_n256_s4": Variant(1, 256, 4, "f32_tma", False, layout="kn"),
+    "gemm_f32t_kn_c_n128_s6": Variant(1, 128, 6, "f32_tma", False, layout="kn"),
+    "gemm_f32t_kn_p_m2n128_s4": Variant(2, 128, 4, "f32_tma", True, layout="kn"),
+    "gemm_f32t_kn_p_m1n256_s4": Variant(1, 256, 4, "f32_tma", True, layout="kn"),
+    "gemm_bf16t_kn_c_n128_s6": Variant(1, 128, 6, "bf16_tma", False, layout="kn"),
+    "gemm_bf16t_kn_p_m2n128_s4": Variant(2, 128, 4, "bf16_tma", True, layout="kn"),
+    "gemm_dswiglu_kn_c_n128_s6": Variant(1, 128, 6, "dswiglu", False, layout="kn"),
+    "gemm_dswiglu_kn_p_m1n128_s6": Variant(1, 128, 6, "dswiglu", True, layout="kn"),
+    "gemm_f32t_mn_c_n128_s6": Variant(1, 128, 6, "f32_tma", False, layout="mn"),
+    "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
+    "gemm_f32t_mn_p_m2n128_s4": Variant(2, 128, 4, "f32_tma", True, layout="mn"),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -147,25 +170,32 @@ def map_geometry(rows: int, cols: int, ld: int, box_rows: int, item: int = 2) ->
     return MapGeometry(dims=(cols, rows), strides=(ld * item,), box=(128 // item, box_rows))
 
 
-def check_shape(M: int, N: int, K: int, epilogue: str) -> None:
+def check_shape(M: int, N: int, K: int, epilogue: str, layout: str = "kk") -> None:
     """The shapes the kernel takes: K and N multiples of 8 (the copy engine's
     16-byte strides, and the epilogue's pairs of columns: with the SwiGLU
-    epilogue N is 2F, so F is a multiple of 4)."""
+    epilogue N is 2F, so F is a multiple of 4); with A given as (K,M)
+    (layout mn), M too."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}")
     if min(M, N, K) < 1:
         raise ValueError(f"empty product {M}x{N}x{K}")
     if K % 8 or N % 8:
         raise ValueError(f"product {M}x{N}x{K}: N and K must be multiples of 8")
+    if layout == "mn" and M % 8:
+        raise ValueError(f"product {M}x{N}x{K}: A given as (K,M) needs M a multiple of 8")
 
 
-def check_addresses(A: int, lda: int, B: int, ldb: int, C: int, ldc: int, H: int = 0) -> None:
+def check_addresses(A: int, lda: int, B: int, ldb: int, C: int, ldc: int, H: int = 0,
+                    c_item: int = 4) -> None:
     """The copy engine's rule: every matrix 16-byte aligned, every row
     stride a multiple of 16 bytes (lda, ldb in bfloat16 elements, ldc in
-    float32); the epilogue's 8-byte stores need no more."""
+    elements of c_item bytes, float32's 4 unless the result is bfloat16);
+    the epilogue's 8-byte stores need no more."""
     if A % 16 or B % 16 or C % 16 or H % 16:
         raise ValueError("the product's matrices must start 16-byte aligned")
-    if (lda * 2) % 16 or (ldb * 2) % 16 or (ldc * 4) % 16:
+    if (lda * 2) % 16 or (ldb * 2) % 16 or (ldc * c_item) % 16:
         raise ValueError(f"row strides lda={lda}, ldb={ldb}, ldc={ldc}: multiples of 16 bytes")
 
 
@@ -184,6 +214,16 @@ class Rope:
     rotated: int
 
 
+@dataclass(frozen=True)
+class Dswiglu:
+    """The dswiglu epilogue's outputs (the product's C is then gu, read):
+    dgu (M, 2F) bfloat16 operands (dg then du) and a (M, F) bfloat16, the
+    forward's silu(g) u again."""
+
+    dgu: int
+    a: int
+
+
 def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
     """The rope variants' arguments: given exactly for them, N whole heads."""
     if (v.epilogue == "rope") != (rope is not None):
@@ -199,13 +239,23 @@ def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
 
 
 def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, ldb: int,
-               C: int, ldc: int, H: int = 0, rope: Rope | None = None) -> None:
+               C: int, ldc: int, H: int = 0, rope: Rope | None = None,
+               dswiglu: Dswiglu | None = None) -> None:
     """Everything a plan of `variant` checks before it encodes a map (the
     CPU stand-in's plans check the same)."""
     v = VARIANTS[variant]
-    check_shape(M, N, K, v.epilogue)
+    if (v.epilogue == "dswiglu") != (dswiglu is not None):
+        raise ValueError("the dswiglu arguments are the dswiglu variants'")
+    if dswiglu is not None:
+        if N % 8 or ldc < 2 * N:
+            raise ValueError(f"{variant}: F = {N}: a multiple of 8, gu's rows (ldc = {ldc}) "
+                             f"at least 2F")
+        if dswiglu.dgu % 16 or dswiglu.a % 16:
+            raise ValueError(f"{variant}: dgu and a must start 16-byte aligned")
+    check_shape(M, N, K, v.epilogue, v.layout)
     check_rope(v, N, rope)
-    check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H)
+    check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H,
+                    v.c_item)
     if v.swiglu != bool(H):
         raise ValueError(f"{variant}: H is the SwiGLU variants' output")
     if v.epilogue == "swiglu_tma" and (N // 2) % 8:
@@ -382,6 +432,9 @@ class Kernels:
         """C (M,N) float32 = A (M,K) @ B (N,K)^T, A and B bfloat16 (any
         2-D CuPy arrays of 2-byte items with unit column stride); the
         SwiGLU variants also write H (M, N/2) bfloat16 bits."""
+        if VARIANTS[variant].layout != "kk" or VARIANTS[variant].c_item != 4:
+            raise ValueError(f"{variant}: plan takes the forward's layout with a float32 "
+                             f"result; plan_pointers the others")
         (M, K), (N, K2) = A.shape, B.shape
         if K2 != K or C.shape != (M, N) or C.dtype != np.float32:
             raise ValueError(f"product shapes: A {A.shape}, B {B.shape}, C {C.shape} {C.dtype}")
@@ -395,18 +448,31 @@ class Kernels:
                                   H.data.ptr if H is not None else 0)
 
     def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
-                      ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None) -> Planned:
+                      ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None,
+                      dswiglu: Dswiglu | None = None) -> Planned:
         """plan's product by addresses and row strides (elements): A (M,K)
-        and B (N,K) bfloat16, C (M,N) float32, H (M, N/2) bfloat16 (the
+        and B (N,K) bfloat16 (layout kn: B (K,N); mn: A (K,M) and B (K,N)),
+        C (M,N) float32 (bf16_tma: bfloat16), H (M, N/2) bfloat16 (the
         SwiGLU variants' a; else 0); the rope variants write rope.out
-        instead of C (C may be 0)."""
+        instead of C (C may be 0); the dswiglu variants (N = F) read gu
+        (M, 2F) float32 at C, row stride ldc, and write dswiglu.dgu and
+        dswiglu.a."""
         v = VARIANTS[variant]
-        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
+        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
-        encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
-                   + encode_map(B, map_geometry(N, K, ldb, v.box_b)))
+        # a transposed operand: its (K, M) or (K, N) rows in boxes of 64 columns by 64 K-rows
+        encoded = (encode_map(A, map_geometry(K, M, lda, BK) if v.layout == "mn"
+                              else map_geometry(M, K, lda, v.bm))
+                   + encode_map(B, map_geometry(K, N, ldb, BK) if v.layout != "kk"
+                                else map_geometry(N, K, ldb, v.box_b)))
         if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows, item=4), FLOAT32)
+        if v.epilogue == "bf16_tma":
+            encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows))
+        if v.epilogue == "dswiglu":  # dgu's gate and up halves, and a
+            for half in (dswiglu.dgu, dswiglu.dgu + 2 * N):
+                encoded += encode_map(half, map_geometry(M, N, 2 * N, v.staging_rows))
+            encoded += encode_map(dswiglu.a, map_geometry(M, N, N, v.staging_rows))
         if v.epilogue == "swiglu_tma":  # gu's gate and up halves, and a
             for half in (C, C + 4 * F):
                 encoded += encode_map(half, map_geometry(M, F, ldc, v.staging_rows, item=4),

@@ -224,6 +224,17 @@ class Model:
         return self.blas.gemm_swiglu(h.shape[0], self.config.d_ff, D, _ptr(h), D,
                                      _ptr(self.Pop, W), D, _ptr(gu), _ptr(out))
 
+    def down_dswiglu(self, dres, W, gu, a: Activations, p: str) -> bool:
+        """da = dres W_down and from it a.dgu and a.a_back (the swiglu
+        backward's, gu (BT,2F) read) in one kernel, where the products
+        choose it (products.py): True if done."""
+        if not hasattr(self.blas, "gemm_dswiglu"):
+            return False
+        self.at(p + "mlp.down.backward", p + "mlp.swiglu.backward", p + "mlp.swiglu")
+        D, F = self.config.d_model, self.config.d_ff
+        return self.blas.gemm_dswiglu(dres.shape[0], F, D, _ptr(dres), D, _ptr(self.Pop, W), F,
+                                      _ptr(gu), _ptr(a.dgu), _ptr(a.a_back))
+
     def qkv_rope(self, h, l: int, out, T: int, p: str) -> bool:
         """out (BT,qkv) operands = rope(h Wqkv^T), no float32 q | k | v
         between, in one kernel where the products choose it (products.py;
@@ -395,12 +406,6 @@ class Model:
                 # backward's buffers of one layer, for the backward below
                 self.layer_forward(a, l, again=True)
             # x[l+1] = x_mid + down(silu(gate(h)) * up(h)), h = mlp_norm(x_mid)
-            # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
-            # the swiglu backward writes a again (the forward's bits) for the
-            # down weight's gradient dres^T a
-            self.at(p + "mlp.down.backward")
-            self.linear_backward_input(dres_op, w.down, a.da, D, F)
-            self._tap(p + "mlp.dh", a.da)
             gu = a.gu[l]
             if a.recompute == "gate-up":
                 # h = mlp_norm(x_mid) and g, u = h Wgate^T, h Wup^T again, by
@@ -410,8 +415,17 @@ class Model:
                                   w.mlp_norm)
                 self.linear_forward(a.h_back, w.gate_up, a.gu_back, lay.gate_up_width, D)
                 gu = a.gu_back
-            self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
-            k.swiglu_backward(a.da, gu, a.dgu, a.a_back)
+            # a = silu(g) * u is not kept per layer: da = dres Wdown first, then
+            # the swiglu backward writes a again (the forward's bits) for the
+            # down weight's gradient dres^T a; in one kernel where the
+            # products choose it (no float32 da; not while an eager debugging
+            # step taps da)
+            if self.tap is not None or not self.down_dswiglu(dres_op, w.down, gu, a, p):
+                self.at(p + "mlp.down.backward")
+                self.linear_backward_input(dres_op, w.down, a.da, D, F)
+                self._tap(p + "mlp.dh", a.da)
+                self.at(p + "mlp.swiglu.backward", p + "mlp.swiglu")
+                k.swiglu_backward(a.da, gu, a.dgu, a.a_back)
             self.at(p + "mlp.down.backward")
             self.linear_backward_weight(dres_op, a.a_back, w.down, D, F)
             self._tap(p + "mlp.dgate", a.dgu, lay.gate)

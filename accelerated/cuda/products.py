@@ -1,7 +1,8 @@
 """The step's matrix products: cuBLAS's (cublas.py), or, where chosen, the
 project's own Hopper kernel (gemm.py, kernels/gemm_sm90.cu) for the
 forward's x @ W^T products, with the gate/up product's SwiGLU and the
-q | k | v product's rope in their epilogues.
+q | k | v product's rope in their epilogues, and for the backward's
+input gradients dY W, with the SwiGLU's backward in the down product's.
 
 The own kernel serves the bf16 policy on Hopper (compute capability 9.0,
 which its wgmma and tensor-map code needs) where the rule below picks it,
@@ -40,6 +41,14 @@ MAX_K = 1408
 # H200, B = 8 (dev/cuda/NOTES.md): fused gate/up + SwiGLU 66.7 us against cuBLAS + swiglu
 # 79.1 (through the copy engine; F a multiple of 8, else the register stores' variant);
 # fused q | k | v + rope 22.7 us against 50.2 (and at B = 1 6.4 against 9.1: every M)
+# the backward's dX = dY W (B given as (K, N)), by the result's type, up to K = MAX_K_INPUT
+# (H200, B = 8, coppelius preset: o 9.5 against cuBLAS 11.0 us, down 26.6 against 29.6, o
+# with a bfloat16 result 8.5 against 9.2; at K = 1536 and 2816 (q | k | v, gate/up) level
+# or slower: cuBLAS's)
+BACKWARD_INPUT = {"float32": "gemm_f32t_kn_p_m2n128_s4", "bfloat16": "gemm_bf16t_kn_p_m2n128_s4"}
+MAX_K_INPUT = 1024
+# the down product's dX with the SwiGLU's backward in its epilogue (no float32 da)
+DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
@@ -63,9 +72,9 @@ def _hopper() -> bool:
         return False
 
 
-def _aligned(*pointers_and_strides) -> bool:
+def _aligned(*pointers_and_strides, c_item: int = 4) -> bool:
     try:
-        gemm.check_addresses(*pointers_and_strides)
+        gemm.check_addresses(*pointers_and_strides, c_item=c_item)
     except ValueError:
         return False
     return True
@@ -74,18 +83,25 @@ def _aligned(*pointers_and_strides) -> bool:
 def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: int, B: int,
            ldb: int, C: int, ldc: int, ab_type: str, c_type: str, beta: float,
            batch: int) -> str | None:
-    """The own kernel's variant for this product, or None for cuBLAS's: the
-    forward's layout (A (m,k), B (n,k) both K-major) with bfloat16
-    operands and a float32 result, nothing added, one product, and a shape
-    the H200's measurements favour (NOTES: at or under cuBLAS on the
-    coppelius preset's forward shapes at B = 8 and 32)."""
-    if trans_a or not trans_b or ab_type != "bfloat16" or c_type != "float32" or beta != 0.0 \
-            or batch != 1:
+    """The own kernel's variant for this product, or None for cuBLAS's:
+    bfloat16 operands, nothing added, one product, and a layout and shape
+    the H200's measurements favour (NOTES): the forward's x @ W^T (A (m,k),
+    B (n,k)) with a float32 result, and the backward's dX = dY W (B given
+    as (k,n)) with a float32 or bfloat16 result. The weight gradients
+    dY^T X stay cuBLAS's: their (out, in) tiles are too few for the
+    persistent grid (a split of K is not built)."""
+    if ab_type != "bfloat16" or beta != 0.0 or batch != 1 or trans_a \
+            or m < MIN_ROWS or n > MAX_COLUMNS or n % 8 or k % 8:
         return None
-    if m < MIN_ROWS or n > MAX_COLUMNS or k > MAX_K or n % 8 or k % 8 \
-            or not _aligned(A, lda, B, ldb, C, ldc):
+    if trans_b:  # the forward's
+        if c_type != "float32" or k > MAX_K or not _aligned(A, lda, B, ldb, C, ldc):
+            return None
+        return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
+    variant = BACKWARD_INPUT.get(c_type)  # dX = dY W
+    if variant is None or k > MAX_K_INPUT or not _aligned(
+            A, lda, B, ldb, C, ldc, c_item=gemm.VARIANTS[variant].c_item):
         return None
-    return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
+    return variant
 
 
 def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
@@ -96,6 +112,17 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
             or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
         return None
     return SWIGLU if F % 8 == 0 else SWIGLU_ANY_F
+
+
+def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
+                   dgu: int, a: int) -> str | None:
+    """The fused down dX + SwiGLU backward variant, or None (then the
+    product into float32 da and the swiglu_backward kernel): dX's rule,
+    F a multiple of 8 (its outputs' rows through the copy engine)."""
+    if m < MIN_ROWS or k > MAX_K_INPUT or F % 8 or k % 8 \
+            or not _aligned(A, lda, W, ldw, dgu, 2 * F, c_item=2) or gu % 16 or a % 16:
+        return None
+    return DSWIGLU
 
 
 def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
@@ -115,8 +142,8 @@ class Products:
     whether the rule applies (own_products); kernels: the compiled
     gemm.Kernels, or None in the memory plan's dry run (then the own
     products are only recorded, as cuBLAS's are). Every product goes
-    through `gemm` (cuBLAS's arguments), `gemm_swiglu` or `gemm_rope`; `log`, `calls`,
-    `version` and `close` are the handle's."""
+    through `gemm` (cuBLAS's arguments), `gemm_swiglu`, `gemm_rope` or
+    `gemm_dswiglu`; `log`, `calls`, `version` and `close` are the handle's."""
 
     def __init__(self, blas, own: bool = False, kernels=None):
         self.blas, self.own, self.kernels = blas, own, kernels
@@ -168,6 +195,20 @@ class Products:
         self._own(variant, m, 2 * F, k, A, lda, W, ldw, gu, 2 * F, a)
         return True
 
+    def gemm_dswiglu(self, m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int,
+                     gu: int, dgu: int, a: int) -> bool:
+        """da = A (m,k) @ W (k,F) (the down product's input gradient, W given
+        as (k, F)) and from it, as kernels/swiglu.cu's swiglu_backward
+        computes them, dgu (m, 2F) operands and a (m, F) = silu(g) u again,
+        gu (m, 2F) float32 read, in one kernel where chosen (no float32 da):
+        True if done, False if the caller is to run the two."""
+        variant = choose_dswiglu(m, F, k, A, lda, W, ldw, gu, dgu, a) if self.own else None
+        if variant is None:
+            return False
+        self._own(variant, m, F, k, A, lda, W, ldw, gu, 2 * F,
+                  dswiglu=gemm.Dswiglu(dgu, a))
+        return True
+
     def gemm_rope(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                   ldo: int, cos: int, sin: int, T: int, rotated: int, E: int, R: int) -> bool:
         """out (m,n) operands = the rope (kernels/rope.cu's rope_forward, cos,
@@ -182,14 +223,16 @@ class Products:
         return True
 
     def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
-             C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None) -> None:
+             C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None,
+             dswiglu: gemm.Dswiglu | None = None) -> None:
         if self.log is not None:
-            touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ())
+            touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
+                + ((dswiglu.dgu, dswiglu.a) if dswiglu else ())
             self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only
             return
-        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope)
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         plan = self.plans.get(key)
         stream = cupy.cuda.get_current_stream()
         if plan is None:
@@ -197,5 +240,5 @@ class Products:
                 raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
                                    f"the warm-up step plans every product before it")
             plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
-                                                                ldb, C, ldc, H, rope)
+                                                                ldb, C, ldc, H, rope, dswiglu)
         plan.launch(stream)

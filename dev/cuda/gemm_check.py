@@ -14,7 +14,10 @@ rope_forward's on the own float32 product bit for bit ("bits="). Times:
 a CUDA graph of 20 launches replayed 15 times, the median per launch in
 microseconds, against cuBLAS (cublasGemmEx, float32 result), for gate/up
 against cuBLAS + the swiglu kernel, for q | k | v + rope against cuBLAS +
-rope_forward. A table last."""
+rope_forward. The backward's layouts (--directions backward): per shape
+dX = dY W (layout kn, B given as (K,N); the o product's with a bfloat16
+result, as the step's) and dW = dY^T X (layout mn) against cublasGemmEx's
+same call. A table last."""
 
 from __future__ import annotations
 
@@ -72,6 +75,122 @@ def timed(stream, body) -> float:
     return float(np.median(times))
 
 
+def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng, row,
+                  failures):
+    """dX = dY W (M, in) for each forward product W (out, in), dY (M, out),
+    and dW = dY^T X (out, in), X (M, in), by the kn and mn variants beside
+    cuBLAS's same call; the edges first (M, N, K past the tiles)."""
+    edge = [("edge", 1000, [("o", 520, 200)])]
+    passes = edge + [(B, B * T, shapes) for B in map(int, args.batches.split(","))]
+    for B, M, product_shapes in passes:
+        for name, n_out, n_in in product_shapes:
+            if name == "classifier":
+                continue
+            dY = bf16_bits(rng, (M, n_out))
+            W = bf16_bits(rng, (n_out, n_in), scale=n_out ** -0.5)
+            X = bf16_bits(rng, (M, n_in))
+            # (product, m, n, k, A, lda, B, ldb, trans_a, the float64 reference)
+            products = [("dX", M, n_in, n_out, dY, n_out, W, n_in, False,
+                         as_f64(dY) @ as_f64(W)),
+                        ("dW", n_out, n_in, M, dY, n_out, X, n_in, True,
+                         as_f64(dY).T @ as_f64(X))]
+            for what, m, n, k, A, lda, Bm, ldb, trans_a, ref in products:
+                layout = "mn" if trans_a else "kn"
+                for c_type in ("float32", "bfloat16") if what == "dX" and name == "o" \
+                        else ("float32",):
+                    bf16 = c_type == "bfloat16"
+                    epilogue = "bf16_tma" if bf16 else "f32_tma"
+                    label = f"{what} {name}" + (" bf16" if bf16 else "")
+                    new = (lambda: cp.full((m, n), 0xFFFF, cp.uint16)) if bf16 else \
+                        (lambda: cp.full((m, n), cp.nan, cp.float32))
+                    value = as_f64 if bf16 else (lambda x: x.astype(cp.float64))
+                    tol = 1e-2 if bf16 else max(1e-5, 2e-9 * k)  # float32 sums of k terms
+                    C0 = new()
+
+                    def cublas_product(C=C0, A=A, Bm=Bm, m=m, n=n, k=k, lda=lda, ldb=ldb,
+                                       trans_a=trans_a, c_type=c_type):
+                        blas.gemm(trans_a, False, m, n, k, A.data.ptr, lda, Bm.data.ptr, ldb,
+                                  C.data.ptr, n, ab_type="bfloat16", c_type=c_type)
+
+                    cublas_product()
+                    stream.synchronize()
+                    t_blas = timed(stream, cublas_product)
+                    row(B, label, "cublas", rel(value(C0), ref), t_blas, 1.0, "-")
+                    for v in variants:
+                        var = gemm.VARIANTS[v]
+                        if var.layout != layout or var.epilogue != epilogue:
+                            continue
+                        C1 = new()
+                        try:
+                            plan = kernels.plan_pointers(v, m, n, k, A.data.ptr, lda,
+                                                         Bm.data.ptr, ldb, C1.data.ptr, n)
+                            plan.launch(stream)
+                            stream.synchronize()
+                        except Exception as e:  # noqa: BLE001 (reported in the table)
+                            failures.append(f"B={B} {label} {v}: {type(e).__name__}: {e}")
+                            row(B, label, v, float("nan"), float("nan"), float("nan"), "ERR")
+                            continue
+                        got = value(C1)
+                        written = not bool(cp.isnan(got).any())
+                        err = rel(got, ref) if written else float("inf")
+                        first = C1.copy()
+                        C1.fill(0xFFFF if bf16 else cp.nan)
+                        plan.launch(stream)
+                        stream.synchronize()
+                        same = bool((C1.view(cp.uint16) == first.view(cp.uint16)).all())
+                        check = "ok" if written and same and err < tol else "FAIL"
+                        if check != "ok":
+                            failures.append(f"B={B} {label} {v}: written={written} "
+                                            f"err={err:.2e} replay-equal={same}")
+                        t = timed(stream, lambda plan=plan: plan.launch(stream))
+                        row(B, label, v, err, t, t / t_blas, check)
+            if name == "down":
+                dswiglu_rows(B, M, n_out, n_in, dY, W, variants, kernels, project, blas, stream,
+                             rng, row, failures)
+
+
+def dswiglu_rows(B, M, D, F, dres, W, variants, kernels, project, blas, stream, rng, row,
+                 failures):
+    """The down product's dX with the SwiGLU backward in its epilogue
+    against cuBLAS's dX + the swiglu_backward kernel: dgu and a bitwise the
+    kernel's on the own kn product's float32 da ("bits=")."""
+    gu = cp.asarray(rng.standard_normal((M, 2 * F), dtype=np.float32) * 2)
+    da = cp.zeros((M, F), cp.float32)
+    dgu0, a0 = cp.zeros((M, 2 * F), cp.uint16), cp.zeros((M, F), cp.uint16)
+
+    def cublas_dswiglu():
+        blas.gemm(False, False, M, F, D, dres.data.ptr, D, W.data.ptr, F, da.data.ptr, F,
+                  ab_type="bfloat16", c_type="float32")
+        project.swiglu_backward(da, gu, dgu0, a0)
+
+    t_base = timed(stream, cublas_dswiglu)
+    g, u = gu[:, :F].astype(cp.float64), gu[:, F:].astype(cp.float64)
+    d64 = as_f64(dres) @ as_f64(W)
+    sig = 1 / (1 + cp.exp(-g))
+    ref = cp.concatenate([d64 * u * (sig + g * sig * (1 - sig)), d64 * g * sig], 1)
+    row(B, "dX down+dswiglu", "cublas+swiglu_backward", rel(as_f64(dgu0), ref), t_base, 1.0, "-")
+    kernels.plan_pointers("gemm_f32t_kn_c_n128_s6", M, F, D, dres.data.ptr, D, W.data.ptr, F,
+                          da.data.ptr, F).launch(stream)
+    want_dgu, want_a = cp.zeros_like(dgu0), cp.zeros_like(a0)
+    project.swiglu_backward(da, gu, want_dgu, want_a)
+    for v in variants:
+        if gemm.VARIANTS[v].epilogue != "dswiglu":
+            continue
+        dgu, a = cp.full_like(dgu0, 0xFFFF), cp.full_like(a0, 0xFFFF)
+        plan = kernels.plan_pointers(v, M, F, D, dres.data.ptr, D, W.data.ptr, F, gu.data.ptr,
+                                     2 * F, dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr))
+        plan.launch(stream)
+        stream.synchronize()
+        err = rel(as_f64(dgu), ref)
+        bits = "bits=" if bool((dgu == want_dgu).all()) and bool((a == want_a).all()) \
+            else "bits~"
+        check = "ok" if err < 1e-2 and bits == "bits=" else "FAIL"
+        if check != "ok":
+            failures.append(f"B={B} dX down+dswiglu {v}: err={err:.2e} {bits}")
+        t = timed(stream, lambda plan=plan: plan.launch(stream))
+        row(B, "dX down+dswiglu", v, err, t, t / t_base, f"{check} {bits}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,32")
@@ -79,6 +198,8 @@ def main() -> None:
     p.add_argument("--model", metavar="FILE.toml", help="the shapes of a model file instead")
     p.add_argument("--variants", default=",".join(gemm.VARIANTS))
     p.add_argument("--shapes", default="qkv,o,gate_up,down,classifier")
+    p.add_argument("--directions", default="forward,backward",
+                   help="forward: the x @ W^T products and their epilogues; backward: dX, dW")
     p.add_argument("--watchdog", action="store_true",
                    help="compile with GEMM_WATCHDOG: a barrier wait over 2 s traps")
     args = p.parse_args()
@@ -107,8 +228,11 @@ def main() -> None:
 
     # first the edges: M, N, K no multiples of the tiles (M odd in tiles of
     # 128, K not of 64): rows, columns and K past the matrices
+    directions = args.directions.split(",")
     passes = [("edge", 1000, [("o", 520, 200), ("gate_up", 520, 200)])]
     passes += [(B, B * T, shapes) for B in map(int, args.batches.split(","))]
+    if "forward" not in directions:
+        passes = []
     with stream:
         for B, M, product_shapes in passes:
             for name, N, K in product_shapes:
@@ -142,6 +266,8 @@ def main() -> None:
                     swiglu = gemm.VARIANTS[v].swiglu
                     if swiglu and name != "gate_up" or gemm.VARIANTS[v].epilogue == "rope":
                         continue  # (the rope variants: below)
+                    if gemm.VARIANTS[v].layout != "kk" or gemm.VARIANTS[v].epilogue == "bf16_tma":
+                        continue  # (the backward's: backward_pass)
                     if gemm.VARIANTS[v].epilogue == "swiglu_tma" and F % 8:
                         row(B, name, v, float("nan"), float("nan"), float("nan"), "refused (F % 8)")
                         continue  # check_plan's refusal (tests/test_gemm_sm90.py)
@@ -179,9 +305,13 @@ def main() -> None:
                                         plan.args[:5] + (np.int32(0),) + plan.args[6:], plan.maps)
                     t_bare = timed(stream, lambda bare=bare: bare.launch(stream))
                     row(B, name, v, err, t, t / base, check, t_bare)
+        if "backward" in directions:
+            backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng, row,
+                          failures)
         # q | k | v with the rope in the epilogue, against cuBLAS + rope_forward
         H, Hkv, E = c.n_head, c.n_kv_head or c.n_head, D // c.n_head
-        ropes = [v for v in variants if gemm.VARIANTS[v].rope == E]
+        ropes = [v for v in variants if gemm.VARIANTS[v].rope == E] \
+            if "forward" in directions else []
         angles = rng.uniform(0, 6.3, (T, E // 2))
         cos = cp.asarray(np.cos(angles).astype(np.float32))
         sin = cp.asarray(np.sin(angles).astype(np.float32))

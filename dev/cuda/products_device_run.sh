@@ -3,6 +3,7 @@
 # step routed through it (COPPELIUS_PRODUCTS=own), one call, logs under $OUT,
 # a short table last.
 #   PART=check        dev/cuda/gemm_check.py under the watchdog (q|k|v) and in full
+#                     (SHAPES, BATCHES, DIRECTIONS: forward,backward)
 #   PART=tests        tests/cuda/test_gemm_sm90.py and tests/cuda/test_products.py
 #   PART=conformance  the conformance suite with the own products, bf16, B = 4 and 8
 #   PART=bench        coppelius bench, cuBLAS (COPPELIUS_PRODUCTS=cublas) beside the peer,
@@ -21,11 +22,12 @@ summary=()
 row() { summary+=("$(printf '%-52s %s' "$1" "$2")"); }
 
 if [[ ${PART:-} == *check* ]]; then
-    timeout 60 python3 dev/cuda/gemm_check.py --watchdog --batches 8 --shapes qkv \
+    timeout 60 python3 dev/cuda/gemm_check.py --watchdog --batches 8 --shapes qkv,down \
         > "$OUT/watchdog.log" 2>&1
     row "gemm_check --watchdog qkv B=8 (exit $?)" "$(grep -c -i 'trap\|watchdog' "$OUT/watchdog.log") watchdog lines"
     timeout ${CHECK_S:-170} python3 dev/cuda/gemm_check.py --batches ${BATCHES:-1,8,32} \
-        --shapes ${SHAPES:-qkv,o,gate_up,down,classifier} > "$OUT/check.log" 2>&1
+        --shapes ${SHAPES:-qkv,o,gate_up,down,classifier} \
+        --directions ${DIRECTIONS:-forward,backward} > "$OUT/check.log" 2>&1
     row "gemm_check (exit $?)" "$(grep -c -i 'FAIL' "$OUT/check.log") FAIL lines"
 fi
 if [[ ${PART:-} == *tests* ]]; then

@@ -56,8 +56,8 @@ def test_every_variant_against_float64(kernels, M, N, K):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for name, v in gemm.VARIANTS.items():
-            if v.epilogue == "rope":
-                continue  # test_the_rope_epilogue
+            if v.epilogue in ("rope", "bf16_tma") or v.layout != "kk":
+                continue  # test_the_rope_epilogue, test_the_backward_layouts
             C = cupy.full((M, N), cupy.nan, cupy.float32)
             H = cupy.full((M, N // 2), 0xFFFF, cupy.uint16) if v.swiglu else None
             if v.epilogue == "swiglu_tma" and (N // 2) % 8:
@@ -80,6 +80,87 @@ def test_every_variant_against_float64(kernels, M, N, K):
                 project.swiglu_forward(C, a)
                 stream.synchronize()
                 assert bool((a == H).all()), name
+
+
+@pytest.mark.parametrize("rows,n_out,n_in", [(1000, 520, 200), (2048, 512, 1408),
+                                              (4096, 1536, 512), (520, 64, 136)])
+def test_the_backward_layouts_against_float64(kernels, rows, n_out, n_in):
+    """dX = dY W (layout kn: B given as (K,N)) with float32 and bfloat16
+    results, and dW = dY^T X (layout mn: A given as (K,M) too), against
+    float64 products of the same operands: rows, columns and K past the
+    tiles, every element written, two launches bitwise equal."""
+    gemm, own, _ = kernels
+    rng = np.random.default_rng(rows + n_out + n_in)
+    dY, X = _operand(rng, (rows, n_out)), _operand(rng, (rows, n_in))
+    W = _operand(rng, (n_out, n_in), n_out ** -0.5)
+    products = {"kn": (rows, n_in, n_out, dY, n_out, W, n_in, _f64(dY) @ _f64(W)),
+                "mn": (n_out, n_in, rows, dY, n_out, X, n_in, _f64(dY).T @ _f64(X))}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for name, v in gemm.VARIANTS.items():
+            if v.layout == "kk" or v.epilogue == "dswiglu":
+                continue  # (test_the_dswiglu_epilogue)
+            m, n, k, A, lda, B, ldb, ref = products[v.layout]
+            bf16 = v.epilogue == "bf16_tma"
+            C = cupy.full((m, n), 0xFFFF, cupy.uint16) if bf16 else \
+                cupy.full((m, n), cupy.nan, cupy.float32)
+            plan = own.plan_pointers(name, m, n, k, A.data.ptr, lda, B.data.ptr, ldb,
+                                     C.data.ptr, n)
+            plan.launch(stream)
+            stream.synchronize()
+            got = _f64(C) if bf16 else C.astype(cupy.float64)
+            assert not bool(cupy.isnan(got).any()), name
+            err = float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref))
+            assert err < (8e-3 if bf16 else 1e-5), (name, err)
+            first = C.copy()
+            C.fill(0xFFFF if bf16 else cupy.nan)
+            plan.launch(stream)
+            stream.synchronize()
+            assert bool((C.view(cupy.uint16) == first.view(cupy.uint16)).all()), name
+
+
+@pytest.mark.parametrize("rows,D,F", [(1000, 200, 136), (4096, 512, 1408)])
+def test_the_dswiglu_epilogue(kernels, rows, D, F):
+    """The down product's dX with the SwiGLU backward in its epilogue: dgu
+    and a bitwise the swiglu_backward kernel's on the kn kernel's own float32
+    da (the same formula on the same values), and within the operands'
+    rounding of a float64 reference; every element written, two launches
+    bitwise equal."""
+    gemm, own, project = kernels
+    rng = np.random.default_rng(rows + D + F)
+    dres, W = _operand(rng, (rows, D)), _operand(rng, (D, F), D ** -0.5)
+    gu = cupy.asarray(rng.standard_normal((rows, 2 * F), dtype=np.float32) * 2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        da = cupy.full((rows, F), cupy.nan, cupy.float32)
+        own.plan_pointers("gemm_f32t_kn_c_n128_s6", rows, F, D, dres.data.ptr, D, W.data.ptr,
+                          F, da.data.ptr, F).launch(stream)
+        want_dgu = cupy.zeros((rows, 2 * F), cupy.uint16)
+        want_a = cupy.zeros((rows, F), cupy.uint16)
+        project.swiglu_backward(da, gu, want_dgu, want_a)
+        d64, g, u = _f64(dres) @ _f64(W), gu[:, :F].astype(cupy.float64), gu[:, F:].astype(
+            cupy.float64)
+        sig = 1 / (1 + cupy.exp(-g))
+        ref_dgu = cupy.concatenate([d64 * u * (sig + g * sig * (1 - sig)), d64 * g * sig], 1)
+        for name, v in gemm.VARIANTS.items():
+            if v.epilogue != "dswiglu":
+                continue
+            dgu = cupy.full((rows, 2 * F), 0xFFFF, cupy.uint16)
+            a = cupy.full((rows, F), 0xFFFF, cupy.uint16)
+            plan = own.plan_pointers(name, rows, F, D, dres.data.ptr, D, W.data.ptr, F,
+                                     gu.data.ptr, 2 * F, dswiglu=gemm.Dswiglu(dgu.data.ptr,
+                                                                              a.data.ptr))
+            plan.launch(stream)
+            stream.synchronize()
+            assert bool((dgu == want_dgu).all()), name
+            assert bool((a == want_a).all()), name
+            err = float(cupy.linalg.norm(_f64(dgu) - ref_dgu) / cupy.linalg.norm(ref_dgu))
+            assert err < 8e-3, (name, err)
+            first = dgu.copy()
+            dgu.fill(0xFFFF)
+            plan.launch(stream)
+            stream.synchronize()
+            assert bool((dgu == first).all()), name
 
 
 @pytest.mark.parametrize("E, H, Hkv, M", [(64, 8, 8, 2048), (64, 4, 1, 1000), (128, 4, 2, 520)])

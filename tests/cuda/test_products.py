@@ -1,6 +1,7 @@
 """The step's products through products.py: with COPPELIUS_PRODUCTS=own
-(bf16) the forward's x @ W^T products the rule picks run on the project's
-own kernel, and the gate/up product carries the SwiGLU in its epilogue;
+(bf16) the forward's x @ W^T products and the backward's dY W products the
+rule picks run on the project's own kernel, the gate/up product carries
+the SwiGLU in its epilogue and the down product's dX its backward;
 the memory plan's dry run records the same commands; the step and the
 held-out losses are those of the cuBLAS step (bit for bit on the CPU
 stand-ins, where both products are one NumPy operation; within the
@@ -72,6 +73,14 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
     assert sum(c.name == "rope_forward" for c in mine.plan.commands) == \
         (0 if fused_rope else sum(c.name == "rope_forward" for c in theirs.plan.commands))
     assert sum(c.name == "swiglu_forward" for c in theirs.plan.commands) == L
+    # the backward: the down product's dX with the SwiGLU backward in its
+    # epilogue (F a multiple of 8), and the o product's dX by the kn layout
+    fused_back = config.d_ff % 8 == 0
+    assert named.count(products.DSWIGLU) == (L if fused_back else 0)
+    assert sum(c.name == "swiglu_backward" for c in mine.plan.commands) == \
+        (0 if fused_back else L)
+    assert sum(c.name == "swiglu_backward" for c in theirs.plan.commands) == L
+    assert named.count(products.BACKWARD_INPUT["bfloat16"]) == L
     assert all(n in ("gemm", "gemm_strided_batched")
                for n in (c.name for c in theirs.plan.commands if c.kind == "product"))
     rows1, G1, s1 = run_steps(theirs, inputs)

@@ -21,12 +21,21 @@
 //   stores them; EPI_SWIGLU (B the fused (2F, D) gate/up weights, each tile
 //   BN/2 gate columns and the same BN/2 up columns) stores gu (M, 2F) and
 //   a (M, F) = silu(g) * u as the swiglu kernel computes it, as bfloat16;
-//   EPI_F32_TMA, EPI_SWIGLU_TMA and EPI_ROPE store through shared memory and
-//   the copy engine (`staged`).
+//   EPI_F32_TMA, EPI_SWIGLU_TMA, EPI_ROPE, EPI_BF16_TMA and EPI_DSWIGLU store
+//   through shared memory and the copy engine (`staged`); EPI_DSWIGLU (the
+//   down product's dX, da = dres W_down) does the SwiGLU's backward on da
+//   in registers: no float32 da is written.
 //
-// Shapes: K and N multiples of 8 (TMA's 16-byte row strides), M any; the
-// last tiles' rows and columns past the matrix are read as zeros (TMA) and
-// not stored.
+// Layouts (TA, TB): the forward's, both operands K-major (A (M,K), B (N,K)
+// row-major), and the backward's: TB, B given as (K,N) row-major (N-major:
+// dX = dY W, W (out, in) = (K, N)); TA with TB, A given as (K,M) row-major
+// too (M-major: dW = dY^T X over the rows). A transposed operand's slab
+// is 64-column boxes of its rows (64 elements, 128 bytes, by 64 K-rows),
+// one after another, read by wgmma with its transpose bit (smem_desc_mn).
+//
+// Shapes: K and N multiples of 8 (TMA's 16-byte row strides; with TA, M
+// too), M any; the last tiles' rows and columns past the matrix are read
+// as zeros (TMA) and not stored.
 
 typedef unsigned long long u64;
 
@@ -42,6 +51,8 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_F32_TMA 2
 #define EPI_ROPE 3
 #define EPI_SWIGLU_TMA 4
+#define EPI_BF16_TMA 5
+#define EPI_DSWIGLU 6
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -178,6 +189,26 @@ __device__ __forceinline__ u64 smem_desc(const void* p) {
     return ((a & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
+// The descriptor of an M- or N-major tile in the 128-byte swizzle, as the
+// copy engine writes 64-column boxes of a (K, M) row-major matrix: each box
+// 64 K-rows of 128 bytes (64 bfloat16 of M or N), the boxes 8192 bytes
+// apart (the leading offset: the next 64 columns), 8-row groups 1024 bytes
+// apart (the stride offset: the next 8 K-rows); p the first of the 16
+// K-rows a wgmma reads (a step of 16 along K is 2048 bytes).
+__device__ __forceinline__ u64 smem_desc_mn(const void* p) {
+    u64 a = smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | ((u64)(8192 >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+
+// the descriptor of a slab's 16 K-columns k (K-major) or K-rows k (M-major)
+// of the 64-row (or 64-column) block at p
+template <bool T>
+__device__ __forceinline__ u64 slab_desc(const unsigned char* p, int k) {
+    if constexpr (T) return smem_desc_mn(p + 2048 * k);
+    else return smem_desc(p + 32 * k);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -187,7 +218,9 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// D (64 x 256) += A (64 x 16) B (16 x 256): 128 float32 accumulators a thread
+// D (64 x 256) += A (64 x 16) B (16 x 256): 128 float32 accumulators a thread;
+// TA, TB: the operands M- and N-major (the transpose bits)
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 a, u64 b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -200,7 +233,7 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 a, u64 b, int ac
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, 0;\n}\n"
+        "%128, %129, p, 1, 1, %131, %132;\n}\n"
         :
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -218,10 +251,11 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], u64 a, u64 b, int ac
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(a), "l"(b), "r"(accumulate));
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 // D (64 x 128) += A (64 x 16) B (16 x 128): 64 float32 accumulators a thread
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 a, u64 b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -230,7 +264,7 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 a, u64 b, int acc
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
         :
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -240,14 +274,14 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 a, u64 b, int acc
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 
-template <int BN>
+template <int BN, bool TA, bool TB>
 __device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], u64 a, u64 b, int accumulate) {
-    if constexpr (BN == 256) wgmma_n256(d, a, b, accumulate);
-    else wgmma_n128(d, a, b, accumulate);
+    if constexpr (BN == 256) wgmma_n256<TA, TB>(d, a, b, accumulate);
+    else wgmma_n128<TA, TB>(d, a, b, accumulate);
 }
 
 // -- the kernel -------------------------------------------------------------------
@@ -392,6 +426,96 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], uns
         [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 32 * q, y0); });
 }
 
+// EPI_BF16_TMA: the 64*MT x BN accumulators rounded to bfloat16 operands,
+// 64 columns a chunk (a product whose result is only another product's
+// operand). map: the operands' (box 64 x 64*MT).
+template <int MT, int BN>
+__device__ __forceinline__ void store_tile_bf16(const float (&d)[MT][BN / 2],
+                                                unsigned char* staging, const TensorMap* map,
+                                                int x0, int y0, int id) {
+    staged<MT, BN / 64>(
+        staging, id,
+        [&](int q, unsigned char* buf) {
+            fill_bf16<MT>(buf, [&](int m, int jj, int h) {
+                const int j = 8 * q + jj;
+                return make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
+            });
+        },
+        [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 64 * q, y0); });
+}
+
+// EPI_DSWIGLU: this thread's gate and up values for its accumulators of a
+// da tile (rows from y0, columns from x0 of F), from gu (M, 2F) float32,
+// its row stride ld: g at gu[r][c], u at gu[r][F + c]; zeros past the
+// matrix. Loaded before the tile's mainloop, so that their latency hides
+// under the products (64 * MT * BN float32 a warpgroup, 2 * MT * BN / 2
+// registers a thread beside the MT * BN / 2 accumulators).
+template <int MT, int BN>
+__device__ __forceinline__ void dswiglu_inputs(float2 (&g)[MT][BN / 8][2],
+                                               float2 (&u)[MT][BN / 8][2], int y0, int x0,
+                                               int M, int F, const float* __restrict__ gu,
+                                               int ld) {
+    static_assert(MT * BN <= 128, "the inputs' registers beside the accumulators");
+    const int t = threadIdx.x % 128, lane = t % 32;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = y0 + staged_row(m, h);
+            const float* row = gu + (long long)r * ld;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int col = x0 + 8 * j + 2 * (lane % 4);
+                const bool in = r < M && col < F;
+                g[m][j][h] = in ? __ldg(reinterpret_cast<const float2*>(row + col))
+                                : make_float2(0.0f, 0.0f);
+                u[m][j][h] = in ? __ldg(reinterpret_cast<const float2*>(row + F + col))
+                                : make_float2(0.0f, 0.0f);
+            }
+        }
+}
+
+// EPI_DSWIGLU's epilogue: da (the accumulators), g and u -> dg, du and a =
+// silu(g) u again (kernels/swiglu.cu's swiglu_grad, the swiglu_backward
+// kernel's formula, on the float32 product), each rounded to a bfloat16
+// operand, 64 columns a chunk: dg to dgu's gate half (maps[0]), du to its
+// up half (maps[1]), a to a (maps[2]); each map bfloat16, box 64 x 64*MT.
+// The results replace their inputs in the registers.
+template <int MT, int BN>
+__device__ __forceinline__ void store_tile_dswiglu(float (&d)[MT][BN / 2], float2 (&g)[MT][BN / 8][2],
+                                                   float2 (&u)[MT][BN / 8][2],
+                                                   unsigned char* staging, const TensorMap* maps,
+                                                   int x0, int y0, int id) {
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float dg0, du0, a0, dg1, du1, a1;
+                swiglu_grad(d[m][4 * j + 2 * h], g[m][j][h].x, u[m][j][h].x, dg0, du0, a0);
+                swiglu_grad(d[m][4 * j + 2 * h + 1], g[m][j][h].y, u[m][j][h].y, dg1, du1, a1);
+                d[m][4 * j + 2 * h] = dg0;
+                d[m][4 * j + 2 * h + 1] = dg1;
+                g[m][j][h] = make_float2(du0, du1);
+                u[m][j][h] = make_float2(a0, a1);
+            }
+    constexpr int PER = BN / 64;  // chunks of each output
+    staged<MT, 3 * PER>(
+        staging, id,
+        [&](int q, unsigned char* buf) {
+            const int which = q / PER, j0 = 8 * (q % PER);
+            fill_bf16<MT>(buf, [&](int m, int jj, int h) {
+                const int j = j0 + jj;
+                if (which == 0) return make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
+                return which == 1 ? g[m][j][h] : u[m][j][h];
+            });
+        },
+        [&](int q, unsigned char* buf) {
+            tma_store(&maps[q / PER], buf, x0 + 64 * (q % PER), y0);
+        });
+}
+
 // EPI_SWIGLU_TMA: the SwiGLU tile's (BN/2 gate columns, then the same BN/2
 // up columns) gate and up halves as float32 to gu's two halves, 32 columns
 // a chunk, then a = silu(g) u (the swiglu kernel's formula) as bfloat16, 64
@@ -516,16 +640,21 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 // gu's gate and up halves' (float32, box 32 x 64*MT) and a's (bfloat16,
 // box 64 x 64*MT), with EPI_ROPE the
 // operands' (bfloat16, box 64 x 64*MT; C is then not written). cs, sn, T,
-// rotated: EPI_ROPE's (store_tile_rope); R its head width, else 0.
+// rotated: EPI_ROPE's (store_tile_rope); R its head width, else 0. EPI_BF16_TMA:
+// C's (bfloat16 operands, box 64 x 64*MT). EPI_DSWIGLU (N = F, the da tile's
+// columns): C = gu (M, 2F) float32 read, ldc its row stride, and the maps of
+// dgu's gate and up halves and of a (bfloat16, box 64 x 64*MT).
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits (EPI_SWIGLU_TMA: the same through its maps).
-template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL, int R = 0>
+template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL, int R = 0, bool TA = false,
+          bool TB = false>
 __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
                                         float* __restrict__ C, int ldc,
                                         unsigned short* __restrict__ H,
                                         const float* __restrict__ cs,
                                         const float* __restrict__ sn, int T, int rotated) {
     static_assert(PINGPONG || MT == 1, "the cooperative tile is two warpgroups' 64 rows");
+    static_assert(!TA || TB, "an M-major A with an N-major B (dW = dY^T X) only");
     constexpr int BM = PINGPONG ? 64 * MT : 128;  // a tile's rows
     constexpr int A_BYTES = BM * GEMM_BK * 2, B_BYTES = BN * GEMM_BK * 2;
     constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -534,8 +663,10 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
-    constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA;
+    constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA ||
+                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU;
     constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA;  // the gate/up tiles
+    static_assert(!TB || (!SWI && CL == 1), "the N-major B: plain tiles, no clusters");
     constexpr int STAGING = STAGED ? 2 * 2 * CHUNK : 0;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + STAGING);
     u64* empty = full + STAGES;
@@ -576,8 +707,20 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                     bar_wait(&empty[s], phase ^ 1);
                     bar_expect(&full[s], STAGE_BYTES);
                     unsigned char* sa = smem + s * STAGE_BYTES;
-                    tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
-                    if constexpr (CL == 2) {  // this block's half of B, into both blocks
+                    if constexpr (TA) {  // (K, M): BM/64 boxes of 64 columns by 64 K-rows
+#pragma unroll
+                        for (int j = 0; j < BM / 64; j++)
+                            tma_load(sa + j * 8192, &maps[0], &full[s], tm * BM + 64 * j,
+                                     kb * GEMM_BK);
+                    } else {
+                        tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
+                    }
+                    if constexpr (TB) {  // (K, N): BN/64 boxes of 64 columns by 64 K-rows
+#pragma unroll
+                        for (int j = 0; j < BN / 64; j++)
+                            tma_load(sa + A_BYTES + j * 8192, &maps[1], &full[s],
+                                     tn * width + 64 * j, kb * GEMM_BK);
+                    } else if constexpr (CL == 2) {  // this block's half of B, into both blocks
                         const int rows = rank * (SWI ? F : BN / 2) + tn * width;
                         tma_load_multicast(sa + A_BYTES + rank * (B_BYTES / 2), &maps[1], &full[s],
                                            kb * GEMM_BK, rows, 0x3);
@@ -611,6 +754,10 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             float2 rc[EPI == EPI_ROPE ? MT : 1][2][RG], rs[EPI == EPI_ROPE ? MT : 1][2][RG];
             if constexpr (EPI == EPI_ROPE)
                 if (tn * width < rotated * R) rope_tables<MT, R>(rc, rs, y0, cs, sn, T);
+            constexpr int DS = EPI == EPI_DSWIGLU ? MT : 1, DJ = EPI == EPI_DSWIGLU ? BN / 8 : 1;
+            float2 dg_in[DS][DJ][2], du_in[DS][DJ][2];  // EPI_DSWIGLU: g and u (C = gu, ldc)
+            if constexpr (EPI == EPI_DSWIGLU)
+                dswiglu_inputs<MT, BN>(dg_in, du_in, y0, tn * width, M, N, C, ldc);
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
             int held = -1;  // the stage the batch in flight reads
@@ -623,8 +770,8 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 for (int k = 0; k < GEMM_BK / 16; k++)
 #pragma unroll
                     for (int m = 0; m < MT; m++)
-                        wgmma_tile<BN>(d[m], smem_desc(sa + m * 64 * 128 + 32 * k),
-                                       smem_desc(sb + 32 * k), kb > 0 || k > 0);
+                        wgmma_tile<BN, TA, TB>(d[m], slab_desc<TA>(sa + m * 64 * 128, k),
+                                               slab_desc<TB>(sb, k), kb > 0 || k > 0);
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous batch is done: its stage goes back
                 if (held >= 0 && t == 0) release<CL>(&empty[held]);
@@ -644,6 +791,13 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 } else if constexpr (EPI == EPI_ROPE) {
                     store_tile_rope<MT, BN, R>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
                                                &maps[2], tn * width, y0, 1 + c, rc, rs, rotated);
+                } else if constexpr (EPI == EPI_DSWIGLU) {
+                    store_tile_dswiglu<MT, BN>(d, dg_in, du_in,
+                                               smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
+                                               &maps[2], tn * width, y0, 1 + c);
+                } else if constexpr (EPI == EPI_BF16_TMA) {
+                    store_tile_bf16<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
+                                            &maps[2], tn * width, y0, 1 + c);
                 } else if constexpr (EPI == EPI_SWIGLU_TMA) {
                     store_tile_swiglu<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
                                               &maps[2], tn * width, y0, 1 + c);
@@ -665,7 +819,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
 
 // the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong, c2 and
 // p2 in clusters of two; m the 64-row blocks of a warpgroup's tile, n the
-// tile's columns, s the stages
+// tile's columns, s the stages; kn and mn the backward's layouts (above);
+// f32 / f32t / bf16t float32 from registers, float32 or bfloat16 operands
+// through the copy engine
 #define GEMM_PARAMETERS                                                                    \
     const TensorMap *__restrict__ maps, int M, int N, int K, float *__restrict__ C, int ldc,  \
         unsigned short *__restrict__ H, const float *__restrict__ cs,                         \
@@ -685,6 +841,13 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
         gemm_tn<MT, BN, STAGES, EPI_ROPE, PINGPONG, 1, R>(maps, M, N, K, C, ldc, H, cs, sn,   \
                                                           T, rotated);                        \
+    }
+
+// the backward's layouts: kn (B N-major, dX = dY W), mn (A M-major too, dW = dY^T X)
+#define GEMM_KERNEL_T(NAME, MT, BN, STAGES, EPI, PINGPONG, TA)                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1, 0, TA, true>(maps, M, N, K, C, ldc, H, cs,  \
+                                                              sn, T, rotated);                \
     }
 
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
@@ -712,3 +875,15 @@ GEMM_KERNEL_ROPE(gemm_rope128_c_n128_s6, 1, 128, 6, false, 128)
 GEMM_KERNEL_ROPE(gemm_rope64_p_m1n256_s4, 1, 256, 4, true, 64)
 GEMM_KERNEL_ROPE(gemm_rope128_p_m1n128_s6, 1, 128, 6, true, 128)
 GEMM_KERNEL_ROPE(gemm_rope128_p_m1n256_s4, 1, 256, 4, true, 128)
+GEMM_KERNEL(gemm_bf16t_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true)
+GEMM_KERNEL_T(gemm_f32t_kn_c_n256_s4, 1, 256, 4, EPI_F32_TMA, false, false)
+GEMM_KERNEL_T(gemm_f32t_kn_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false, false)
+GEMM_KERNEL_T(gemm_f32t_kn_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true, false)
+GEMM_KERNEL_T(gemm_f32t_kn_p_m1n256_s4, 1, 256, 4, EPI_F32_TMA, true, false)
+GEMM_KERNEL_T(gemm_bf16t_kn_c_n128_s6, 1, 128, 6, EPI_BF16_TMA, false, false)
+GEMM_KERNEL_T(gemm_bf16t_kn_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true, false)
+GEMM_KERNEL_T(gemm_f32t_mn_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false, true)
+GEMM_KERNEL_T(gemm_f32t_mn_p_m1n128_s6, 1, 128, 6, EPI_F32_TMA, true, true)
+GEMM_KERNEL_T(gemm_f32t_mn_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true, true)
+GEMM_KERNEL_T(gemm_dswiglu_kn_c_n128_s6, 1, 128, 6, EPI_DSWIGLU, false, false)
+GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)

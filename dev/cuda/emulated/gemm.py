@@ -3,7 +3,8 @@ Kernels, kernels/gemm_sm90.cu): its contract on host memory. The product
 is cuBLAS's stand-in's own (the same NumPy operation on the same float32
 values, so a step gives the same bits with either), and the SwiGLU
 variants' a is the swiglu kernel's stand-in's on the product's gu, the rope
-variants' operands the rope kernel's stand-in's on the float32 product."""
+variants' operands the rope kernel's stand-in's on the float32 product, the
+dswiglu variants' dgu and a the swiglu_backward kernel's on the product's da."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from .cublas import _gemm
 from .runtime import _submit
 from .rope import k_rope_forward
-from .swiglu import k_swiglu_forward
+from .swiglu import k_swiglu_backward, k_swiglu_forward
 
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
 
@@ -29,8 +30,8 @@ def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
 
 
 class _Plan:
-    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None):
-        self.variant, self.shape, self.rope = variant, (M, N, K), rope
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None):
+        self.variant, self.shape, self.rope, self.dswiglu = variant, (M, N, K), rope, dswiglu
         self.operands = (A, lda, B, ldb, C, ldc, H)
 
     def launch(self, stream=None) -> None:
@@ -40,20 +41,33 @@ class _Plan:
         rope = self.rope
 
         def run():
-            # row-major C = A B^T is column-major C^T = B A^T: cuBLAS's call, B first
-            product = np.empty((M, N), np.float32) if rope else None
-            at, ld = (product.ctypes.data, N) if rope else (C, ldc)
-            _gemm(1, 0, N, M, K, 1.0, B, CUDA_R_16BF, ldb, 0, A, CUDA_R_16BF, lda, 0, 0.0, at,
-                  CUDA_R_32F, ld, 0, 1, CUBLAS_COMPUTE_32F)
-            if rope:
-                from coppelius.accelerated.cuda import gemm
+            from coppelius.accelerated.cuda import gemm
+            from coppelius.accelerated.cuda.cublas import column_major
 
-                R = gemm.VARIANTS[self.variant].rope
+            v = gemm.VARIANTS[self.variant]
+            # the column-major call cuBLAS's stand-in makes for the same
+            # row-major product (B first): the same bits
+            trans_a, trans_b = {"kk": (False, True), "kn": (False, False),
+                                "mn": (True, False)}[v.layout]
+            fused = rope or self.dswiglu  # the float32 product is the epilogue's input only
+            product = np.empty((M, N), np.float32) if fused else None
+            at, ld = (product.ctypes.data, N) if fused else (C, ldc)
+            g = column_major(trans_a, trans_b, M, N, K, lda, ldb, ld)
+            ct = CUDA_R_16BF if v.epilogue == "bf16_tma" else CUDA_R_32F
+            _gemm(g.transa, g.transb, g.m, g.n, g.k, 1.0, B, CUDA_R_16BF, g.lda, 0, A,
+                  CUDA_R_16BF, g.ldb, 0, 0.0, at, ct, g.ldc, 0, 1, CUBLAS_COMPUTE_32F)
+            if rope:
+                R = v.rope
                 half = R // 2
                 k_rope_forward(True, product, _rows(rope.out, np.uint16, M, N, rope.ld),
                                _rows(rope.cos, np.float32, rope.T, half, half),
                                _rows(rope.sin, np.float32, rope.T, half, half), M, rope.T,
                                rope.rotated, R, R, N, 1)
+            if self.dswiglu:  # the swiglu_backward kernel's stand-in on da
+                d = self.dswiglu
+                k_swiglu_backward(True, product, _rows(C, np.float32, M, 2 * N, ldc),
+                                  _rows(d.dgu, np.uint16, M, 2 * N, 2 * N),
+                                  _rows(d.a, np.uint16, M, N, N), M, N, 1)
             if H:
                 F = N // 2
                 k_swiglu_forward(True, _rows(C, np.float32, M, N, ldc),
@@ -68,9 +82,10 @@ class FakeGemmKernels:
     def __init__(self, watchdog: bool = False):
         self.planned = 0
 
-    def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None) -> _Plan:
+    def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None,
+                      dswiglu=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
-        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
+        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         self.planned += 1
-        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope)
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
