@@ -45,6 +45,10 @@ def test_the_variants_are_the_sources_instantiations():
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
                                    rope=int(R))
     assert found == gemm.VARIANTS
+    # the epilogues staged through shared memory: the kernel's list is gemm.py's
+    # (shared_bytes places the barriers after their staging buffers)
+    staged = re.search(r"constexpr bool STAGED = ([^;]*);", source).group(1)
+    assert sorted(e.lower() for e in re.findall(r"EPI_(\w+)", staged)) == sorted(gemm.STAGED)
 
 
 def test_the_rope_arguments_are_checked():
@@ -79,18 +83,18 @@ def test_a_plan_checks_its_outputs():
     # gu's rows 2F long at least, dgu and a 16-byte aligned
     back = dict(M=1000, K=512, A=1 << 20, lda=512, B=1 << 21, ldb=1408, C=1 << 22)
     d = gemm.Dswiglu(dgu=1 << 23, a=1 << 24)
-    gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816, dswiglu=d, **back)
+    gemm.check_plan("gemm_dswiglu_kn_p_m1n128_s6", N=1408, ldc=2816, dswiglu=d, **back)
     with pytest.raises(ValueError, match="dswiglu arguments"):
-        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816, **back)
+        gemm.check_plan("gemm_dswiglu_kn_p_m1n128_s6", N=1408, ldc=2816, **back)
     with pytest.raises(ValueError, match="dswiglu arguments"):
         gemm.check_plan("gemm_f32t_kn_c_n128_s6", N=1408, ldc=1408, dswiglu=d, **back)
     with pytest.raises(ValueError, match="at least 2F"):
-        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=1408, dswiglu=d, **back)
+        gemm.check_plan("gemm_dswiglu_kn_p_m1n128_s6", N=1408, ldc=1408, dswiglu=d, **back)
     with pytest.raises(ValueError, match="aligned"):
-        gemm.check_plan("gemm_dswiglu_kn_c_n128_s6", N=1408, ldc=2816,
+        gemm.check_plan("gemm_dswiglu_kn_p_m1n128_s6", N=1408, ldc=2816,
                         dswiglu=gemm.Dswiglu(1 << 23, (1 << 24) + 8), **back)
     with pytest.raises(ValueError, match="A given as"):
-        gemm.check_plan("gemm_f32t_mn_c_n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
+        gemm.check_plan("gemm_f32t_mn_p_m1n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
                         B=1 << 21, ldb=512, C=1 << 22, ldc=512)
 
 

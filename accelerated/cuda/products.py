@@ -98,10 +98,16 @@ def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: in
             return None
         return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
     variant = BACKWARD_INPUT.get(c_type)  # dX = dY W
-    if variant is None or k > MAX_K_INPUT or not _aligned(
+    if variant is None or not _input_gradient(m, n, k) or not _aligned(
             A, lda, B, ldb, C, ldc, c_item=gemm.VARIANTS[variant].c_item):
         return None
     return variant
+
+
+def _input_gradient(m: int, n: int, k: int) -> bool:
+    """The input gradients' (dY W) shapes measured faster on the own kernel."""
+    return m >= MIN_ROWS and n <= MAX_COLUMNS and k <= MAX_K_INPUT and n % 8 == 0 \
+        and k % 8 == 0
 
 
 def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
@@ -117,10 +123,15 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
 def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
                    dgu: int, a: int) -> str | None:
     """The fused down dX + SwiGLU backward variant, or None (then the
-    product into float32 da and the swiglu_backward kernel): dX's rule,
-    F a multiple of 8 (its outputs' rows through the copy engine)."""
-    if m < MIN_ROWS or k > MAX_K_INPUT or F % 8 or k % 8 \
-            or not _aligned(A, lda, W, ldw, dgu, 2 * F, c_item=2) or gu % 16 or a % 16:
+    product into float32 da and the swiglu_backward kernel): dX's shapes,
+    and what its plan takes (F a multiple of 8: its outputs' rows through
+    the copy engine; every matrix 16-byte aligned)."""
+    if not _input_gradient(m, F, k):
+        return None
+    try:
+        gemm.check_plan(DSWIGLU, m, F, k, A, lda, W, ldw, gu, 2 * F,
+                        dswiglu=gemm.Dswiglu(dgu, a))
+    except ValueError:
         return None
     return DSWIGLU
 

@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from coppelius.accelerated.cuda import gemm  # noqa: E402
+from coppelius.accelerated.cuda import gemm, products  # noqa: E402
 from coppelius.accelerated.cuda.compile import Kernels as ProjectKernels  # noqa: E402
 from coppelius.accelerated.cuda.cublas import WORKSPACE_BYTES, Cublas  # noqa: E402
 from coppelius.reference.config import PRESETS, config_from_toml  # noqa: E402
+from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 
 REPEAT, REPLAYS = 20, 15
 
@@ -90,11 +91,10 @@ def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng
             W = bf16_bits(rng, (n_out, n_in), scale=n_out ** -0.5)
             X = bf16_bits(rng, (M, n_in))
             # (product, m, n, k, A, lda, B, ldb, trans_a, the float64 reference)
-            products = [("dX", M, n_in, n_out, dY, n_out, W, n_in, False,
-                         as_f64(dY) @ as_f64(W)),
-                        ("dW", n_out, n_in, M, dY, n_out, X, n_in, True,
-                         as_f64(dY).T @ as_f64(X))]
-            for what, m, n, k, A, lda, Bm, ldb, trans_a, ref in products:
+            cases = [("dX", M, n_in, n_out, dY, n_out, W, n_in, False, as_f64(dY) @ as_f64(W)),
+                     ("dW", n_out, n_in, M, dY, n_out, X, n_in, True,
+                      as_f64(dY).T @ as_f64(X))]
+            for what, m, n, k, A, lda, Bm, ldb, trans_a, ref in cases:
                 layout = "mn" if trans_a else "kn"
                 for c_type in ("float32", "bfloat16") if what == "dX" and name == "o" \
                         else ("float32",):
@@ -164,13 +164,14 @@ def dswiglu_rows(B, M, D, F, dres, W, variants, kernels, project, blas, stream, 
         project.swiglu_backward(da, gu, dgu0, a0)
 
     t_base = timed(stream, cublas_dswiglu)
-    g, u = gu[:, :F].astype(cp.float64), gu[:, F:].astype(cp.float64)
-    d64 = as_f64(dres) @ as_f64(W)
-    sig = 1 / (1 + cp.exp(-g))
-    ref = cp.concatenate([d64 * u * (sig + g * sig * (1 - sig)), d64 * g * sig], 1)
+    g, u = (cp.asnumpy(x).astype(np.float64) for x in (gu[:, :F], gu[:, F:]))
+    _, cache = swiglu_forward(g, u)
+    ref = cp.asarray(np.concatenate(swiglu_backward(cp.asnumpy(as_f64(dres) @ as_f64(W)),
+                                                    cache), axis=1))
     row(B, "dX down+dswiglu", "cublas+swiglu_backward", rel(as_f64(dgu0), ref), t_base, 1.0, "-")
-    kernels.plan_pointers("gemm_f32t_kn_c_n128_s6", M, F, D, dres.data.ptr, D, W.data.ptr, F,
-                          da.data.ptr, F).launch(stream)
+    # the unfused path's bits: the step's dX product, then the swiglu_backward kernel
+    kernels.plan_pointers(products.BACKWARD_INPUT["float32"], M, F, D, dres.data.ptr, D,
+                          W.data.ptr, F, da.data.ptr, F).launch(stream)
     want_dgu, want_a = cp.zeros_like(dgu0), cp.zeros_like(a0)
     project.swiglu_backward(da, gu, want_dgu, want_a)
     for v in variants:

@@ -24,7 +24,7 @@ row() { summary+=("$(printf '%-52s %s' "$1" "$2")"); }
 if [[ ${PART:-} == *check* ]]; then
     timeout 60 python3 dev/cuda/gemm_check.py --watchdog --batches 8 --shapes qkv,down \
         > "$OUT/watchdog.log" 2>&1
-    row "gemm_check --watchdog qkv B=8 (exit $?)" "$(grep -c -i 'trap\|watchdog' "$OUT/watchdog.log") watchdog lines"
+    row "gemm_check --watchdog qkv,down B=8 (exit $?)" "$(grep -c -i 'trap\|watchdog' "$OUT/watchdog.log") watchdog lines"
     timeout ${CHECK_S:-170} python3 dev/cuda/gemm_check.py --batches ${BATCHES:-1,8,32} \
         --shapes ${SHAPES:-qkv,o,gate_up,down,classifier} \
         --directions ${DIRECTIONS:-forward,backward} > "$OUT/check.log" 2>&1

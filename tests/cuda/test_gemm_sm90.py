@@ -82,19 +82,23 @@ def test_every_variant_against_float64(kernels, M, N, K):
                 assert bool((a == H).all()), name
 
 
-@pytest.mark.parametrize("rows,n_out,n_in", [(1000, 520, 200), (2048, 512, 1408),
-                                              (4096, 1536, 512), (520, 64, 136)])
-def test_the_backward_layouts_against_float64(kernels, rows, n_out, n_in):
+@pytest.mark.parametrize("rows,n_out,n_in,pad", [(1000, 520, 200, 0), (2048, 512, 1408, 0),
+                                                  (4096, 1536, 512, 0), (520, 64, 136, 0),
+                                                  (1000, 136, 200, 24)])
+def test_the_backward_layouts_against_float64(kernels, rows, n_out, n_in, pad):
     """dX = dY W (layout kn: B given as (K,N)) with float32 and bfloat16
     results, and dW = dY^T X (layout mn: A given as (K,M) too), against
     float64 products of the same operands: rows, columns and K past the
-    tiles, every element written, two launches bitwise equal."""
+    tiles, row strides `pad` past the columns, every element written, two
+    launches bitwise equal."""
     gemm, own, _ = kernels
     rng = np.random.default_rng(rows + n_out + n_in)
-    dY, X = _operand(rng, (rows, n_out)), _operand(rng, (rows, n_in))
-    W = _operand(rng, (n_out, n_in), n_out ** -0.5)
-    products = {"kn": (rows, n_in, n_out, dY, n_out, W, n_in, _f64(dY) @ _f64(W)),
-                "mn": (n_out, n_in, rows, dY, n_out, X, n_in, _f64(dY).T @ _f64(X))}
+    dY = _operand(rng, (rows, n_out + pad))[:, :n_out]
+    X = _operand(rng, (rows, n_in + pad))[:, :n_in]
+    W = _operand(rng, (n_out, n_in + pad), n_out ** -0.5)[:, :n_in]
+    lo, li = n_out + pad, n_in + pad  # the row strides
+    products = {"kn": (rows, n_in, n_out, dY, lo, W, li, _f64(dY) @ _f64(W)),
+                "mn": (n_out, n_in, rows, dY, lo, X, li, _f64(dY).T @ _f64(X))}
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for name, v in gemm.VARIANTS.items():
@@ -102,46 +106,53 @@ def test_the_backward_layouts_against_float64(kernels, rows, n_out, n_in):
                 continue  # (test_the_dswiglu_epilogue)
             m, n, k, A, lda, B, ldb, ref = products[v.layout]
             bf16 = v.epilogue == "bf16_tma"
-            C = cupy.full((m, n), 0xFFFF, cupy.uint16) if bf16 else \
-                cupy.full((m, n), cupy.nan, cupy.float32)
+            full = cupy.full((m, n + pad), 0xFFFF, cupy.uint16) if bf16 else \
+                cupy.full((m, n + pad), cupy.nan, cupy.float32)
+            C = full[:, :n]
             plan = own.plan_pointers(name, m, n, k, A.data.ptr, lda, B.data.ptr, ldb,
-                                     C.data.ptr, n)
+                                     C.data.ptr, n + pad)
             plan.launch(stream)
             stream.synchronize()
             got = _f64(C) if bf16 else C.astype(cupy.float64)
             assert not bool(cupy.isnan(got).any()), name
+            assert bool(cupy.isnan(_f64(full[:, n:]) if bf16 else full[:, n:]).all()), name
             err = float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref))
             assert err < (8e-3 if bf16 else 1e-5), (name, err)
-            first = C.copy()
-            C.fill(0xFFFF if bf16 else cupy.nan)
+            first = full.copy()
+            full.fill(0xFFFF if bf16 else cupy.nan)
             plan.launch(stream)
             stream.synchronize()
-            assert bool((C.view(cupy.uint16) == first.view(cupy.uint16)).all()), name
+            assert bool((full.view(cupy.uint16) == first.view(cupy.uint16)).all()), name
 
 
 @pytest.mark.parametrize("rows,D,F", [(1000, 200, 136), (4096, 512, 1408)])
 def test_the_dswiglu_epilogue(kernels, rows, D, F):
     """The down product's dX with the SwiGLU backward in its epilogue: dgu
-    and a bitwise the swiglu_backward kernel's on the kn kernel's own float32
-    da (the same formula on the same values), and within the operands'
-    rounding of a float64 reference; every element written, two launches
-    bitwise equal."""
+    and a bitwise the unfused path's (the swiglu_backward kernel on the
+    step's own float32 dX product: the same formula on the same values),
+    and within the operands' rounding of the reference's float64 formula;
+    every element written, two launches bitwise equal."""
+    from coppelius.accelerated.cuda import products
+    from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
+
     gemm, own, project = kernels
     rng = np.random.default_rng(rows + D + F)
     dres, W = _operand(rng, (rows, D)), _operand(rng, (D, F), D ** -0.5)
     gu = cupy.asarray(rng.standard_normal((rows, 2 * F), dtype=np.float32) * 2)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        # the unfused path's: the step's dX product, then the swiglu_backward kernel
         da = cupy.full((rows, F), cupy.nan, cupy.float32)
-        own.plan_pointers("gemm_f32t_kn_c_n128_s6", rows, F, D, dres.data.ptr, D, W.data.ptr,
-                          F, da.data.ptr, F).launch(stream)
+        own.plan_pointers(products.BACKWARD_INPUT["float32"], rows, F, D, dres.data.ptr, D,
+                          W.data.ptr, F, da.data.ptr, F).launch(stream)
         want_dgu = cupy.zeros((rows, 2 * F), cupy.uint16)
         want_a = cupy.zeros((rows, F), cupy.uint16)
         project.swiglu_backward(da, gu, want_dgu, want_a)
-        d64, g, u = _f64(dres) @ _f64(W), gu[:, :F].astype(cupy.float64), gu[:, F:].astype(
-            cupy.float64)
-        sig = 1 / (1 + cupy.exp(-g))
-        ref_dgu = cupy.concatenate([d64 * u * (sig + g * sig * (1 - sig)), d64 * g * sig], 1)
+        # float64: the reference's formula on the float64 product
+        g, u = (cupy.asnumpy(x).astype(np.float64) for x in (gu[:, :F], gu[:, F:]))
+        _, cache = swiglu_forward(g, u)
+        ref_dgu = cupy.asarray(np.concatenate(
+            swiglu_backward(cupy.asnumpy(_f64(dres) @ _f64(W)), cache), axis=1))
         for name, v in gemm.VARIANTS.items():
             if v.epilogue != "dswiglu":
                 continue
@@ -156,11 +167,12 @@ def test_the_dswiglu_epilogue(kernels, rows, D, F):
             assert bool((a == want_a).all()), name
             err = float(cupy.linalg.norm(_f64(dgu) - ref_dgu) / cupy.linalg.norm(ref_dgu))
             assert err < 8e-3, (name, err)
-            first = dgu.copy()
+            first = dgu.copy(), a.copy()
             dgu.fill(0xFFFF)
+            a.fill(0xFFFF)
             plan.launch(stream)
             stream.synchronize()
-            assert bool((dgu == first).all()), name
+            assert bool((dgu == first[0]).all()) and bool((a == first[1]).all()), name
 
 
 @pytest.mark.parametrize("E, H, Hkv, M", [(64, 8, 8, 2048), (64, 4, 1, 1000), (128, 4, 2, 520)])

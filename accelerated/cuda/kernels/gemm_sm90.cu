@@ -1,10 +1,12 @@
 // ---------------------------------------------------------------- gemm_sm90
 
-// Row-major C (M,N) float32 = A (M,K) @ B (N,K)^T: bfloat16 operands, float32
+// Row-major C (M,N) = A (M,K) @ B (N,K)^T: bfloat16 operands, float32
 // accumulation, on Hopper (sm_90a), as the forward's products compute them
-// (x @ W^T, W (out, in) row-major: both operands K-major). A module of its
-// own (accelerated/cuda/gemm.py), compiled for sm_90a after common.cuh and
-// swiglu.cu, whose formula the SwiGLU epilogue shares.
+// (x @ W^T, W (out, in) row-major: both operands K-major), and the
+// backward's with transposed operands (below); C float32 or, for a product
+// whose result is only an operand, bfloat16. A module of its own
+// (accelerated/cuda/gemm.py), compiled for sm_90a after common.cuh,
+// swiglu.cu and rope.cu, whose formulas the epilogues share.
 //
 // The design (dev/cuda/NOTES.md, "A product kernel of the project's own"):
 // - a persistent grid (one block per multiprocessor), the (BM x BN) output
@@ -33,9 +35,10 @@
 // is 64-column boxes of its rows (64 elements, 128 bytes, by 64 K-rows),
 // one after another, read by wgmma with its transpose bit (smem_desc_mn).
 //
-// Shapes: K and N multiples of 8 (TMA's 16-byte row strides; with TA, M
-// too), M any; the last tiles' rows and columns past the matrix are read
-// as zeros (TMA) and not stored.
+// Shapes: K and N multiples of 8 (TMA's 16-byte row strides, and the
+// epilogues' pairs of columns; with TA, gemm.py asks M too), M any
+// otherwise; the last tiles' rows and columns past the matrix are
+// read as zeros (TMA) and not stored.
 
 typedef unsigned long long u64;
 
@@ -448,8 +451,8 @@ __device__ __forceinline__ void store_tile_bf16(const float (&d)[MT][BN / 2],
 // da tile (rows from y0, columns from x0 of F), from gu (M, 2F) float32,
 // its row stride ld: g at gu[r][c], u at gu[r][F + c]; zeros past the
 // matrix. Loaded before the tile's mainloop, so that their latency hides
-// under the products (64 * MT * BN float32 a warpgroup, 2 * MT * BN / 2
-// registers a thread beside the MT * BN / 2 accumulators).
+// under the products (64 * MT * BN float32 of each a warpgroup, MT * BN / 2
+// registers of each a thread beside its MT * BN / 2 accumulators).
 template <int MT, int BN>
 __device__ __forceinline__ void dswiglu_inputs(float2 (&g)[MT][BN / 8][2],
                                                float2 (&u)[MT][BN / 8][2], int y0, int x0,
@@ -635,7 +638,8 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 //   share B's slabs: each block loads half of a slab and the copy engine
 //   writes it into both (multicast), so a stage goes back when the
 //   warpgroups of both blocks are done with it.
-// maps: A's (box 64 x BM) and B's (box 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2),
+// maps: A's (box 64 x BM; TA: 64 x 64, BM/64 of them a slab) and B's (box
+// 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2; TB: 64 x 64, BN/64 of them),
 // and with EPI_F32_TMA C's (float32, box 32 x 64*MT), with EPI_SWIGLU_TMA
 // gu's gate and up halves' (float32, box 32 x 64*MT) and a's (bfloat16,
 // box 64 x 64*MT), with EPI_ROPE the
@@ -785,22 +789,20 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
             // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
             if (ldc > 0) {
+                // the warpgroup's two staging buffers (the staged epilogues')
+                unsigned char* staging = smem + STAGES * STAGE_BYTES + c * 2 * CHUNK;
                 if constexpr (EPI == EPI_F32_TMA) {
-                    store_tile_tma<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                           &maps[2], tn * width, y0, 1 + c);
+                    store_tile_tma<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
                 } else if constexpr (EPI == EPI_ROPE) {
-                    store_tile_rope<MT, BN, R>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                               &maps[2], tn * width, y0, 1 + c, rc, rs, rotated);
+                    store_tile_rope<MT, BN, R>(d, staging, &maps[2], tn * width, y0, 1 + c, rc,
+                                               rs, rotated);
                 } else if constexpr (EPI == EPI_DSWIGLU) {
-                    store_tile_dswiglu<MT, BN>(d, dg_in, du_in,
-                                               smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                               &maps[2], tn * width, y0, 1 + c);
+                    store_tile_dswiglu<MT, BN>(d, dg_in, du_in, staging, &maps[2], tn * width,
+                                               y0, 1 + c);
                 } else if constexpr (EPI == EPI_BF16_TMA) {
-                    store_tile_bf16<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                            &maps[2], tn * width, y0, 1 + c);
+                    store_tile_bf16<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
                 } else if constexpr (EPI == EPI_SWIGLU_TMA) {
-                    store_tile_swiglu<MT, BN>(d, smem + STAGES * STAGE_BYTES + c * 2 * CHUNK,
-                                              &maps[2], tn * width, y0, 1 + c);
+                    store_tile_swiglu<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
                 } else {
 #pragma unroll
                     for (int m = 0; m < MT; m++)
@@ -875,15 +877,8 @@ GEMM_KERNEL_ROPE(gemm_rope128_c_n128_s6, 1, 128, 6, false, 128)
 GEMM_KERNEL_ROPE(gemm_rope64_p_m1n256_s4, 1, 256, 4, true, 64)
 GEMM_KERNEL_ROPE(gemm_rope128_p_m1n128_s6, 1, 128, 6, true, 128)
 GEMM_KERNEL_ROPE(gemm_rope128_p_m1n256_s4, 1, 256, 4, true, 128)
-GEMM_KERNEL(gemm_bf16t_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true)
-GEMM_KERNEL_T(gemm_f32t_kn_c_n256_s4, 1, 256, 4, EPI_F32_TMA, false, false)
 GEMM_KERNEL_T(gemm_f32t_kn_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false, false)
 GEMM_KERNEL_T(gemm_f32t_kn_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true, false)
-GEMM_KERNEL_T(gemm_f32t_kn_p_m1n256_s4, 1, 256, 4, EPI_F32_TMA, true, false)
-GEMM_KERNEL_T(gemm_bf16t_kn_c_n128_s6, 1, 128, 6, EPI_BF16_TMA, false, false)
 GEMM_KERNEL_T(gemm_bf16t_kn_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true, false)
-GEMM_KERNEL_T(gemm_f32t_mn_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false, true)
 GEMM_KERNEL_T(gemm_f32t_mn_p_m1n128_s6, 1, 128, 6, EPI_F32_TMA, true, true)
-GEMM_KERNEL_T(gemm_f32t_mn_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true, true)
-GEMM_KERNEL_T(gemm_dswiglu_kn_c_n128_s6, 1, 128, 6, EPI_DSWIGLU, false, false)
 GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
