@@ -40,6 +40,10 @@ def test_the_variants_are_the_sources_instantiations():
             source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(),
                                    pingpong == "true", layout="mn" if ta == "true" else "kn")
+    for name, mt, bn, stages, pingpong in re.findall(
+            r"^GEMM_KERNEL_SPLIT\((\w+), (\d+), (\d+), (\d+), (true|false)\)", source, re.M):
+        found[name] = gemm.Variant(int(mt), int(bn), int(stages), "f32_tma", pingpong == "true",
+                                   layout="mn", split=True)
     for name, mt, bn, stages, pingpong, R in re.findall(
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
@@ -217,3 +221,28 @@ def test_the_products_rule():
         assert products.choose_rope(8192, **{**rope, "R": E // 2}) is None  # partial rotary
     assert products.choose_rope(8192, 1536, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22, 1536,
                                 96, 96) is None  # no variant of that head width
+
+
+def test_the_splits_of_k_are_whole_slabs_none_empty():
+    """split_k: for every product shape, the kernel's splits (per =
+    ceil(slabs / splits) slabs each, the last the rest) are all non-empty
+    and cover K; tiles x splits fills at most the multiprocessors, and the
+    partials fit the workspace."""
+    v = next(v for v in gemm.VARIANTS.values() if v.split)
+    plain = gemm.VARIANTS["gemm_f32t_mn_p_m1n128_s6"]
+    assert gemm.split_k(512, 512, 8192, plain, 132) == 1
+    for sms in (1, 7, 132):
+        for M, N in ((64, 128), (512, 512), (1536, 512), (2816, 512), (512, 1408), (4096, 4096)):
+            for K in (8, 64, 65, 640, 1000, 8192, 32768):
+                splits = gemm.split_k(M, N, K, v, sms)
+                slabs = -(-K // gemm.BK)
+                per = -(-slabs // splits)
+                assert 1 <= splits <= slabs and (splits - 1) * per < slabs <= splits * per
+                tiles = gemm.tiles(M, N, v)
+                assert splits == 1 or tiles * splits <= sms
+                assert splits * M * N * 4 <= max(gemm.workspace_bytes(v, sms), M * N * 4) \
+                    or splits == 1
+                assert gemm.grid(M, N, v, sms, splits) == min(sms, tiles * splits)
+    with pytest.raises(ValueError, match="whole tiles"):
+        gemm.check_plan("gemm_f32t_mn_p_m1n128_s6_splitk", M=520, N=512, K=8192, A=1 << 20,
+                        lda=520, B=1 << 21, ldb=512, C=1 << 22, ldc=512)

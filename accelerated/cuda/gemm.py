@@ -37,6 +37,7 @@ except ImportError:  # the backend is simply unavailable
 
 FILES = ("common.cuh", "swiglu.cu", "rope.cu", "gemm_sm90.cu")  # the module's source, in order
 BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
+REDUCE_THREADS = 256  # gemm_splitk_reduce's block
 
 # kernels/gemm_sm90.cu's EPI_* epilogues, by name
 EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu")
@@ -58,6 +59,7 @@ class Variant:
     cluster: int = 1  # 2: pairs of blocks sharing B's slabs (multicast)
     rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
     layout: str = "kk"  # one of LAYOUTS
+    split: bool = False  # K split into partials summed by gemm_splitk_reduce (split_k)
 
     @property
     def bm(self) -> int:  # a tile's rows
@@ -115,6 +117,8 @@ VARIANTS = {
     "gemm_bf16t_kn_p_m2n128_s4": Variant(2, 128, 4, "bf16_tma", True, layout="kn"),
     "gemm_dswiglu_kn_p_m1n128_s6": Variant(1, 128, 6, "dswiglu", True, layout="kn"),
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
+    "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
+                                               split=True),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -250,6 +254,9 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
     check_rope(v, N, rope)
     check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H,
                     v.c_item)
+    if v.split and M % v.bm:
+        raise ValueError(f"{variant}: M = {M}: the split partials need whole tiles of {v.bm} "
+                         f"rows")
     if v.swiglu != bool(H):
         raise ValueError(f"{variant}: H is the SwiGLU variants' output")
     if v.epilogue == "swiglu_tma" and (N // 2) % 8:
@@ -265,10 +272,30 @@ def tiles(M: int, N: int, v: Variant) -> int:
     return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
 
 
-def grid(M: int, N: int, v: Variant, multiprocessors: int) -> int:
+def split_k(M: int, N: int, K: int, v: Variant, multiprocessors: int) -> int:
+    """The splits of K for a split variant: as many as fill the grid with
+    tiles x splits items (at most one per multiprocessor), at most one a
+    slab, every split whole slabs and none empty (the kernel's split i takes
+    slabs [i per, (i + 1) per), per = ceil(slabs / splits)); 1 otherwise."""
+    if not v.split:
+        return 1
+    slabs = -(-K // BK)
+    want = max(1, min(slabs, multiprocessors // tiles(M, N, v)))
+    per = -(-slabs // want)
+    return -(-slabs // per)
+
+
+def workspace_bytes(v: Variant, multiprocessors: int) -> int:
+    """The float32 partials a split variant may write: splits x M x N, with
+    tiles x splits at most the multiprocessors where splits > 1 and M x N
+    at most the tiles' area (one split writes C itself)."""
+    return multiprocessors * v.bm * v.bn * 4 if v.split else 0
+
+
+def grid(M: int, N: int, v: Variant, multiprocessors: int, splits: int = 1) -> int:
     """Blocks of the persistent grid: one per multiprocessor, at most one
-    per tile, a multiple of the cluster."""
-    return min(multiprocessors, tiles(M, N, v)) // v.cluster * v.cluster
+    per tile (per tile and split), a multiple of the cluster."""
+    return min(multiprocessors, tiles(M, N, v) * splits) // v.cluster * v.cluster
 
 
 # ---------------------------------------------------------------------------
@@ -402,10 +429,14 @@ class Planned:
     shared: int
     args: tuple
     maps: object  # the device buffer of the tensor maps (A, B, then the staged epilogue's)
+    reduce: tuple | None = None  # split variants: (function, grid, args) of the partials' sum
 
     def launch(self, stream=None) -> None:
         self.function((self.grid,), (THREADS,), self.args, shared_mem=self.shared,
                       stream=stream)
+        if self.reduce is not None:
+            function, blocks, args = self.reduce
+            function((blocks,), (REDUCE_THREADS,), args, stream=stream)
 
 
 class Kernels:
@@ -421,6 +452,17 @@ class Kernels:
             cupy.cuda.driver.funcSetAttribute(f.ptr, MAX_DYNAMIC_SHARED, shared_bytes(v))
             self.functions[name] = f
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.reduce = self.module.get_function("gemm_splitk_reduce")
+        self._workspace = None  # the split variants' partials, one buffer for every plan
+
+    def workspace(self):
+        """The split variants' float32 partials: one buffer, as large as any
+        of them may need (workspace_bytes), shared by their plans (the step
+        runs its products one after another on one stream)."""
+        if self._workspace is None:
+            size = max(workspace_bytes(v, self.multiprocessors) for v in VARIANTS.values())
+            self._workspace = cupy.empty(size // 4, np.float32)
+        return self._workspace
 
     def plan(self, variant: str, A, B, C, H=None) -> Planned:
         """C (M,N) float32 = A (M,K) @ B (N,K)^T, A and B bfloat16 (any
@@ -455,12 +497,16 @@ class Kernels:
         check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
         # a transposed operand: its (K, M) or (K, N) rows in boxes of 64 columns by 64 K-rows
+        splits, target, ld_target = split_k(M, N, K, v, self.multiprocessors), C, ldc
+        if splits > 1:  # the partials into the workspace, (splits M, N) packed; one split: C
+            C, ldc = self.workspace().data.ptr, N
         encoded = (encode_map(A, map_geometry(K, M, lda, BK) if v.layout == "mn"
                               else map_geometry(M, K, lda, v.bm))
                    + encode_map(B, map_geometry(K, N, ldb, BK) if v.layout != "kk"
                                 else map_geometry(N, K, ldb, v.box_b)))
         if v.epilogue == "f32_tma":
-            encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows, item=4), FLOAT32)
+            encoded += encode_map(C, map_geometry(splits * M, N, ldc, v.staging_rows, item=4),
+                                  FLOAT32)
         if v.epilogue == "bf16_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows))
         if v.epilogue == "dswiglu":  # dgu's gate and up halves, and a
@@ -479,6 +525,11 @@ class Kernels:
         r = rope or Rope(0, 0, 0, 0, 1, 0)
         args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C),
                 np.int32(rope.ld if rope else ldc), np.uint64(H), np.uint64(r.cos),
-                np.uint64(r.sin), np.int32(r.T), np.int32(r.rotated))
-        return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors),
-                       shared_bytes(v), args, maps)
+                np.uint64(r.sin), np.int32(r.T), np.int32(splits if v.split else r.rotated))
+        reduce = None
+        if splits > 1:
+            blocks = min(4 * self.multiprocessors, -(-M * N // (4 * REDUCE_THREADS)))
+            reduce = (self.reduce, blocks, (np.uint64(C), np.uint64(target), np.int32(M),
+                                            np.int32(N), np.int32(ld_target), np.int32(splits)))
+        return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors, splits),
+                       shared_bytes(v), args, maps, reduce)

@@ -118,8 +118,9 @@ def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng
                     row(B, label, "cublas", rel(value(C0), ref), t_blas, 1.0, "-")
                     for v in variants:
                         var = gemm.VARIANTS[v]
-                        if var.layout != layout or var.epilogue != epilogue:
-                            continue
+                        if var.layout != layout or var.epilogue != epilogue \
+                                or var.split and m % var.bm:
+                            continue  # (a split's partials: whole tiles of rows)
                         C1 = new()
                         try:
                             plan = kernels.plan_pointers(v, m, n, k, A.data.ptr, lda,

@@ -650,8 +650,13 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 // dgu's gate and up halves and of a (bfloat16, box 64 x 64*MT).
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits (EPI_SWIGLU_TMA: the same through its maps).
+// SPLIT (the weight gradients, whose (out, in) tiles are too few for the
+// grid): K cut into `rotated` splits of whole slabs, every one non-empty
+// (gemm.py: split_k), item i the split i % splits of tile i / splits; each
+// split's float32 partial into its M rows of C, a (splits M, N) workspace
+// (M a multiple of BM), which gemm_splitk_reduce then sums in split order.
 template <int MT, int BN, int STAGES, int EPI, bool PINGPONG, int CL, int R = 0, bool TA = false,
-          bool TB = false>
+          bool TB = false, bool SPLIT = false>
 __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int M, int N, int K,
                                         float* __restrict__ C, int ldc,
                                         unsigned short* __restrict__ H,
@@ -671,6 +676,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                             EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU;
     constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA;  // the gate/up tiles
     static_assert(!TB || (!SWI && CL == 1), "the N-major B: plain tiles, no clusters");
+    static_assert(!SPLIT || (EPI == EPI_F32_TMA && CL == 1), "split partials: float32 tiles");
     constexpr int STAGING = STAGED ? 2 * 2 * CHUNK : 0;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + STAGING);
     u64* empty = full + STAGES;
@@ -685,8 +691,20 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     // the block's work: items first, first + step, ... of `items`; item i is
     // the tile (CL * (i / tiles_n) + rank, i % tiles_n)
     const unsigned rank = CL == 2 ? cluster_rank() : 0;
-    const int items = (tiles_m + CL - 1) / CL * tiles_n;
+    const int splits = SPLIT ? rotated : 1, per = (slabs + splits - 1) / splits;
+    const int items = SPLIT ? tiles_m * tiles_n * splits : (tiles_m + CL - 1) / CL * tiles_n;
     const int first = blockIdx.x / CL, step = gridDim.x / CL;
+    // item i's tile (tm, tn) and slabs [k0, k1)
+    auto work = [&](int i, int& tm, int& tn, int& k0, int& k1) {
+        if constexpr (SPLIT) {
+            const int tile = i / splits;
+            tm = tile / tiles_n, tn = tile % tiles_n;
+            k0 = (i % splits) * per, k1 = min(slabs, k0 + per);
+        } else {
+            tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
+            k0 = 0, k1 = slabs;
+        }
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -706,8 +724,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             int s = 0;
             unsigned phase = 0;
             for (int i = first; i < items; i += step) {
-                const int tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
-                for (int kb = 0; kb < slabs; kb++) {
+                int tm, tn, k0, k1;
+                work(i, tm, tn, k0, k1);
+                for (int kb = k0; kb < k1; kb++) {
                     bar_wait(&empty[s], phase ^ 1);
                     bar_expect(&full[s], STAGE_BYTES);
                     unsigned char* sa = smem + s * STAGE_BYTES;
@@ -747,12 +766,15 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
         unsigned phase = 0;
         for (int i = first; i < items; i += step, turn++) {
             if (PINGPONG && (turn & 1) != c) {  // the other warpgroup's: skip its slabs
-                const int at = s + slabs;
+                int tm, tn, k0, k1;
+                work(i, tm, tn, k0, k1);
+                const int at = s + (k1 - k0);
                 phase ^= (at / STAGES) & 1;
                 s = at % STAGES;
                 continue;
             }
-            const int tm = CL * (i / tiles_n) + rank, tn = i % tiles_n;
+            int tm, tn, k0, k1;
+            work(i, tm, tn, k0, k1);
             const int y0 = tm * BM + (PINGPONG ? 0 : c * 64);  // the warpgroup's first row
             constexpr int RG = EPI == EPI_ROPE ? R / 16 : 1;
             float2 rc[EPI == EPI_ROPE ? MT : 1][2][RG], rs[EPI == EPI_ROPE ? MT : 1][2][RG];
@@ -765,7 +787,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
             int held = -1;  // the stage the batch in flight reads
-            for (int kb = 0; kb < slabs; kb++) {
+            for (int kb = k0; kb < k1; kb++) {
                 bar_wait(&full[s], phase);
                 unsigned char* sa = smem + s * STAGE_BYTES + (PINGPONG ? 0 : c * 64 * 128);
                 unsigned char* sb = smem + s * STAGE_BYTES + A_BYTES;
@@ -775,7 +797,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
 #pragma unroll
                     for (int m = 0; m < MT; m++)
                         wgmma_tile<BN, TA, TB>(d[m], slab_desc<TA>(sa + m * 64 * 128, k),
-                                               slab_desc<TB>(sb, k), kb > 0 || k > 0);
+                                               slab_desc<TB>(sb, k), kb > k0 || k > 0);
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous batch is done: its stage goes back
                 if (held >= 0 && t == 0) release<CL>(&empty[held]);
@@ -791,8 +813,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             if (ldc > 0) {
                 // the warpgroup's two staging buffers (the staged epilogues')
                 unsigned char* staging = smem + STAGES * STAGE_BYTES + c * 2 * CHUNK;
-                if constexpr (EPI == EPI_F32_TMA) {
-                    store_tile_tma<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
+                if constexpr (EPI == EPI_F32_TMA) {  // (SPLIT: the split's rows of C)
+                    store_tile_tma<MT, BN>(d, staging, &maps[2], tn * width,
+                                           y0 + (SPLIT ? M * (i % splits) : 0), 1 + c);
                 } else if constexpr (EPI == EPI_ROPE) {
                     store_tile_rope<MT, BN, R>(d, staging, &maps[2], tn * width, y0, 1 + c, rc,
                                                rs, rotated);
@@ -817,6 +840,25 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     }
     // no block leaves while its peer may still arrive on its barriers
     if constexpr (CL == 2) cluster_sync();
+}
+
+// The split products' sum: C (M, N) = the splits' partials, ws (splits, M, N)
+// float32 packed, added in split order (a fixed order: a replay gives the
+// same bits); N a multiple of 4, four columns a thread.
+extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, float* __restrict__ C,
+                                              int M, int N, int ldc, int splits) {
+    const long long quads = (long long)M * N / 4;
+    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < quads;
+         q += (long long)gridDim.x * blockDim.x) {
+        float4 acc = reinterpret_cast<const float4*>(ws)[q];
+        for (int s = 1; s < splits; s++) {
+            const float4 p = reinterpret_cast<const float4*>(ws)[s * quads + q];
+            acc = make_float4(__fadd_rn(acc.x, p.x), __fadd_rn(acc.y, p.y), __fadd_rn(acc.z, p.z),
+                              __fadd_rn(acc.w, p.w));
+        }
+        const long long e = 4 * q;
+        *reinterpret_cast<float4*>(C + (e / N) * ldc + e % N) = acc;
+    }
 }
 
 // the instantiations (gemm.py: VARIANTS): c cooperative, p ping-pong, c2 and
@@ -852,6 +894,13 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                                               sn, T, rotated);                \
     }
 
+// the weight gradients with K split (SPLIT, above): rotated carries the splits
+#define GEMM_KERNEL_SPLIT(NAME, MT, BN, STAGES, PINGPONG)                                     \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        gemm_tn<MT, BN, STAGES, EPI_F32_TMA, PINGPONG, 1, 0, true, true, true>(               \
+            maps, M, N, K, C, ldc, H, cs, sn, T, rotated);                                     \
+    }
+
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
@@ -882,3 +931,4 @@ GEMM_KERNEL_T(gemm_f32t_kn_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true, false)
 GEMM_KERNEL_T(gemm_bf16t_kn_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true, false)
 GEMM_KERNEL_T(gemm_f32t_mn_p_m1n128_s6, 1, 128, 6, EPI_F32_TMA, true, true)
 GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
+GEMM_KERNEL_SPLIT(gemm_f32t_mn_p_m1n128_s6_splitk, 1, 128, 6, true)
