@@ -161,6 +161,7 @@ class Runner:
     memory_source: str = "-"
     setup_s: float = math.nan
     release: object = field(default=lambda: None)
+    note: str = ""  # a line before the table: how it runs where that is not its fastest way
 
 
 def _cupy_pool():
@@ -192,12 +193,21 @@ def program_runner(backend: str, config: Config, precision: str, batch: int, sta
 
     for tokens in warm:
         step(tokens)
+    report = program.compilation_report()
     if pool is not None:
         memory, source = pool.total_bytes() - base, "CuPy memory pool growth"
     else:
-        memory, source = program.compilation_report()["device_bytes"], "program report"
+        memory, source = report["device_bytes"], "program report"
     return Runner(label or backend, backend_device(backend), precision, config, batch, step,
-                  float(memory), source, time.perf_counter() - start, program.reset)
+                  float(memory), source, time.perf_counter() - start, program.reset,
+                  attention_note(report))
+
+
+def attention_note(report: dict) -> str:
+    """The program report's attention path where it is not cuDNN's, with the
+    reason (a missing cuDNN frontend, the batch, fp32): a slower row says why."""
+    reason = report.get("attention_reason") or ""
+    return f"attention {report.get('attention')}, cuDNN's not used: {reason}" if reason else ""
 
 
 class _TorchMemory:
@@ -493,6 +503,9 @@ def bench_batch(args, config: Config, state, batch: int, backends: list, peers: 
         label = name + {None: "", "gate-up": " recompute", "block": " recompute block"}[recompute]
         runner = program_runner(name, config, precision, batch, state, warm, label, recompute)
         progress(f"B={batch} {label} {precision} ready in {runner.setup_s:.1f} s")
+        if runner.note:
+            notes.append(f"{label}, B={batch}, {precision}: {runner.note}")
+            progress(notes[-1])
         ready(runner)
     for kind, device, precision in peers:
         try:

@@ -274,3 +274,20 @@ def test_a_row_wider_than_the_norm_kernels_hold_is_refused_by_field_and_limit():
         capture(wide, Hyper(), "bf16", 1, None)
     assert layernorm_variant(MAX_D) == "w8" and layernorm_variant(1024) == "c8"
     assert layernorm_variant(1025) == "w2" and layernorm_variant(2304) == "w4"
+
+
+def test_the_bench_says_when_attention_is_not_cudnns(monkeypatch):
+    """coppelius bench's line before the table for a CuPy row whose
+    attention is not cuDNN's, with the program report's reason (fp32's
+    policy; cuDNN's frontend missing); none where cuDNN serves it."""
+    from coppelius import bench
+    from coppelius.accelerated.cuda import cudnn_attention
+
+    state = random_state(CONFIG, seed=5, t=0)
+    fp32 = bench.program_runner("cupy", CONFIG, "fp32", B, state.copy(), warm=[])
+    assert fp32.note.startswith("attention materialized, cuDNN's not used: fp32 policy")
+    assert bench.program_runner("cupy", CONFIG, "bf16", B, state.copy(), warm=[]).note == ""
+    monkeypatch.setattr(cudnn_attention, "unavailable",
+                        lambda *args, **kw: "cudnn (the cuDNN frontend) is not importable")
+    missing = bench.program_runner("cupy", CONFIG, "bf16", B, state.copy(), warm=[])
+    assert missing.note.endswith("cuDNN's not used: cudnn (the cuDNN frontend) is not importable")
