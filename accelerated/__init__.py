@@ -102,3 +102,12 @@ def best_backend() -> str:
     system = platform.system()
     names = [name for name in available_backends() if capabilities(name).preferred_on(system)]
     return max(names, key=lambda name: capabilities(name).preference, default="reference")
+
+
+def attention_note(report: dict) -> str:
+    """A program's compilation report's attention path where it is not
+    cuDNN's fused attention, with the reason (fp32's policy, a missing
+    cuDNN frontend, the shape), else '': what `coppelius train` and
+    `coppelius bench` say of a step slower than it could be."""
+    reason = report.get("attention_reason") or ""
+    return f"attention {report.get('attention')}, cuDNN's not used: {reason}" if reason else ""

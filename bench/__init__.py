@@ -200,14 +200,7 @@ def program_runner(backend: str, config: Config, precision: str, batch: int, sta
         memory, source = report["device_bytes"], "program report"
     return Runner(label or backend, backend_device(backend), precision, config, batch, step,
                   float(memory), source, time.perf_counter() - start, program.reset,
-                  attention_note(report))
-
-
-def attention_note(report: dict) -> str:
-    """The program report's attention path where it is not cuDNN's, with the
-    reason (a missing cuDNN frontend, the batch, fp32): a slower row says why."""
-    reason = report.get("attention_reason") or ""
-    return f"attention {report.get('attention')}, cuDNN's not used: {reason}" if reason else ""
+                  accelerated.attention_note(report))
 
 
 class _TorchMemory:

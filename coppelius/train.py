@@ -327,6 +327,9 @@ def train(plan: Plan, quiet=False, dist: Dist | None = None) -> dict:
         ranks_of["shard"] = True
     program = module.capture(config, plan.hyper, plan.precision, B, plan.state, **ranks_of,
                              recompute=plan.recompute)
+    note = accelerated.attention_note(program.compilation_report())
+    if leader and not quiet and note:  # a step slower than it could be says why
+        print_safely(f"coppelius train: {note}")
     # sharded, state() and gradients() gather from every rank: every rank
     # calls them where rank 0 does (and drops what it gets)
     gathers = leader or sharded

@@ -291,3 +291,29 @@ def test_the_bench_says_when_attention_is_not_cudnns(monkeypatch):
                         lambda *args, **kw: "cudnn (the cuDNN frontend) is not importable")
     missing = bench.program_runner("cupy", CONFIG, "bf16", B, state.copy(), warm=[])
     assert missing.note.endswith("cuDNN's not used: cudnn (the cuDNN frontend) is not importable")
+
+
+def test_train_says_when_attention_is_not_cudnns(tmp_path, capsys):
+    """`coppelius train --backend cupy`: one line after the program is
+    built where its attention is not cuDNN's (fp32's policy here), none
+    where it is (bf16)."""
+    from coppelius.cli import main
+    from coppelius.reference.config import preset
+    from tests.support import pattern_stream
+
+    stream = pattern_stream(tmp_path / "s.tokens", preset("test"), 12, noise=0.1)
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        assert main(["train", "--preset", "test", "--backend", "cupy", "--precision", precision,
+                     "--batch", "2", "--stream", str(stream), "--run-dir", str(run),
+                     "--checkpoint", str(run / "ck.bin"), "--until", "1", "--no-sample",
+                     "--eval-every", "0", "--no-tensorboard"]) == 0
+        captured = capsys.readouterr()
+        lines = [line for line in (captured.out + captured.err).splitlines()
+                 if "cuDNN's not used" in line]
+        if precision == "fp32":
+            assert lines == ["coppelius train: attention materialized, cuDNN's not used: fp32 "
+                             "policy: cuDNN's and the fused kernels' attention take bfloat16 "
+                             "operands"], lines
+        else:
+            assert lines == []
