@@ -89,7 +89,7 @@ def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: in
     B (n,k)) with a float32 result, and the backward's dX = dY W (B given
     as (k,n)) with a float32 or bfloat16 result. The weight gradients
     dY^T X stay cuBLAS's: their (out, in) tiles are too few for the
-    persistent grid (a split of K is not built)."""
+    persistent grid, and the variant that splits K is not yet measured."""
     if ab_type != "bfloat16" or beta != 0.0 or batch != 1 or trans_a \
             or m < MIN_ROWS or n > MAX_COLUMNS or n % 8 or k % 8:
         return None

@@ -76,6 +76,20 @@ def timed(stream, body) -> float:
     return float(np.median(times))
 
 
+def first_launch(build, stream, failures, row, B, label, v):
+    """The plan build() makes, launched once and waited for; None (a
+    failure and an ERR row) where planning or the launch raised."""
+    try:
+        plan = build()
+        plan.launch(stream)
+        stream.synchronize()
+    except Exception as e:  # noqa: BLE001 (reported in the table)
+        failures.append(f"B={B} {label} {v}: {type(e).__name__}: {e}")
+        row(B, label, v, float("nan"), float("nan"), float("nan"), "ERR")
+        return None
+    return plan
+
+
 def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng, row,
                   failures):
     """dX = dY W (M, in) for each forward product W (out, in), dY (M, out),
@@ -122,14 +136,11 @@ def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng
                                 or var.split and m % var.bm:
                             continue  # (a split's partials: whole tiles of rows)
                         C1 = new()
-                        try:
-                            plan = kernels.plan_pointers(v, m, n, k, A.data.ptr, lda,
-                                                         Bm.data.ptr, ldb, C1.data.ptr, n)
-                            plan.launch(stream)
-                            stream.synchronize()
-                        except Exception as e:  # noqa: BLE001 (reported in the table)
-                            failures.append(f"B={B} {label} {v}: {type(e).__name__}: {e}")
-                            row(B, label, v, float("nan"), float("nan"), float("nan"), "ERR")
+                        plan = first_launch(
+                            lambda: kernels.plan_pointers(v, m, n, k, A.data.ptr, lda,
+                                                          Bm.data.ptr, ldb, C1.data.ptr, n),
+                            stream, failures, row, B, label, v)
+                        if plan is None:
                             continue
                         got = value(C1)
                         written = not bool(cp.isnan(got).any())
@@ -276,13 +287,9 @@ def main() -> None:
                     base = t_base if swiglu else t_blas
                     C1 = cp.full((M, N), cp.nan, cp.float32)
                     H = cp.full((M, F), 0xFFFF, cp.uint16) if swiglu else None
-                    try:
-                        plan = kernels.plan(v, A, W, C1, H)
-                        plan.launch(stream)
-                        stream.synchronize()
-                    except Exception as e:  # noqa: BLE001 (reported in the table)
-                        failures.append(f"B={B} {name} {v}: {type(e).__name__}: {e}")
-                        row(B, name, v, float("nan"), float("nan"), float("nan"), "ERR")
+                    plan = first_launch(lambda: kernels.plan(v, A, W, C1, H), stream, failures,
+                                        row, B, name, v)
+                    if plan is None:
                         continue
                     written = not bool(cp.isnan(C1).any())
                     err = rel(C1, ref) if written else float("inf")
