@@ -19,11 +19,15 @@ SHARED_LIMIT = 227 * 1024  # a Hopper block's dynamic shared memory at most
 
 def test_every_variant_fits_a_hopper_multiprocessor():
     for name, v in gemm.VARIANTS.items():
-        stage = (v.bm + v.bn) * gemm.BK * 2
+        # a slab of A's bm rows and B's bn (again: dres's and h's bm rows, W_gu's 2 bn
+        # gate and up rows, W_down's bn columns), 64 K-columns of bfloat16
+        stage = ((2 * v.bm + 3 * v.bn) if v.again else (v.bm + v.bn)) * gemm.BK * 2
         assert gemm.shared_bytes(v) >= v.stages * stage + 1024, name
         assert gemm.shared_bytes(v) <= SHARED_LIMIT, (name, gemm.shared_bytes(v))
-        # at most 128 float32 accumulators a thread: what 232 registers hold
-        assert v.mt * v.bn // 2 <= 128, name
+        # at most 128 float32 accumulators a thread, or again's 192 (g | u and da);
+        # what 232 registers hold without spills (the compile test below)
+        accumulators = v.mt * (3 if v.again else 1) * v.bn // 2
+        assert accumulators <= (192 if v.again else 128), name
 
 
 def test_the_variants_are_the_sources_instantiations():
@@ -44,6 +48,10 @@ def test_the_variants_are_the_sources_instantiations():
             r"^GEMM_KERNEL_SPLIT\((\w+), (\d+), (\d+), (\d+), (true|false)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "f32_tma", pingpong == "true",
                                    layout="mn", split=True)
+    for macro, name, stages in re.findall(r"^(GEMM_KERNEL_AGAIN(?:_PAIR)?)\((\w+), (\d+)\)",
+                                          source, re.M):
+        found[name] = gemm.Variant(2, 64, int(stages), "dswiglu_again", True,
+                                   2 if macro.endswith("PAIR") else 1, layout="kn")
     for name, mt, bn, stages, pingpong, R in re.findall(
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
@@ -51,8 +59,10 @@ def test_the_variants_are_the_sources_instantiations():
     assert found == gemm.VARIANTS
     # the epilogues staged through shared memory: the kernel's list is gemm.py's
     # (shared_bytes places the barriers after their staging buffers)
+    # (and dswiglu_again's kernel of its own, always staged)
     staged = re.search(r"constexpr bool STAGED = ([^;]*);", source).group(1)
-    assert sorted(e.lower() for e in re.findall(r"EPI_(\w+)", staged)) == sorted(gemm.STAGED)
+    assert sorted([e.lower() for e in re.findall(r"EPI_(\w+)", staged)] + ["dswiglu_again"]) \
+        == sorted(gemm.STAGED)
 
 
 def test_the_rope_arguments_are_checked():
@@ -97,6 +107,24 @@ def test_a_plan_checks_its_outputs():
     with pytest.raises(ValueError, match="aligned"):
         gemm.check_plan("gemm_dswiglu_kn_p_m1n128_s6", N=1408, ldc=2816,
                         dswiglu=gemm.Dswiglu(1 << 23, (1 << 24) + 8), **back)
+    # dswiglu_again: h and W_gu given exactly for it (gu not read: C 0), each
+    # 16-byte aligned with 16-byte rows; swiglu_a: a alone (C 0), F a multiple of 8
+    again = gemm.Dswiglu(dgu=1 << 23, a=1 << 24, h=1 << 25, ldh=512, w=1 << 26, ldw=512)
+    gemm.check_plan("gemm_dswiglu_again_p_m2n64_s3", N=1408, ldc=0, **{**back, "C": 0},
+                    dswiglu=again)
+    for variant, dswiglu, match in (("gemm_dswiglu_again_p_m2n64_s3", d, "again variants"),
+                                    ("gemm_dswiglu_kn_p_m1n128_s6", again, "again variants")):
+        with pytest.raises(ValueError, match=match):
+            gemm.check_plan(variant, N=1408, ldc=2816, dswiglu=dswiglu, **back)
+    for bad in (dict(h=(1 << 25) + 8), dict(ldw=516), dict(a=(1 << 24) + 4)):
+        with pytest.raises(ValueError, match="aligned|multiples of 16"):
+            gemm.check_plan("gemm_dswiglu_again_p_m2n64_s3", N=1408, ldc=0,
+                            dswiglu=gemm.Dswiglu(**{**again.__dict__, **bad}),
+                            **{**back, "C": 0})
+    gemm.check_plan("gemm_swiglua_p_m2n128_s4", N=2816, ldc=0, H=1 << 23, **{**args, "C": 0})
+    with pytest.raises(ValueError, match="F = 1412"):
+        gemm.check_plan("gemm_swiglua_p_m2n128_s4", N=2824, ldc=0, H=1 << 23,
+                        **{**args, "C": 0})
     with pytest.raises(ValueError, match="A given as"):
         gemm.check_plan("gemm_f32t_mn_p_m1n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
                         B=1 << 21, ldb=512, C=1 << 22, ldc=512)
@@ -130,7 +158,8 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
     """The kernel's tiles, counted by walking the output: each (row,
     column) of C (of gu's gate half with the SwiGLU epilogue, whose tiles
     also carry the up half) lies in exactly one tile, and in clusters of
-    two the tiles come in vertical pairs."""
+    two the tiles come in vertical pairs (the again variants': side by
+    side)."""
     v = gemm.VARIANTS[name]
     cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
     origins = set()
@@ -141,9 +170,11 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
             origins.add((r, c))
             c += width
         r += v.bm
-    pairs_m = -(-M // (v.bm * v.cluster))
-    assert gemm.tiles(M, N, v) == (len(origins) if v.cluster == 1 else
-                                   pairs_m * v.cluster * -(-cols // width))
+    pairs_m, pairs_n = -(-M // (v.bm * v.cluster)), -(-cols // (width * v.cluster))
+    assert gemm.tiles(M, N, v) == (
+        len(origins) if v.cluster == 1 else
+        -(-M // v.bm) * pairs_n * v.cluster if v.again else
+        pairs_m * v.cluster * -(-cols // width))
     assert gemm.tiles(M, N, v) >= len(origins)
     g = gemm.grid(M, N, v, sms)
     assert g % v.cluster == 0 and 0 < g <= sms or gemm.tiles(M, N, v) < v.cluster

@@ -271,6 +271,11 @@ class Activations:
         # layernorm writes it again, into h_back, for that product's weight
         # gradient
         self.h = alloc((BT, D), op_dtype)
+        # the mlp norm's output kept per layer where the SwiGLU backward
+        # computes the gate and up products again (Model.gate_up_later; the
+        # gate/up products gu are then not kept, and the memory plan gives
+        # whichever of the two the step does not touch no bytes)
+        self.h_mlp = per_layer((BT, D), op_dtype)
         self.qkv = per_layer((BT, lay.qkv_width), op_dtype)  # rotated q, k and v, operands
         if cudnn:  # per row: the softmax's log-sum-exp, for the backward
             self.att_stats = per_layer((B, H, T), f32)

@@ -40,9 +40,13 @@ BK, THREADS = 64, 384  # kernels/gemm_sm90.cu's GEMM_BK, GEMM_THREADS
 REDUCE_THREADS = 256  # gemm_splitk_reduce's block
 
 # kernels/gemm_sm90.cu's EPI_* epilogues, by name
-EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu")
+# (and dswiglu_again, the kernel of its own that computes the gate and up
+# products again in the SwiGLU backward's tile; swiglu_a the gate/up kernel
+# that stores a alone, its forward)
+EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu",
+             "swiglu_a", "dswiglu_again")
 # stored through shared memory and the copy engine
-STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu")
+STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again")
 # the operands' layouts: kk both K-major (A (M,K), B (N,K)); kn B given as
 # (K,N); mn A as (K,M) and B as (K,N)
 LAYOUTS = ("kk", "kn", "mn")
@@ -71,7 +75,21 @@ class Variant:
 
     @property
     def swiglu(self) -> bool:  # the gate/up tiles: bn/2 gate and as many up columns
-        return self.epilogue in ("swiglu", "swiglu_tma")
+        return self.epilogue in ("swiglu", "swiglu_tma", "swiglu_a")
+
+    @property
+    def again(self) -> bool:  # dswiglu_again: da and the gate/up product in one tile
+        return self.epilogue == "dswiglu_again"
+
+    @property
+    def stage_bytes(self) -> int:  # a slab of each operand (again: dres, h, W_gu, W_down)
+        if self.again:
+            return (2 * self.bm + 2 * self.bn + self.bn) * BK * 2
+        return (self.bm + self.bn) * BK * 2
+
+    @property
+    def staging_buffers(self) -> int:  # a multiplying warpgroup's (again: room for one)
+        return (1 if self.again else 2) if self.staged else 0
 
     @property
     def staged(self) -> bool:  # stored through shared memory and the copy engine
@@ -116,6 +134,11 @@ VARIANTS = {
     "gemm_f32t_kn_p_m2n128_s4": Variant(2, 128, 4, "f32_tma", True, layout="kn"),
     "gemm_bf16t_kn_p_m2n128_s4": Variant(2, 128, 4, "bf16_tma", True, layout="kn"),
     "gemm_dswiglu_kn_p_m1n128_s6": Variant(1, 128, 6, "dswiglu", True, layout="kn"),
+    "gemm_swiglua_p_m2n128_s4": Variant(2, 128, 4, "swiglu_a", True),
+    "gemm_swiglua_p_m1n256_s4": Variant(1, 256, 4, "swiglu_a", True),
+    "gemm_swiglua_c_n256_s4": Variant(1, 256, 4, "swiglu_a", False),
+    "gemm_dswiglu_again_p_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, layout="kn"),
+    "gemm_dswiglu_again_p2_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, 2, layout="kn"),
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
     "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
                                                split=True),
@@ -135,11 +158,11 @@ class GemmError(RuntimeError):
 
 def shared_bytes(v: Variant) -> int:
     """The dynamic shared memory a variant asks for: the stages, the staged
-    epilogues' buffers (two per multiplying warpgroup, each its rows of 128
-    bytes), the stages' two barriers each, the two order barriers, and up
-    to 1024 bytes to align the first stage."""
-    staging = 2 * 2 * v.staging_rows * 128 if v.staged else 0
-    return v.stages * (v.bm + v.bn) * BK * 2 + staging + (v.stages + 1) * 16 + 1024
+    epilogues' buffers (two per multiplying warpgroup, or dswiglu_again's
+    one, each its rows of 128 bytes), the stages' two barriers each, the
+    two order barriers, and up to 1024 bytes to align the first stage."""
+    staging = 2 * v.staging_buffers * v.staging_rows * 128
+    return v.stages * v.stage_bytes + staging + (v.stages + 1) * 16 + 1024
 
 
 @dataclass(frozen=True)
@@ -216,10 +239,16 @@ class Rope:
 class Dswiglu:
     """The dswiglu epilogue's outputs (the product's C is then gu, read):
     dgu (M, 2F) bfloat16 operands (dg then du) and a (M, F) bfloat16, the
-    forward's silu(g) u again."""
+    forward's silu(g) u again. dswiglu_again (C not read) computes g and u
+    again from the gate/up product's operands: h (M, K) (row stride ldh)
+    and W_gu (2F, K) (row stride ldw), bfloat16."""
 
     dgu: int
     a: int
+    h: int = 0
+    ldh: int = 0
+    w: int = 0
+    ldw: int = 0
 
 
 def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
@@ -242,9 +271,17 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
     """Everything a plan of `variant` checks before it encodes a map (the
     CPU stand-in's plans check the same)."""
     v = VARIANTS[variant]
-    if (v.epilogue == "dswiglu") != (dswiglu is not None):
+    if (v.epilogue in ("dswiglu", "dswiglu_again")) != (dswiglu is not None):
         raise ValueError("the dswiglu arguments are the dswiglu variants'")
-    if dswiglu is not None:
+    if v.again != bool(dswiglu and dswiglu.h):
+        raise ValueError(f"{variant}: the gate/up product's operands (h, W_gu) are the again "
+                         f"variants'")
+    if v.again:
+        if N % 8:
+            raise ValueError(f"{variant}: F = {N}: a multiple of 8")
+        check_addresses(dswiglu.h, dswiglu.ldh, dswiglu.w, dswiglu.ldw, dswiglu.dgu, 2 * N,
+                        dswiglu.a, c_item=2)
+    elif dswiglu is not None:
         if N % 8 or ldc < 2 * N:
             raise ValueError(f"{variant}: F = {N}: a multiple of 8, gu's rows (ldc = {ldc}) "
                              f"at least 2F")
@@ -259,7 +296,7 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
                          f"rows")
     if v.swiglu != bool(H):
         raise ValueError(f"{variant}: H is the SwiGLU variants' output")
-    if v.epilogue == "swiglu_tma" and (N // 2) % 8:
+    if v.epilogue in ("swiglu_tma", "swiglu_a") and (N // 2) % 8:
         raise ValueError(f"{variant}: F = {N // 2}: a's rows through the copy engine need a "
                          f"multiple of 8 columns")
 
@@ -267,8 +304,11 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
 def tiles(M: int, N: int, v: Variant) -> int:
     """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
     columns and as many up columns; in clusters of two, a pair of tiles
-    one above the other counts as two, the lower one past M too)."""
+    one above the other counts as two, the lower one past M too; the again
+    variants' pairs lie side by side, the right one past N too)."""
     cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
+    if v.again:
+        return -(-M // v.bm) * -(-cols // (width * v.cluster)) * v.cluster
     return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
 
 
@@ -489,10 +529,11 @@ class Kernels:
         """plan's product by addresses and row strides (elements): A (M,K)
         and B (N,K) bfloat16 (layout kn: B (K,N); mn: A (K,M) and B (K,N)),
         C (M,N) float32 (bf16_tma: bfloat16), H (M, N/2) bfloat16 (the
-        SwiGLU variants' a; else 0); the rope variants write rope.out
-        instead of C (C may be 0); the dswiglu variants (N = F) read gu
-        (M, 2F) float32 at C, row stride ldc, and write dswiglu.dgu and
-        dswiglu.a."""
+        SwiGLU variants' a; else 0; swiglu_a writes H alone, C may be 0);
+        the rope variants write rope.out instead of C (C may be 0); the
+        dswiglu variants (N = F) read gu (M, 2F) float32 at C, row stride
+        ldc, and write dswiglu.dgu and dswiglu.a; dswiglu_again reads
+        dswiglu.h and dswiglu.w instead of gu (C 0)."""
         v = VARIANTS[variant]
         check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
@@ -509,14 +550,21 @@ class Kernels:
                                   FLOAT32)
         if v.epilogue == "bf16_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows))
-        if v.epilogue == "dswiglu":  # dgu's gate and up halves, and a
+        if v.again:  # h and W_gu beside dres and W_down
+            d = dswiglu
+            encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
+                       + encode_map(d.h, map_geometry(M, K, d.ldh, v.bm))
+                       + encode_map(d.w, map_geometry(2 * N, K, d.ldw, v.bn))
+                       + encode_map(B, map_geometry(K, N, ldb, BK)))
+        if v.epilogue in ("dswiglu", "dswiglu_again"):  # dgu's gate and up halves, and a
             for half in (dswiglu.dgu, dswiglu.dgu + 2 * N):
                 encoded += encode_map(half, map_geometry(M, N, 2 * N, v.staging_rows))
             encoded += encode_map(dswiglu.a, map_geometry(M, N, N, v.staging_rows))
-        if v.epilogue == "swiglu_tma":  # gu's gate and up halves, and a
+        if v.epilogue == "swiglu_tma":  # gu's gate and up halves
             for half in (C, C + 4 * F):
                 encoded += encode_map(half, map_geometry(M, F, ldc, v.staging_rows, item=4),
                                       FLOAT32)
+        if v.epilogue in ("swiglu_tma", "swiglu_a"):  # a
             encoded += encode_map(H, map_geometry(M, F, F, v.staging_rows))
         if v.epilogue == "rope":
             encoded += encode_map(rope.out, map_geometry(M, N, rope.ld, v.staging_rows))

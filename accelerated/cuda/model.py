@@ -200,9 +200,15 @@ class Model:
         self.linear_forward(a.y[l], w.o, a.proj, D, D)
         # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
         self.at(p + "attn.residual", p + "mlp_norm")
+        later = not again and self.gate_up_later(a)
+        if later:  # h kept for the backward, which computes g and u again from it
+            h = a.h_mlp[l]
         self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l], w.mlp_norm)
         tap(p + "mlp_norm.out", h)
-        if again or not self.gate_up_swiglu(h, w.gate_up, a.gu[l], a.a, p):
+        if later:
+            done = self.gate_up_swiglu(h, w.gate_up, None, a.a, p)
+            assert done, "gate_up_later: the products' rule takes the a-only kernel"
+        elif again or not self.gate_up_swiglu(h, w.gate_up, a.gu[l], a.a, p):
             self.at(p + "mlp.gate", p + "mlp.up")
             self.linear_forward(h, w.gate_up, a.gu[l], lay.gate_up_width, D)  # (BT,2F)
             if again:
@@ -213,16 +219,29 @@ class Model:
         self.at(p + "mlp.down")
         self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
 
+    def gate_up_later(self, a: Activations) -> bool:
+        """Whether the gate and up products are computed again inside the
+        SwiGLU backward's kernel (products.py, gate_up_again): then the
+        forward keeps each layer's mlp norm output h (a.h_mlp), an operand,
+        instead of the float32 gate/up product, a quarter of its bytes, and
+        the layer's norm backward does not write h again. Not with
+        recompute (its own scheme), nor while an eager debugging step taps
+        the values in between."""
+        return a.recompute is None and self.tap is None \
+            and hasattr(self.blas, "gate_up_again") \
+            and self.blas.gate_up_again(a.B * a.T, self.config.d_ff, self.config.d_model)
+
     def gate_up_swiglu(self, h, W, gu, out, p: str) -> bool:
         """gu = h W^T (the gate and up products) and out = silu(g) * u in
         one kernel, where the products choose it (products.py): True if
-        done."""
+        done. gu None (gate_up_later): out alone."""
         if not hasattr(self.blas, "gemm_swiglu"):
             return False
         self.at(p + "mlp.gate", p + "mlp.up", p + "mlp.swiglu")
         D = self.config.d_model
         return self.blas.gemm_swiglu(h.shape[0], self.config.d_ff, D, _ptr(h), D,
-                                     _ptr(self.Pop, W), D, _ptr(gu), _ptr(out))
+                                     _ptr(self.Pop, W), D, 0 if gu is None else _ptr(gu),
+                                     _ptr(out))
 
     def down_dswiglu(self, dres, W, gu, a: Activations, p: str) -> bool:
         """da = dres W_down and from it a.dgu and a.a_back (the swiglu
@@ -234,6 +253,18 @@ class Model:
         D, F = self.config.d_model, self.config.d_ff
         return self.blas.gemm_dswiglu(dres.shape[0], F, D, _ptr(dres), D, _ptr(self.Pop, W), F,
                                       _ptr(gu), _ptr(a.dgu), _ptr(a.a_back))
+
+    def down_dswiglu_again(self, dres, W, h, W_gu, a: Activations, p: str) -> bool:
+        """down_dswiglu's with g | u = h W_gu^T computed again in the same
+        kernel (the forward's bits) instead of read (gate_up_later): True if
+        done."""
+        self.at(p + "mlp.down.backward", p + "mlp.swiglu.backward", p + "mlp.swiglu",
+                p + "mlp.gate", p + "mlp.up")
+        D, F = self.config.d_model, self.config.d_ff
+        return self.blas.gemm_dswiglu_again(dres.shape[0], F, D, _ptr(dres), D,
+                                            _ptr(self.Pop, W), F, _ptr(h), D,
+                                            _ptr(self.Pop, W_gu), D, _ptr(a.dgu),
+                                            _ptr(a.a_back))
 
     def qkv_rope(self, h, l: int, out, T: int, p: str) -> bool:
         """out (BT,qkv) operands = rope(h Wqkv^T), no float32 q | k | v
@@ -419,8 +450,13 @@ class Model:
             # the swiglu backward writes a again (the forward's bits) for the
             # down weight's gradient dres^T a; in one kernel where the
             # products choose it (no float32 da; not while an eager debugging
-            # step taps da)
-            if self.tap is not None or not self.down_dswiglu(dres_op, w.down, gu, a, p):
+            # step taps da), with g and u computed again in it from the kept
+            # h where gate_up_later holds
+            later = self.gate_up_later(a)
+            if later:
+                done = self.down_dswiglu_again(dres_op, w.down, a.h_mlp[l], w.gate_up, a, p)
+                assert done, "gate_up_later: the products' rule takes the again kernel"
+            elif self.tap is not None or not self.down_dswiglu(dres_op, w.down, gu, a, p):
                 self.at(p + "mlp.down.backward")
                 self.linear_backward_input(dres_op, w.down, a.da, D, F)
                 self._tap(p + "mlp.dh", a.da)
@@ -438,14 +474,16 @@ class Model:
             self.linear_backward_input(a.dgu, w.gate_up, a.dh, lay.gate_up_width, D)
             self._tap(p + "mlp_norm.dout", a.dh)
             self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
-                    *(() if a.recompute else (p + "mlp_norm",)))
+                    *(() if a.recompute or later else (p + "mlp_norm",)))
             # (with recompute h_back holds h already: the gate and up
-            # products' operand, from the recompute above)
+            # products' operand, from the recompute above; gate_up_later: h
+            # kept from the forward)
+            h_mlp = a.h_mlp[l] if later else a.h_back
             self.norm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], w.mlp_norm,
                                a.dres, a.dres_op, a.ln_partials[2 * l + 1],
-                               h=None if a.recompute else a.h_back)
+                               h=None if a.recompute or later else h_mlp)
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
-            self.linear_backward_weight(a.dgu, a.h_back, w.gate_up, lay.gate_up_width, D)
+            self.linear_backward_weight(a.dgu, h_mlp, w.gate_up, lay.gate_up_width, D)
             self._tap(p + "dmid", a.dres)
             # x_mid = x + o(attention(rope(q(h)), rope(k(h)), v(h))), h = attn_norm(x)
             self.at(p + "attn.o.backward")

@@ -49,6 +49,10 @@ BACKWARD_INPUT = {"float32": "gemm_f32t_kn_p_m2n128_s4", "bfloat16": "gemm_bf16t
 MAX_K_INPUT = 1024
 # the down product's dX with the SwiGLU's backward in its epilogue (no float32 da)
 DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
+# the same with the gate/up product computed again in its tile (no float32 gu kept from
+# the forward, whose gate/up kernel then stores a alone): at the input gradients' shapes
+# with the fused forward's F (a multiple of 8)
+DSWIGLU_AGAIN, SWIGLU_A = "gemm_dswiglu_again_p_m2n64_s3", "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
@@ -113,11 +117,23 @@ def _input_gradient(m: int, n: int, k: int) -> bool:
 def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
                   a: int) -> str | None:
     """The fused gate/up + SwiGLU variant, or None (then the product and
-    the swiglu kernel)."""
+    the swiglu kernel); gu 0: the variant that stores a alone (the
+    backward computing g and u again: gate_up_again)."""
     if m < MIN_ROWS or k > MAX_K or (2 * F) % 8 or k % 8 \
             or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
         return None
+    if not gu:
+        return SWIGLU_A if gate_up_again(m, F, k) else None
     return SWIGLU if F % 8 == 0 else SWIGLU_ANY_F
+
+
+def gate_up_again(m: int, F: int, k: int) -> bool:
+    """Whether the SwiGLU's backward computes the gate and up products again
+    in its own tile (DSWIGLU_AGAIN) for a product of m rows, d_ff F and
+    d_model k, so that the forward keeps the gate/up product's operand h
+    and not its float32 result: the input gradients' shapes and the fused
+    forward's (F a multiple of 8)."""
+    return _input_gradient(m, F, k) and k <= MAX_K and F % 8 == 0
 
 
 def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
@@ -134,6 +150,19 @@ def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, g
     except ValueError:
         return None
     return DSWIGLU
+
+
+def choose_dswiglu_again(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int,
+                         d: gemm.Dswiglu) -> str | None:
+    """DSWIGLU_AGAIN where gate_up_again holds and its plan takes the
+    buffers (every matrix 16-byte aligned, rows of whole 16 bytes), or None."""
+    if not gate_up_again(m, F, k):
+        return None
+    try:
+        gemm.check_plan(DSWIGLU_AGAIN, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
+    except ValueError:
+        return None
+    return DSWIGLU_AGAIN
 
 
 def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
@@ -199,7 +228,8 @@ class Products:
         """gu (m, 2F) float32 = A (m,k) @ W (2F,k)^T and a (m,F) = silu(g) * u
         as bfloat16, as the product and kernels/swiglu.cu's swiglu_forward
         compute them, in one kernel where chosen: True if done, False if
-        the caller is to run the two."""
+        the caller is to run the two. gu 0 (where gate_up_again holds): a
+        alone."""
         variant = choose_swiglu(m, F, k, A, lda, W, ldw, gu, a) if self.own else None
         if variant is None:
             return False
@@ -220,6 +250,23 @@ class Products:
                   dswiglu=gemm.Dswiglu(dgu, a))
         return True
 
+    def gate_up_again(self, m: int, F: int, k: int) -> bool:
+        """gate_up_again where the rule applies (own): the forward then
+        calls gemm_swiglu with gu 0 and the backward gemm_dswiglu_again."""
+        return self.own and gate_up_again(m, F, k)
+
+    def gemm_dswiglu_again(self, m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int,
+                           h: int, ldh: int, W_gu: int, ldw_gu: int, dgu: int, a: int) -> bool:
+        """gemm_dswiglu's outputs with g | u = h (m,k) @ W_gu (2F,k)^T
+        computed again in the same kernel, bit for bit the forward's
+        (gemm_swiglu's), instead of read: True if done."""
+        d = gemm.Dswiglu(dgu, a, h, ldh, W_gu, ldw_gu)
+        variant = choose_dswiglu_again(m, F, k, A, lda, W, ldw, d) if self.own else None
+        if variant is None:
+            return False
+        self._own(variant, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
+        return True
+
     def gemm_rope(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                   ldo: int, cos: int, sin: int, T: int, rotated: int, E: int, R: int) -> bool:
         """out (m,n) operands = the rope (kernels/rope.cu's rope_forward, cos,
@@ -238,7 +285,7 @@ class Products:
              dswiglu: gemm.Dswiglu | None = None) -> None:
         if self.log is not None:
             touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
-                + ((dswiglu.dgu, dswiglu.a) if dswiglu else ())
+                + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ())
             self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only

@@ -159,6 +159,8 @@ def backward_pass(args, shapes, T, variants, kernels, project, blas, stream, rng
             if name == "down":
                 dswiglu_rows(B, M, n_out, n_in, dY, W, variants, kernels, project, blas, stream,
                              rng, row, failures)
+                again_rows(B, M, n_out, n_in, dY, W, variants, kernels, project, stream, rng,
+                           row, failures)
 
 
 def dswiglu_rows(B, M, D, F, dres, W, variants, kernels, project, blas, stream, rng, row,
@@ -202,6 +204,80 @@ def dswiglu_rows(B, M, D, F, dres, W, variants, kernels, project, blas, stream, 
             failures.append(f"B={B} dX down+dswiglu {v}: err={err:.2e} {bits}")
         t = timed(stream, lambda plan=plan: plan.launch(stream))
         row(B, "dX down+dswiglu", v, err, t, t / t_base, f"{check} {bits}")
+
+
+def again_rows(B, M, D, F, dres, W_down, variants, kernels, project, stream, rng, row,
+               failures):
+    """The gate and up products computed again in the SwiGLU backward's
+    kernel (dswiglu_again) against the step's path that keeps them: the
+    forward's swiglut (gu float32 and a) and the backward's dswiglu (gu
+    read). Bits: the again kernel's dgu and a equal swiglu_backward's on
+    the own kn product's da and swiglut's gu, and swiglua's a equals
+    swiglut's ("bits="). Times per layer: forward and backward each way."""
+    h = bf16_bits(rng, (M, D))
+    W_gu = bf16_bits(rng, (2 * F, D), scale=D ** -0.5)
+    gu = cp.full((M, 2 * F), cp.nan, cp.float32)
+    a_fwd = cp.full((M, F), 0xFFFF, cp.uint16)
+    forward = kernels.plan(products.SWIGLU, h, W_gu, gu, a_fwd)
+    forward.launch(stream)
+    da = cp.zeros((M, F), cp.float32)
+    kernels.plan_pointers(products.BACKWARD_INPUT["float32"], M, F, D, dres.data.ptr, D,
+                          W_down.data.ptr, F, da.data.ptr, F).launch(stream)
+    want_dgu, want_a = cp.zeros((M, 2 * F), cp.uint16), cp.zeros((M, F), cp.uint16)
+    project.swiglu_backward(da, gu, want_dgu, want_a)
+    dgu, a = cp.full_like(want_dgu, 0xFFFF), cp.full_like(want_a, 0xFFFF)
+    kept = kernels.plan_pointers(products.DSWIGLU, M, F, D, dres.data.ptr, D, W_down.data.ptr,
+                                 F, gu.data.ptr, 2 * F,
+                                 dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr))
+    stream.synchronize()
+    t_fwd, t_back = (timed(stream, lambda p=p: p.launch(stream)) for p in (forward, kept))
+    row(B, "gate/up fwd, gu kept", products.SWIGLU, float("nan"), t_fwd, 1.0, "-")
+    row(B, "dswiglu, gu read", products.DSWIGLU, float("nan"), t_back, 1.0, "-")
+    g, u = (cp.asnumpy(x).astype(np.float64) for x in (gu[:, :F], gu[:, F:]))
+    _, cache = swiglu_forward(g, u)
+    ref = cp.asarray(np.concatenate(swiglu_backward(cp.asnumpy(as_f64(dres) @ as_f64(W_down)),
+                                                    cache), axis=1))
+    for v in variants:
+        var = gemm.VARIANTS[v]
+        if var.epilogue == "swiglu_a":
+            a1 = cp.full_like(a_fwd, 0xFFFF)
+            plan = first_launch(lambda: kernels.plan_pointers(v, M, 2 * F, D, h.data.ptr, D,
+                                                              W_gu.data.ptr, D, 0, 2 * F,
+                                                              a1.data.ptr),
+                                stream, failures, row, B, "gate/up fwd, a alone", v)
+            if plan is None:
+                continue
+            bits = "bits=" if bool((a1 == a_fwd).all()) else "bits~"
+            if bits != "bits=":
+                failures.append(f"B={B} gate/up fwd, a alone {v}: a differs from swiglut's")
+            t = timed(stream, lambda plan=plan: plan.launch(stream))
+            row(B, "gate/up fwd, a alone", v, float("nan"), t, t / t_fwd,
+                f"{'ok' if bits == 'bits=' else 'FAIL'} {bits}")
+        if not var.again:
+            continue
+        dgu1, a1 = cp.full_like(want_dgu, 0xFFFF), cp.full_like(want_a, 0xFFFF)
+        d = gemm.Dswiglu(dgu1.data.ptr, a1.data.ptr, h.data.ptr, D, W_gu.data.ptr, D)
+        plan = first_launch(lambda: kernels.plan_pointers(v, M, F, D, dres.data.ptr, D,
+                                                          W_down.data.ptr, F, 0, 0, dswiglu=d),
+                            stream, failures, row, B, "dswiglu, gu again", v)
+        if plan is None:
+            continue
+        err = rel(as_f64(dgu1), ref)
+        first = (dgu1.copy(), a1.copy())
+        dgu1.fill(0xFFFF)
+        a1.fill(0xFFFF)
+        plan.launch(stream)
+        stream.synchronize()
+        same = bool((dgu1 == first[0]).all()) and bool((a1 == first[1]).all())
+        bits = "bits=" if bool((dgu1 == want_dgu).all()) and bool((a1 == want_a).all()) \
+            else "bits~"
+        check = "ok" if err < 1e-2 and same and bits == "bits=" else "FAIL"
+        if check != "ok":
+            wrong = int((dgu1 != want_dgu).sum()) + int((a1 != want_a).sum())
+            failures.append(f"B={B} dswiglu, gu again {v}: err={err:.2e} replay-equal={same} "
+                            f"{bits} ({wrong} elements differ)")
+        t = timed(stream, lambda plan=plan: plan.launch(stream))
+        row(B, "dswiglu, gu again", v, err, t, t / t_back, f"{check} {bits}")
 
 
 def main() -> None:
@@ -279,8 +355,9 @@ def main() -> None:
                     swiglu = gemm.VARIANTS[v].swiglu
                     if swiglu and name != "gate_up" or gemm.VARIANTS[v].epilogue == "rope":
                         continue  # (the rope variants: below)
-                    if gemm.VARIANTS[v].layout != "kk" or gemm.VARIANTS[v].epilogue == "bf16_tma":
-                        continue  # (the backward's: backward_pass)
+                    if gemm.VARIANTS[v].layout != "kk" or gemm.VARIANTS[v].epilogue in (
+                            "bf16_tma", "swiglu_a"):
+                        continue  # (the backward's: backward_pass; swiglu_a: again_rows)
                     if gemm.VARIANTS[v].epilogue == "swiglu_tma" and F % 8:
                         row(B, name, v, float("nan"), float("nan"), float("nan"), "refused (F % 8)")
                         continue  # check_plan's refusal (tests/test_gemm_sm90.py)

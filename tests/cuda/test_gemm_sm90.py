@@ -56,8 +56,8 @@ def test_every_variant_against_float64(kernels, M, N, K):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for name, v in gemm.VARIANTS.items():
-            if v.epilogue in ("rope", "bf16_tma") or v.layout != "kk":
-                continue  # test_the_rope_epilogue, test_the_backward_layouts
+            if v.epilogue in ("rope", "bf16_tma", "swiglu_a") or v.layout != "kk":
+                continue  # test_the_rope_epilogue, test_the_backward_layouts, below
             C = cupy.full((M, N), cupy.nan, cupy.float32)
             H = cupy.full((M, N // 2), 0xFFFF, cupy.uint16) if v.swiglu else None
             if v.epilogue == "swiglu_tma" and (N // 2) % 8:
@@ -80,6 +80,22 @@ def test_every_variant_against_float64(kernels, M, N, K):
                 project.swiglu_forward(C, a)
                 stream.synchronize()
                 assert bool((a == H).all()), name
+        # the gate/up kernel that stores a alone: a bitwise that of the same
+        # tiles storing gu too (the products the backward's dswiglu_again
+        # computes again), F a multiple of 8 (a's rows through the copy engine)
+        if N % 2 == 0:
+            F = N // 2
+            a_alone = cupy.full((M, F), 0xFFFF, cupy.uint16)
+            args = (M, N, K, A.data.ptr, K, W.data.ptr, K, 0, N, a_alone.data.ptr)
+            if F % 8:
+                with pytest.raises(ValueError, match="multiple of 8"):
+                    own.plan_pointers("gemm_swiglua_p_m2n128_s4", *args)
+                return
+            C, a_both = cupy.zeros((M, N), cupy.float32), cupy.zeros((M, F), cupy.uint16)
+            own.plan("gemm_swiglut_p_m2n128_s4", A, W, C, a_both).launch(stream)
+            own.plan_pointers("gemm_swiglua_p_m2n128_s4", *args).launch(stream)
+            stream.synchronize()
+            assert bool((a_alone == a_both).all())
 
 
 @pytest.mark.parametrize("rows,n_out,n_in,pad", [(1000, 520, 200, 0), (2048, 512, 1408, 0),
@@ -103,8 +119,8 @@ def test_the_backward_layouts_against_float64(kernels, rows, n_out, n_in, pad):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for name, v in gemm.VARIANTS.items():
-            if v.layout == "kk" or v.epilogue == "dswiglu":
-                continue  # (test_the_dswiglu_epilogue)
+            if v.layout == "kk" or v.epilogue in ("dswiglu", "dswiglu_again"):
+                continue  # (test_the_dswiglu_epilogue, test_the_gate_up_products_again)
             m, n, k, A, lda, B, ldb, ref = products[v.layout]
             if v.split and m % v.bm:
                 with pytest.raises(ValueError, match="whole tiles"):
@@ -178,6 +194,54 @@ def test_the_dswiglu_epilogue(kernels, rows, D, F):
             plan.launch(stream)
             stream.synchronize()
             assert bool((dgu == first[0]).all()) and bool((a == first[1]).all()), name
+
+
+@pytest.mark.parametrize("rows,D,F", [(1000, 200, 136), (4096, 512, 1408), (520, 768, 2048)])
+def test_the_gate_up_products_again(kernels, rows, D, F):
+    """dswiglu_again, the SwiGLU backward with g | u = h W_gu^T computed
+    again beside da = dres W_down in its tile: dgu and a bitwise the step's
+    path that keeps gu (the forward's gate/up kernel the rule pairs with it,
+    then the own float32 dX product and the swiglu_backward kernel), within
+    the operands' rounding of the reference's float64 formula on float64
+    products; rows, F and d_model past the tiles, every element written,
+    two launches bitwise equal."""
+    from coppelius.accelerated.cuda import products
+    from coppelius.reference.layers.swiglu import swiglu_backward, swiglu_forward
+
+    gemm, own, project = kernels
+    rng = np.random.default_rng(rows + D + F + 1)
+    dres, W_down = _operand(rng, (rows, D)), _operand(rng, (D, F), D ** -0.5)
+    h, W_gu = _operand(rng, (rows, D)), _operand(rng, (2 * F, D), D ** -0.5)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        gu = cupy.full((rows, 2 * F), cupy.nan, cupy.float32)
+        own.plan(products.SWIGLU, h, W_gu, gu, cupy.zeros((rows, F), cupy.uint16)).launch(stream)
+        da = cupy.full((rows, F), cupy.nan, cupy.float32)
+        own.plan_pointers(products.BACKWARD_INPUT["float32"], rows, F, D, dres.data.ptr, D,
+                          W_down.data.ptr, F, da.data.ptr, F).launch(stream)
+        want_dgu = cupy.zeros((rows, 2 * F), cupy.uint16)
+        want_a = cupy.zeros((rows, F), cupy.uint16)
+        project.swiglu_backward(da, gu, want_dgu, want_a)
+        gu64 = _f64(h) @ _f64(W_gu).T
+        _, cache = swiglu_forward(cupy.asnumpy(gu64[:, :F]), cupy.asnumpy(gu64[:, F:]))
+        ref_dgu = cupy.asarray(np.concatenate(
+            swiglu_backward(cupy.asnumpy(_f64(dres) @ _f64(W_down)), cache), axis=1))
+        dgu = cupy.full((rows, 2 * F), 0xFFFF, cupy.uint16)
+        a = cupy.full((rows, F), 0xFFFF, cupy.uint16)
+        d = gemm.Dswiglu(dgu.data.ptr, a.data.ptr, h.data.ptr, D, W_gu.data.ptr, D)
+        plan = own.plan_pointers(products.DSWIGLU_AGAIN, rows, F, D, dres.data.ptr, D,
+                                 W_down.data.ptr, F, 0, 0, dswiglu=d)
+        plan.launch(stream)
+        stream.synchronize()
+        assert int((dgu != want_dgu).sum()) == 0 and int((a != want_a).sum()) == 0
+        err = float(cupy.linalg.norm(_f64(dgu) - ref_dgu) / cupy.linalg.norm(ref_dgu))
+        assert err < 8e-3, err
+        first = dgu.copy(), a.copy()
+        dgu.fill(0xFFFF)
+        a.fill(0xFFFF)
+        plan.launch(stream)
+        stream.synchronize()
+        assert bool((dgu == first[0]).all()) and bool((a == first[1]).all())
 
 
 @pytest.mark.parametrize("E, H, Hkv, M", [(64, 8, 8, 2048), (64, 4, 1, 1000), (128, 4, 2, 520)])

@@ -67,10 +67,15 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
     assert mine.blas.own and not theirs.blas.own
     named = [c.name for c in mine.plan.commands if c.kind == "product"]
     L = config.n_layer
+    # without recompute (F a multiple of 8) the backward computes the gate and
+    # up products again in the SwiGLU backward's kernel, and the forward's
+    # gate/up kernel stores a alone
+    again = recompute is None and config.d_ff % 8 == 0
+    forward = products.SWIGLU_A if again else \
+        products.SWIGLU if config.d_ff % 8 == 0 else products.SWIGLU_ANY_F
     # per layer: q | k | v, o and down on the own kernel, gate/up fused with the SwiGLU
-    assert named.count(products.SWIGLU if config.d_ff % 8 == 0 else products.SWIGLU_ANY_F) == L
-    assert sum(n in gemm.VARIANTS and n not in (products.SWIGLU, products.SWIGLU_ANY_F)
-               for n in named) >= 3 * L
+    assert named.count(forward) == L
+    assert sum(n in gemm.VARIANTS and n != forward for n in named) >= 3 * L
     assert not any(c.name == "swiglu_forward" for c in mine.plan.commands)
     fused_rope = config.d_model // config.n_head == 64 and not config.qkv_bias
     assert named.count(products.ROPE[64]) == (L * (2 if recompute == "block" else 1)
@@ -81,7 +86,8 @@ def test_the_own_products_give_the_cublas_steps(own, monkeypatch, name, recomput
     # the backward: the down product's dX with the SwiGLU backward in its
     # epilogue (F a multiple of 8), and the o product's dX by the kn layout
     fused_back = config.d_ff % 8 == 0
-    assert named.count(products.DSWIGLU) == (L if fused_back else 0)
+    assert named.count(products.DSWIGLU) == (L if fused_back and not again else 0)
+    assert named.count(products.DSWIGLU_AGAIN) == (L if again else 0)
     assert sum(c.name == "swiglu_backward" for c in mine.plan.commands) == \
         (0 if fused_back else L)
     assert sum(c.name == "swiglu_backward" for c in theirs.plan.commands) == L
@@ -141,3 +147,23 @@ def test_a_product_first_seen_inside_a_capture_is_refused(own):
                        ab_type="bfloat16", c_type="float32")
         finally:
             stream.end_capture()
+
+
+def test_the_gate_up_products_computed_again_keep_h_not_gu(own, monkeypatch):
+    """Where the SwiGLU backward computes the gate and up products again
+    (products.gate_up_again), the production model's plan (the dry run)
+    keeps each layer's h (BT x D operands) and no float32 gate/up product:
+    smaller by at least L - 2 of the products less an h each, against the
+    same step with the products kept (the rule refused)."""
+    from coppelius.accelerated.cuda.step import memory_plan
+
+    big = preset("coppelius")
+    again = memory_plan(big, Hyper(), "bf16", 2)
+    monkeypatch.setattr(products, "gate_up_again", lambda m, F, k: False)
+    kept = memory_plan(big, Hyper(), "bf16", 2)
+    BT = 2 * big.context
+    per_layer = BT * 2 * big.d_ff * 4 - BT * big.d_model * 2
+    assert again.arena_bytes <= kept.arena_bytes - (big.n_layer - 2) * per_layer
+    named = [c.name for c in again.commands if c.kind == "product"]
+    assert named.count(products.DSWIGLU_AGAIN) == big.n_layer
+    assert products.DSWIGLU_AGAIN not in [c.name for c in kept.commands]

@@ -26,7 +26,9 @@
 //   EPI_F32_TMA, EPI_SWIGLU_TMA, EPI_ROPE, EPI_BF16_TMA and EPI_DSWIGLU store
 //   through shared memory and the copy engine (`staged`); EPI_DSWIGLU (the
 //   down product's dX, da = dres W_down) does the SwiGLU's backward on da
-//   in registers: no float32 da is written.
+//   in registers: no float32 da is written; EPI_SWIGLU_A stores a alone,
+//   for dswiglu_again (a kernel of its own, below), which computes the gate
+//   and up products again beside da in the SwiGLU backward's tile.
 //
 // Layouts (TA, TB): the forward's, both operands K-major (A (M,K), B (N,K)
 // row-major), and the backward's: TB, B given as (K,N) row-major (N-major:
@@ -56,6 +58,7 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_SWIGLU_TMA 4
 #define EPI_BF16_TMA 5
 #define EPI_DSWIGLU 6
+#define EPI_SWIGLU_A 7
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -281,6 +284,23 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], u64 a, u64 b, int acc
 }
 
 
+// D (64 x 64) += A (64 x 16) B (16 x 64): 32 float32 accumulators a thread
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+}
+
 template <int BN, bool TA, bool TB>
 __device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], u64 a, u64 b, int accumulate) {
     if constexpr (BN == 256) wgmma_n256<TA, TB>(d, a, b, accumulate);
@@ -349,10 +369,12 @@ __device__ __forceinline__ void release(u64* bar) {
 
 // The epilogues through the copy engine: a warpgroup's tile as Q chunks of
 // 64*MT rows of 128 bytes (32 float32 or 64 bfloat16 columns), each written
-// by the threads into one of the warpgroup's two staging buffers (TMA's
+// by the threads into one of the warpgroup's NBUF staging buffers (TMA's
 // 128-byte swizzle: the 16-byte chunk c of row r at chunk c ^ (r mod 8),
-// `swizzled`) and stored by the engine while the threads fill the other;
-// the warpgroup goes on to its next tile without waiting for the stores.
+// `swizzled`) and stored by the engine while the threads fill the other
+// (NBUF 2; with one, a chunk's fill waits until the engine has read the
+// one before); the warpgroup goes on to its next tile without waiting for
+// the stores.
 // Rows and columns past a map's tensor are clipped by the engine.
 // fill(q, buf) writes chunk q; store(q, buf) (one thread) issues its copy.
 // `id`: the warpgroup's named barrier.
@@ -360,14 +382,14 @@ __device__ __forceinline__ unsigned char* swizzled(unsigned char* buf, int r, in
     return buf + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
 }
 
-template <int MT, int Q, class Fill, class Store>
+template <int MT, int Q, int NBUF = 2, class Fill, class Store>
 __device__ __forceinline__ void staged(unsigned char* staging, int id, Fill fill, Store store) {
     constexpr int CHUNK = 64 * MT * 128;
     const int t = threadIdx.x % 128;
 #pragma unroll
     for (int q = 0; q < Q; q++) {
-        unsigned char* buf = staging + (q & 1) * CHUNK;
-        if (t == 0) bulk_wait_read<1>();  // the store two chunks back (this buffer's) has read it
+        unsigned char* buf = staging + (q % NBUF) * CHUNK;
+        if (t == 0) bulk_wait_read<NBUF - 1>();  // the store NBUF chunks back (this buffer's) has read it
         warpgroup_sync(id);
         fill(q, buf);
         fence_async_shared();
@@ -525,12 +547,14 @@ __device__ __forceinline__ void store_tile_dswiglu(float (&d)[MT][BN / 2], float
 // columns a chunk. maps: gu's gate half and up half (float32, box 32 x
 // 64*MT, each F columns of gu's rows) and a's (bfloat16, box 64 x 64*MT);
 // x0 the tile's first gate column, y0 the warpgroup's first row.
-template <int MT, int BN>
+// EPI_SWIGLU_A (GU false): a alone, maps a's only (the backward computes
+// g and u again: dswiglu_again).
+template <int MT, int BN, bool GU = true>
 __device__ __forceinline__ void store_tile_swiglu(const float (&d)[MT][BN / 2],
                                                   unsigned char* staging, const TensorMap* maps,
                                                   int x0, int y0, int id) {
-    constexpr int UP = BN / 16;      // the up columns' first group
-    constexpr int HALF = BN / 64;    // float32 chunks of a half
+    constexpr int UP = BN / 16;               // the up columns' first group
+    constexpr int HALF = GU ? BN / 64 : 0;    // float32 chunks of a half
     staged<MT, 2 * HALF + BN / 128>(
         staging, id,
         [&](int q, unsigned char* buf) {
@@ -551,7 +575,7 @@ __device__ __forceinline__ void store_tile_swiglu(const float (&d)[MT][BN / 2],
             if (q < 2 * HALF)
                 tma_store(&maps[q < HALF ? 0 : 1], buf, x0 + 32 * (q % HALF), y0);
             else
-                tma_store(&maps[2], buf, x0 + 64 * (q - 2 * HALF), y0);
+                tma_store(&maps[GU ? 2 : 0], buf, x0 + 64 * (q - 2 * HALF), y0);
         });
 }
 
@@ -642,7 +666,7 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 // 64 x BN; EPI_SWIGLU or CL 2: 64 x BN/2; TB: 64 x 64, BN/64 of them),
 // and with EPI_F32_TMA C's (float32, box 32 x 64*MT), with EPI_SWIGLU_TMA
 // gu's gate and up halves' (float32, box 32 x 64*MT) and a's (bfloat16,
-// box 64 x 64*MT), with EPI_ROPE the
+// box 64 x 64*MT; EPI_SWIGLU_A a's alone), with EPI_ROPE the
 // operands' (bfloat16, box 64 x 64*MT; C is then not written). cs, sn, T,
 // rotated: EPI_ROPE's (store_tile_rope); R its head width, else 0. EPI_BF16_TMA:
 // C's (bfloat16 operands, box 64 x 64*MT). EPI_DSWIGLU (N = F, the da tile's
@@ -673,8 +697,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
     constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA ||
-                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU;
-    constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA;  // the gate/up tiles
+                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU || EPI == EPI_SWIGLU_A;
+    constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA ||
+                         EPI == EPI_SWIGLU_A;  // the gate/up tiles
     static_assert(!TB || (!SWI && CL == 1), "the N-major B: plain tiles, no clusters");
     static_assert(!SPLIT || (EPI == EPI_F32_TMA && CL == 1), "split partials: float32 tiles");
     constexpr int STAGING = STAGED ? 2 * 2 * CHUNK : 0;
@@ -824,8 +849,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                                y0, 1 + c);
                 } else if constexpr (EPI == EPI_BF16_TMA) {
                     store_tile_bf16<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
-                } else if constexpr (EPI == EPI_SWIGLU_TMA) {
-                    store_tile_swiglu<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
+                } else if constexpr (EPI == EPI_SWIGLU_TMA || EPI == EPI_SWIGLU_A) {
+                    store_tile_swiglu<MT, BN, EPI == EPI_SWIGLU_TMA>(d, staging, &maps[2],
+                                                                     tn * width, y0, 1 + c);
                 } else {
 #pragma unroll
                     for (int m = 0; m < MT; m++)
@@ -837,6 +863,162 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
         }
         // the last stores have read their buffers before the block's memory goes
         if (STAGED && t == 0) bulk_wait_all();
+    }
+    // no block leaves while its peer may still arrive on its barriers
+    if constexpr (CL == 2) cluster_sync();
+}
+
+// The down product's dX with the SwiGLU's backward in its epilogue, the
+// gate and up products computed again in the same tile (gemm_dswiglu_again):
+// nothing of the forward's gate/up product is kept but its operand h.
+// A tile is 128 rows (ping-pong: one warpgroup's, MT 2) by 64 columns of
+// F; each slab of K = d_model brings dres's and h's 128 x 64 (A's, K-major),
+// W_gu's 64 gate and 64 up rows (K-major, the forward's SwiGLU tile) and
+// W_down's 64 K-rows of the tile's 64 columns (N-major: dX = dres W_down),
+// and the warpgroup multiplies both: gu (64 x 128: gate, then up) as the
+// forward's gate/up kernel does (the same wgmma on the same slabs in the
+// same K order: the forward's float32 g and u, bit for bit) and da (64 x
+// 64). The epilogue is EPI_DSWIGLU's (swiglu_grad on da, g, u in
+// registers) and stores dg, du and a as bfloat16 through one staging
+// buffer per warpgroup (three stages of 56 KB leave room for no second).
+// maps: dres's and h's (box 64 x 128), W_gu's (2F, K) (box 64 x 64),
+// W_down's (K, F) (box 64 x 64), then dgu's gate and up halves' and a's
+// (bfloat16, box 64 x 128). N = F.
+// CL = 2: clusters of two blocks on tiles (tm, 2p) and (tm, 2p + 1) (the
+// tiles of a row past F, when they are odd, computed on zeros and not
+// stored), which share the A slabs: block 0 loads dres's, block 1 h's, and
+// the copy engine writes each into both (multicast), so that a stage goes
+// back when the warpgroups of both blocks are done with it; each block
+// loads its own W slabs. Their reads of L2 fall from 56 to 40 KB a slab.
+template <int STAGES, int CL>
+__device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps, int M, int F,
+                                              int K) {
+    constexpr int MT = 2, BM = 128, BF = 64;
+    constexpr int A_BYTES = BM * GEMM_BK * 2;       // dres's slab, then h's
+    constexpr int GU_BYTES = 2 * BF * GEMM_BK * 2;  // the gate rows, then the up rows
+    constexpr int WD_BYTES = GEMM_BK * BF * 2;      // W_down's 64 K-rows of the tile's columns
+    constexpr int STAGE_BYTES = 2 * A_BYTES + GU_BYTES + WD_BYTES;
+    constexpr int CHUNK = BM * 128;  // a warpgroup's staging buffer
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + 2 * CHUNK);
+    u64* empty = full + STAGES;
+    u64* order = empty + STAGES;
+
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (F + BF - 1) / BF;
+    const int groups = (tiles_n + CL - 1) / CL;  // a row's items: tiles, or pairs of them
+    const int slabs = (K + GEMM_BK - 1) / GEMM_BK, items = tiles_m * groups;
+    const unsigned rank = CL == 2 ? cluster_rank() : 0;
+    const int first = blockIdx.x / CL, step = gridDim.x / CL;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            bar_init(&full[s], 1);
+            bar_init(&empty[s], CL);
+        }
+        bar_init(&order[0], 1);
+        bar_init(&order[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if constexpr (CL == 2) cluster_sync();  // the peer's barriers are ready too
+    else __syncthreads();
+
+    if (wg == 0) {  // the loads
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (t == 0) {
+            int s = 0;
+            unsigned phase = 0;
+            for (int i = first; i < items; i += step) {
+                const int tm = i / groups, tn = CL * (i % groups) + rank;
+                for (int kb = 0; kb < slabs; kb++) {
+                    bar_wait(&empty[s], phase ^ 1);
+                    bar_expect(&full[s], STAGE_BYTES);
+                    unsigned char* sa = smem + s * STAGE_BYTES;
+                    if constexpr (CL == 2) {  // dres's slab by block 0, h's by block 1, into both
+                        tma_load_multicast(sa + rank * A_BYTES, &maps[rank], &full[s],
+                                           kb * GEMM_BK, tm * BM, 0x3);
+                    } else {
+                        tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
+                        tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tm * BM);
+                    }
+                    tma_load(sa + 2 * A_BYTES, &maps[2], &full[s], kb * GEMM_BK, tn * BF);
+                    tma_load(sa + 2 * A_BYTES + GU_BYTES / 2, &maps[2], &full[s], kb * GEMM_BK,
+                             F + tn * BF);
+                    tma_load(sa + 2 * A_BYTES + GU_BYTES, &maps[3], &full[s], tn * BF,
+                             kb * GEMM_BK);
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {  // the products, ping-pong (gemm_tn's schedule)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = wg - 1;
+        float gu[MT][64], da[MT][32];
+        int s = 0, turn = 0, mine = 0;
+        unsigned phase = 0;
+        for (int i = first; i < items; i += step, turn++) {
+            if ((turn & 1) != c) {  // the other warpgroup's tile: skip its slabs
+                const int at = s + slabs;
+                phase ^= (at / STAGES) & 1;
+                s = at % STAGES;
+                continue;
+            }
+            const int tm = i / groups, tn = CL * (i % groups) + rank;
+            if (c == 1 || mine > 0) bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
+            int held = -1;
+            for (int kb = 0; kb < slabs; kb++) {
+                bar_wait(&full[s], phase);
+                unsigned char* sa = smem + s * STAGE_BYTES;
+                unsigned char* sw = sa + 2 * A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < GEMM_BK / 16; k++) {
+#pragma unroll
+                    for (int m = 0; m < MT; m++)  // g | u = h W_gu^T: the forward's order
+                        wgmma_n128<false, false>(gu[m], slab_desc<false>(sa + A_BYTES + m * 8192, k),
+                                                 slab_desc<false>(sw, k), kb > 0 || k > 0);
+#pragma unroll
+                    for (int m = 0; m < MT; m++)  // da = dres W_down
+                        wgmma_n64<false, true>(da[m], slab_desc<false>(sa + m * 8192, k),
+                                               slab_desc<true>(sw + GU_BYTES, k), kb > 0 || k > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (held >= 0 && t == 0) release<CL>(&empty[held]);
+                held = s;
+                if (++s == STAGES) s = 0, phase ^= 1;
+            }
+            wgmma_wait<0>();
+            if (held >= 0 && t == 0) release<CL>(&empty[held]);
+            if (t == 0) bar_arrive(&order[1 - c]);
+            mine++;
+            // dg into da's registers, du into g's, a into u's
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float dg, du, a;
+                        swiglu_grad(da[m][4 * j + e], gu[m][4 * j + e], gu[m][4 * (j + 8) + e],
+                                    dg, du, a);
+                        da[m][4 * j + e] = dg;
+                        gu[m][4 * j + e] = du;
+                        gu[m][4 * (j + 8) + e] = a;
+                    }
+            unsigned char* staging = smem + STAGES * STAGE_BYTES + c * CHUNK;
+            staged<MT, 3, 1>(
+                staging, 1 + c,
+                [&](int q, unsigned char* buf) {
+                    fill_bf16<MT>(buf, [&](int m, int jj, int h) {
+                        if (q == 0) return make_float2(da[m][4 * jj + 2 * h], da[m][4 * jj + 2 * h + 1]);
+                        const int j = jj + 8 * (q - 1);  // du's groups, then a's
+                        return make_float2(gu[m][4 * j + 2 * h], gu[m][4 * j + 2 * h + 1]);
+                    });
+                },
+                [&](int q, unsigned char* buf) { tma_store(&maps[4 + q], buf, tn * BF, tm * BM); });
+        }
+        if (t == 0) bulk_wait_all();
     }
     // no block leaves while its peer may still arrive on its barriers
     if constexpr (CL == 2) cluster_sync();
@@ -901,6 +1083,18 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
             maps, M, N, K, C, ldc, H, cs, sn, T, rotated);                                     \
     }
 
+// the SwiGLU backward with the gate/up product again (dswiglu_again: its tiles
+// 128 rows, ping-pong, by 64 columns of F)
+#define GEMM_KERNEL_AGAIN(NAME, STAGES)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        dswiglu_again<STAGES, 1>(maps, M, N, K);                                              \
+    }
+#define GEMM_KERNEL_AGAIN_PAIR(NAME, STAGES)                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
+        NAME(GEMM_PARAMETERS) {                                                               \
+        dswiglu_again<STAGES, 2>(maps, M, N, K);                                              \
+    }
+
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
@@ -921,6 +1115,9 @@ GEMM_KERNEL(gemm_swiglut_c_n128_s6, 1, 128, 6, EPI_SWIGLU_TMA, false)
 GEMM_KERNEL(gemm_swiglut_c_n256_s4, 1, 256, 4, EPI_SWIGLU_TMA, false)
 GEMM_KERNEL(gemm_swiglut_p_m2n128_s4, 2, 128, 4, EPI_SWIGLU_TMA, true)
 GEMM_KERNEL(gemm_swiglut_p_m1n256_s4, 1, 256, 4, EPI_SWIGLU_TMA, true)
+GEMM_KERNEL(gemm_swiglua_p_m2n128_s4, 2, 128, 4, EPI_SWIGLU_A, true)
+GEMM_KERNEL(gemm_swiglua_p_m1n256_s4, 1, 256, 4, EPI_SWIGLU_A, true)
+GEMM_KERNEL(gemm_swiglua_c_n256_s4, 1, 256, 4, EPI_SWIGLU_A, false)
 GEMM_KERNEL_ROPE(gemm_rope64_c_n128_s6, 1, 128, 6, false, 64)
 GEMM_KERNEL_ROPE(gemm_rope128_c_n128_s6, 1, 128, 6, false, 128)
 GEMM_KERNEL_ROPE(gemm_rope64_p_m1n256_s4, 1, 256, 4, true, 64)
@@ -932,3 +1129,5 @@ GEMM_KERNEL_T(gemm_bf16t_kn_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true, false)
 GEMM_KERNEL_T(gemm_f32t_mn_p_m1n128_s6, 1, 128, 6, EPI_F32_TMA, true, true)
 GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
 GEMM_KERNEL_SPLIT(gemm_f32t_mn_p_m1n128_s6_splitk, 1, 128, 6, true)
+GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m2n64_s3, 3)
+GEMM_KERNEL_AGAIN_PAIR(gemm_dswiglu_again_p2_m2n64_s3, 3)
