@@ -48,10 +48,10 @@ def test_the_variants_are_the_sources_instantiations():
             r"^GEMM_KERNEL_SPLIT\((\w+), (\d+), (\d+), (\d+), (true|false)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "f32_tma", pingpong == "true",
                                    layout="mn", split=True)
-    for macro, name, stages in re.findall(r"^(GEMM_KERNEL_AGAIN(?:_PAIR)?)\((\w+), (\d+)\)",
-                                          source, re.M):
-        found[name] = gemm.Variant(2, 64, int(stages), "dswiglu_again", True,
-                                   2 if macro.endswith("PAIR") else 1, layout="kn")
+    for name, mt, bn, stages, buffers in re.findall(
+            r"^GEMM_KERNEL_AGAIN\((\w+), (\d+), (\d+), (\d+), (\d+)\)", source, re.M):
+        found[name] = gemm.Variant(int(mt), int(bn), int(stages), "dswiglu_again", True,
+                                   layout="kn", buffers=int(buffers))
     for name, mt, bn, stages, pingpong, R in re.findall(
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
@@ -158,8 +158,7 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
     """The kernel's tiles, counted by walking the output: each (row,
     column) of C (of gu's gate half with the SwiGLU epilogue, whose tiles
     also carry the up half) lies in exactly one tile, and in clusters of
-    two the tiles come in vertical pairs (the again variants': side by
-    side)."""
+    two the tiles come in vertical pairs."""
     v = gemm.VARIANTS[name]
     cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
     origins = set()
@@ -170,11 +169,9 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
             origins.add((r, c))
             c += width
         r += v.bm
-    pairs_m, pairs_n = -(-M // (v.bm * v.cluster)), -(-cols // (width * v.cluster))
-    assert gemm.tiles(M, N, v) == (
-        len(origins) if v.cluster == 1 else
-        -(-M // v.bm) * pairs_n * v.cluster if v.again else
-        pairs_m * v.cluster * -(-cols // width))
+    pairs_m = -(-M // (v.bm * v.cluster))
+    assert gemm.tiles(M, N, v) == (len(origins) if v.cluster == 1 else
+                                   pairs_m * v.cluster * -(-cols // width))
     assert gemm.tiles(M, N, v) >= len(origins)
     g = gemm.grid(M, N, v, sms)
     assert g % v.cluster == 0 and 0 < g <= sms or gemm.tiles(M, N, v) < v.cluster

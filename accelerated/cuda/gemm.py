@@ -64,6 +64,7 @@ class Variant:
     rope: int = 0  # the rope epilogue's head width R (= E, every head rotated whole)
     layout: str = "kk"  # one of LAYOUTS
     split: bool = False  # K split into partials summed by gemm_splitk_reduce (split_k)
+    buffers: int = 2  # a multiplying warpgroup's staging buffers (the staged epilogues')
 
     @property
     def bm(self) -> int:  # a tile's rows
@@ -88,8 +89,8 @@ class Variant:
         return (self.bm + self.bn) * BK * 2
 
     @property
-    def staging_buffers(self) -> int:  # a multiplying warpgroup's (again: room for one)
-        return (1 if self.again else 2) if self.staged else 0
+    def staging_buffers(self) -> int:  # a multiplying warpgroup's
+        return self.buffers if self.staged else 0
 
     @property
     def staged(self) -> bool:  # stored through shared memory and the copy engine
@@ -137,8 +138,10 @@ VARIANTS = {
     "gemm_swiglua_p_m2n128_s4": Variant(2, 128, 4, "swiglu_a", True),
     "gemm_swiglua_p_m1n256_s4": Variant(1, 256, 4, "swiglu_a", True),
     "gemm_swiglua_c_n256_s4": Variant(1, 256, 4, "swiglu_a", False),
-    "gemm_dswiglu_again_p_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, layout="kn"),
-    "gemm_dswiglu_again_p2_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, 2, layout="kn"),
+    "gemm_dswiglu_again_p_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, layout="kn",
+                                             buffers=1),
+    "gemm_dswiglu_again_p_m1n128_s3": Variant(1, 128, 3, "dswiglu_again", True, layout="kn"),
+    "gemm_dswiglu_again_p_m1n64_s4": Variant(1, 64, 4, "dswiglu_again", True, layout="kn"),
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
     "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
                                                split=True),
@@ -307,8 +310,6 @@ def tiles(M: int, N: int, v: Variant) -> int:
     one above the other counts as two, the lower one past M too; the again
     variants' pairs lie side by side, the right one past N too)."""
     cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
-    if v.again:
-        return -(-M // v.bm) * -(-cols // (width * v.cluster)) * v.cluster
     return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
 
 

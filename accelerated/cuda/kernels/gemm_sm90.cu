@@ -871,81 +871,71 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
 // The down product's dX with the SwiGLU's backward in its epilogue, the
 // gate and up products computed again in the same tile (gemm_dswiglu_again):
 // nothing of the forward's gate/up product is kept but its operand h.
-// A tile is 128 rows (ping-pong: one warpgroup's, MT 2) by 64 columns of
-// F; each slab of K = d_model brings dres's and h's 128 x 64 (A's, K-major),
-// W_gu's 64 gate and 64 up rows (K-major, the forward's SwiGLU tile) and
-// W_down's 64 K-rows of the tile's 64 columns (N-major: dX = dres W_down),
-// and the warpgroup multiplies both: gu (64 x 128: gate, then up) as the
-// forward's gate/up kernel does (the same wgmma on the same slabs in the
-// same K order: the forward's float32 g and u, bit for bit) and da (64 x
-// 64). The epilogue is EPI_DSWIGLU's (swiglu_grad on da, g, u in
-// registers) and stores dg, du and a as bfloat16 through one staging
-// buffer per warpgroup (three stages of 56 KB leave room for no second).
-// maps: dres's and h's (box 64 x 128), W_gu's (2F, K) (box 64 x 64),
+// A tile is 64*MT rows (ping-pong: one warpgroup's) by BF columns of F;
+// each slab of K = d_model brings dres's and h's 64*MT x 64 (A's, K-major),
+// W_gu's BF gate and BF up rows (K-major, the forward's SwiGLU tile) and
+// W_down's 64 K-rows of the tile's BF columns (N-major, BF/64 boxes: dX =
+// dres W_down), and the warpgroup multiplies both: gu (64 x 2BF per 64
+// rows: gate, then up) as the forward's gate/up kernel does (wgmma on the
+// same slabs in the same K order: the forward's float32 g and u, bit for
+// bit; gemm_check and tests/cuda/test_gemm_sm90.py compare them) and da
+// (64 x BF). The epilogue is EPI_DSWIGLU's (swiglu_grad on da, g, u in
+// registers) and stores dg, du and a as bfloat16 through NBUF staging
+// buffers per warpgroup (what room the stages leave).
+// maps: dres's and h's (box 64 x 64*MT), W_gu's (2F, K) (box 64 x BF),
 // W_down's (K, F) (box 64 x 64), then dgu's gate and up halves' and a's
-// (bfloat16, box 64 x 128). N = F.
-// CL = 2: clusters of two blocks on tiles (tm, 2p) and (tm, 2p + 1) (the
-// tiles of a row past F, when they are odd, computed on zeros and not
-// stored), which share the A slabs: block 0 loads dres's, block 1 h's, and
-// the copy engine writes each into both (multicast), so that a stage goes
-// back when the warpgroups of both blocks are done with it; each block
-// loads its own W slabs. Their reads of L2 fall from 56 to 40 KB a slab.
-template <int STAGES, int CL>
+// (bfloat16, box 64 x 64*MT). N = F.
+template <int STAGES, int MT, int BF, int NBUF>
 __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps, int M, int F,
                                               int K) {
-    constexpr int MT = 2, BM = 128, BF = 64;
+    static_assert(MT * 3 * BF / 2 <= 192 && BF % 64 == 0, "192 accumulators a thread at most");
+    constexpr int BM = 64 * MT;
     constexpr int A_BYTES = BM * GEMM_BK * 2;       // dres's slab, then h's
     constexpr int GU_BYTES = 2 * BF * GEMM_BK * 2;  // the gate rows, then the up rows
     constexpr int WD_BYTES = GEMM_BK * BF * 2;      // W_down's 64 K-rows of the tile's columns
     constexpr int STAGE_BYTES = 2 * A_BYTES + GU_BYTES + WD_BYTES;
-    constexpr int CHUNK = BM * 128;  // a warpgroup's staging buffer
+    constexpr int CHUNK = BM * 128;  // a staging buffer
+    constexpr int UP = BF / 8;       // the up columns' first group in gu
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + 2 * CHUNK);
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + 2 * NBUF * CHUNK);
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (F + BF - 1) / BF;
-    const int groups = (tiles_n + CL - 1) / CL;  // a row's items: tiles, or pairs of them
-    const int slabs = (K + GEMM_BK - 1) / GEMM_BK, items = tiles_m * groups;
-    const unsigned rank = CL == 2 ? cluster_rank() : 0;
-    const int first = blockIdx.x / CL, step = gridDim.x / CL;
+    const int slabs = (K + GEMM_BK - 1) / GEMM_BK, items = tiles_m * tiles_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             bar_init(&full[s], 1);
-            bar_init(&empty[s], CL);
+            bar_init(&empty[s], 1);
         }
         bar_init(&order[0], 1);
         bar_init(&order[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if constexpr (CL == 2) cluster_sync();  // the peer's barriers are ready too
-    else __syncthreads();
+    __syncthreads();
 
     if (wg == 0) {  // the loads
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (t == 0) {
             int s = 0;
             unsigned phase = 0;
-            for (int i = first; i < items; i += step) {
-                const int tm = i / groups, tn = CL * (i % groups) + rank;
+            for (int i = blockIdx.x; i < items; i += gridDim.x) {
+                const int tm = i / tiles_n, tn = i % tiles_n;
                 for (int kb = 0; kb < slabs; kb++) {
                     bar_wait(&empty[s], phase ^ 1);
                     bar_expect(&full[s], STAGE_BYTES);
                     unsigned char* sa = smem + s * STAGE_BYTES;
-                    if constexpr (CL == 2) {  // dres's slab by block 0, h's by block 1, into both
-                        tma_load_multicast(sa + rank * A_BYTES, &maps[rank], &full[s],
-                                           kb * GEMM_BK, tm * BM, 0x3);
-                    } else {
-                        tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
-                        tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tm * BM);
-                    }
-                    tma_load(sa + 2 * A_BYTES, &maps[2], &full[s], kb * GEMM_BK, tn * BF);
-                    tma_load(sa + 2 * A_BYTES + GU_BYTES / 2, &maps[2], &full[s], kb * GEMM_BK,
-                             F + tn * BF);
-                    tma_load(sa + 2 * A_BYTES + GU_BYTES, &maps[3], &full[s], tn * BF,
-                             kb * GEMM_BK);
+                    unsigned char* sw = sa + 2 * A_BYTES;
+                    tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, tm * BM);
+                    tma_load(sa + A_BYTES, &maps[1], &full[s], kb * GEMM_BK, tm * BM);
+                    tma_load(sw, &maps[2], &full[s], kb * GEMM_BK, tn * BF);
+                    tma_load(sw + GU_BYTES / 2, &maps[2], &full[s], kb * GEMM_BK, F + tn * BF);
+#pragma unroll
+                    for (int j = 0; j < BF / 64; j++)
+                        tma_load(sw + GU_BYTES + j * 8192, &maps[3], &full[s], tn * BF + 64 * j,
+                                 kb * GEMM_BK);
                     if (++s == STAGES) s = 0, phase ^= 1;
                 }
             }
@@ -953,17 +943,17 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
     } else {  // the products, ping-pong (gemm_tn's schedule)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = wg - 1;
-        float gu[MT][64], da[MT][32];
+        float gu[MT][BF], da[MT][BF / 2];
         int s = 0, turn = 0, mine = 0;
         unsigned phase = 0;
-        for (int i = first; i < items; i += step, turn++) {
+        for (int i = blockIdx.x; i < items; i += gridDim.x, turn++) {
             if ((turn & 1) != c) {  // the other warpgroup's tile: skip its slabs
                 const int at = s + slabs;
                 phase ^= (at / STAGES) & 1;
                 s = at % STAGES;
                 continue;
             }
-            const int tm = i / groups, tn = CL * (i % groups) + rank;
+            const int tm = i / tiles_n, tn = i % tiles_n;
             if (c == 1 || mine > 0) bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
             int held = -1;
             for (int kb = 0; kb < slabs; kb++) {
@@ -975,53 +965,65 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 for (int k = 0; k < GEMM_BK / 16; k++) {
 #pragma unroll
                     for (int m = 0; m < MT; m++)  // g | u = h W_gu^T: the forward's order
-                        wgmma_n128<false, false>(gu[m], slab_desc<false>(sa + A_BYTES + m * 8192, k),
-                                                 slab_desc<false>(sw, k), kb > 0 || k > 0);
+                        wgmma_tile<2 * BF, false, false>(
+                            gu[m], slab_desc<false>(sa + A_BYTES + m * 8192, k),
+                            slab_desc<false>(sw, k), kb > 0 || k > 0);
 #pragma unroll
-                    for (int m = 0; m < MT; m++)  // da = dres W_down
-                        wgmma_n64<false, true>(da[m], slab_desc<false>(sa + m * 8192, k),
-                                               slab_desc<true>(sw + GU_BYTES, k), kb > 0 || k > 0);
+                    for (int m = 0; m < MT; m++) {  // da = dres W_down
+                        if constexpr (BF == 64)
+                            wgmma_n64<false, true>(da[m], slab_desc<false>(sa + m * 8192, k),
+                                                   slab_desc<true>(sw + GU_BYTES, k),
+                                                   kb > 0 || k > 0);
+                        else
+                            wgmma_tile<BF, false, true>(da[m], slab_desc<false>(sa + m * 8192, k),
+                                                        slab_desc<true>(sw + GU_BYTES, k),
+                                                        kb > 0 || k > 0);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
-                if (held >= 0 && t == 0) release<CL>(&empty[held]);
+                if (held >= 0 && t == 0) bar_arrive(&empty[held]);
                 held = s;
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
             wgmma_wait<0>();
-            if (held >= 0 && t == 0) release<CL>(&empty[held]);
+            if (held >= 0 && t == 0) bar_arrive(&empty[held]);
             if (t == 0) bar_arrive(&order[1 - c]);
             mine++;
             // dg into da's registers, du into g's, a into u's
 #pragma unroll
             for (int m = 0; m < MT; m++)
 #pragma unroll
-                for (int j = 0; j < 8; j++)
+                for (int j = 0; j < BF / 8; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         float dg, du, a;
-                        swiglu_grad(da[m][4 * j + e], gu[m][4 * j + e], gu[m][4 * (j + 8) + e],
+                        swiglu_grad(da[m][4 * j + e], gu[m][4 * j + e], gu[m][4 * (j + UP) + e],
                                     dg, du, a);
                         da[m][4 * j + e] = dg;
                         gu[m][4 * j + e] = du;
-                        gu[m][4 * (j + 8) + e] = a;
+                        gu[m][4 * (j + UP) + e] = a;
                     }
-            unsigned char* staging = smem + STAGES * STAGE_BYTES + c * CHUNK;
-            staged<MT, 3, 1>(
+            constexpr int PER = BF / 64;  // chunks of each output
+            unsigned char* staging = smem + STAGES * STAGE_BYTES + c * NBUF * CHUNK;
+            staged<MT, 3 * PER, NBUF>(
                 staging, 1 + c,
                 [&](int q, unsigned char* buf) {
+                    const int which = q / PER, j0 = 8 * (q % PER);
                     fill_bf16<MT>(buf, [&](int m, int jj, int h) {
-                        if (q == 0) return make_float2(da[m][4 * jj + 2 * h], da[m][4 * jj + 2 * h + 1]);
-                        const int j = jj + 8 * (q - 1);  // du's groups, then a's
+                        if (which == 0)
+                            return make_float2(da[m][4 * (j0 + jj) + 2 * h],
+                                               da[m][4 * (j0 + jj) + 2 * h + 1]);
+                        const int j = j0 + jj + (which == 2 ? UP : 0);  // du's groups, a's
                         return make_float2(gu[m][4 * j + 2 * h], gu[m][4 * j + 2 * h + 1]);
                     });
                 },
-                [&](int q, unsigned char* buf) { tma_store(&maps[4 + q], buf, tn * BF, tm * BM); });
+                [&](int q, unsigned char* buf) {
+                    tma_store(&maps[4 + q / PER], buf, tn * BF + 64 * (q % PER), tm * BM);
+                });
         }
         if (t == 0) bulk_wait_all();
     }
-    // no block leaves while its peer may still arrive on its barriers
-    if constexpr (CL == 2) cluster_sync();
 }
 
 // The split products' sum: C (M, N) = the splits' partials, ws (splits, M, N)
@@ -1084,15 +1086,10 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
     }
 
 // the SwiGLU backward with the gate/up product again (dswiglu_again: its tiles
-// 128 rows, ping-pong, by 64 columns of F)
-#define GEMM_KERNEL_AGAIN(NAME, STAGES)                                                       \
+// 64*MT rows, ping-pong, by BF columns of F; NBUF staging buffers)
+#define GEMM_KERNEL_AGAIN(NAME, MT, BF, STAGES, NBUF)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
-        dswiglu_again<STAGES, 1>(maps, M, N, K);                                              \
-    }
-#define GEMM_KERNEL_AGAIN_PAIR(NAME, STAGES)                                                  \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
-        NAME(GEMM_PARAMETERS) {                                                               \
-        dswiglu_again<STAGES, 2>(maps, M, N, K);                                              \
+        dswiglu_again<STAGES, MT, BF, NBUF>(maps, M, N, K);                                   \
     }
 
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
@@ -1129,5 +1126,6 @@ GEMM_KERNEL_T(gemm_bf16t_kn_p_m2n128_s4, 2, 128, 4, EPI_BF16_TMA, true, false)
 GEMM_KERNEL_T(gemm_f32t_mn_p_m1n128_s6, 1, 128, 6, EPI_F32_TMA, true, true)
 GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
 GEMM_KERNEL_SPLIT(gemm_f32t_mn_p_m1n128_s6_splitk, 1, 128, 6, true)
-GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m2n64_s3, 3)
-GEMM_KERNEL_AGAIN_PAIR(gemm_dswiglu_again_p2_m2n64_s3, 3)
+GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m2n64_s3, 2, 64, 3, 1)
+GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m1n128_s3, 1, 128, 3, 2)
+GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m1n64_s4, 1, 64, 4, 2)
