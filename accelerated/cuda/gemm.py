@@ -141,7 +141,6 @@ VARIANTS = {
     "gemm_dswiglu_again_p_m2n64_s3": Variant(2, 64, 3, "dswiglu_again", True, layout="kn",
                                              buffers=1),
     "gemm_dswiglu_again_p_m1n128_s3": Variant(1, 128, 3, "dswiglu_again", True, layout="kn"),
-    "gemm_dswiglu_again_p_m1n64_s4": Variant(1, 64, 4, "dswiglu_again", True, layout="kn"),
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
     "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
                                                split=True),

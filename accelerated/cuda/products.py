@@ -51,8 +51,14 @@ MAX_K_INPUT = 1024
 DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
 # the same with the gate/up product computed again in its tile (no float32 gu kept from
 # the forward, whose gate/up kernel then stores a alone): at the input gradients' shapes
-# with the fused forward's F (a multiple of 8)
-DSWIGLU_AGAIN, SWIGLU_A = "gemm_dswiglu_again_p_m2n64_s3", "gemm_swiglua_p_m2n128_s4"
+# with the fused forward's F (a multiple of 8). H200, coppelius preset (us, forward +
+# backward per layer): B = 8 swiglua 54.1 + again m1n128 77.1 against swiglut 64.7 +
+# dswiglu 71.4; B = 32 198.0 + again m2n64 302.0 against 239.8 + 265.0; and 92 MB (B = 8)
+# of float32 gu a layer not kept, 8 MB of h kept instead
+DSWIGLU_AGAIN = {True: "gemm_dswiglu_again_p_m1n128_s3",  # m <= AGAIN_WIDE_ROWS
+                 False: "gemm_dswiglu_again_p_m2n64_s3"}
+AGAIN_WIDE_ROWS = 8192
+SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
@@ -154,15 +160,17 @@ def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, g
 
 def choose_dswiglu_again(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int,
                          d: gemm.Dswiglu) -> str | None:
-    """DSWIGLU_AGAIN where gate_up_again holds and its plan takes the
-    buffers (every matrix 16-byte aligned, rows of whole 16 bytes), or None."""
+    """DSWIGLU_AGAIN's variant for m rows where gate_up_again holds and its
+    plan takes the buffers (every matrix 16-byte aligned, rows of whole 16
+    bytes), or None."""
     if not gate_up_again(m, F, k):
         return None
+    variant = DSWIGLU_AGAIN[m <= AGAIN_WIDE_ROWS]
     try:
-        gemm.check_plan(DSWIGLU_AGAIN, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
+        gemm.check_plan(variant, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
     except ValueError:
         return None
-    return DSWIGLU_AGAIN
+    return variant
 
 
 def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
