@@ -2,7 +2,9 @@
 project's own Hopper kernel (gemm.py, kernels/gemm_sm90.cu) for the
 forward's x @ W^T products, with the gate/up product's SwiGLU and the
 q | k | v product's rope in their epilogues, and for the backward's
-input gradients dY W, with the SwiGLU's backward in the down product's.
+input gradients dY W, with the SwiGLU's backward in the down product's;
+where gate_up_again holds, that kernel computes the gate and up products
+again (the forward's bits) and the forward keeps h instead of them.
 
 The own kernel serves the bf16 policy on Hopper (compute capability 9.0,
 which its wgmma and tensor-map code needs) where the rule below picks it,
