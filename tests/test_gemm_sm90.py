@@ -278,14 +278,15 @@ def test_the_splits_of_k_are_whole_slabs_none_empty():
 
 def test_the_rule_for_the_gate_up_products_again():
     """products.gate_up_again: the input gradients' shapes (rows at the
-    floor and up, d_model up to 1,024) with F a multiple of 8; the again
+    floor and up, d_model up to AGAIN_MAX_K) with F a multiple of 8; the again
     kernel's tile by rows (the wide tile up to AGAIN_WIDE_ROWS, measured
     faster there); buffers its plan refuses go back to the kept path."""
     from coppelius.accelerated.cuda import products
 
     floor = products.MIN_ROWS
     assert products.gate_up_again(8192, 1408, 512)
-    for m, F, k in ((floor - 1, 1408, 512), (8192, 1412, 512), (8192, 1408, 2048)):
+    for m, F, k in ((floor - 1, 1408, 512), (8192, 1412, 512), (8192, 1408, 2048),
+                    (8192, 2048, products.AGAIN_MAX_K + 256)):
         assert not products.gate_up_again(m, F, k), (m, F, k)
     d = gemm.Dswiglu(dgu=1 << 23, a=1 << 24, h=1 << 25, ldh=512, w=1 << 26, ldw=512)
     args = (1408, 512, 1 << 20, 512, 1 << 21, 1408)

@@ -60,6 +60,10 @@ DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
 DSWIGLU_AGAIN = {True: "gemm_dswiglu_again_p_m1n128_s3",  # m <= AGAIN_WIDE_ROWS
                  False: "gemm_dswiglu_again_p_m2n64_s3"}
 AGAIN_WIDE_ROWS = 8192
+# d_model at most: measured level or faster at 512 (the coppelius preset); with the rule
+# at d_model 768 and 1024 (gpt-110m, gpt-340m, B = 8) the steps were 16.71 and 46.63 ms
+# against 16.28 and ~47 before (other runs), so those keep gu until measured side by side
+AGAIN_MAX_K = 512
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
@@ -140,8 +144,8 @@ def gate_up_again(m: int, F: int, k: int) -> bool:
     in its own tile (DSWIGLU_AGAIN) for a product of m rows, d_ff F and
     d_model k, so that the forward keeps the gate/up product's operand h
     and not its float32 result: the input gradients' shapes and the fused
-    forward's (F a multiple of 8)."""
-    return _input_gradient(m, F, k) and k <= MAX_K and F % 8 == 0
+    forward's (F a multiple of 8), d_model up to AGAIN_MAX_K (measured)."""
+    return _input_gradient(m, F, k) and k <= AGAIN_MAX_K and F % 8 == 0
 
 
 def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu: int,
