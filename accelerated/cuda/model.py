@@ -200,7 +200,7 @@ class Model:
         self.linear_forward(a.y[l], w.o, a.proj, D, D)
         # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
         self.at(p + "attn.residual", p + "mlp_norm")
-        later = not again and self.gate_up_later(a)
+        later = not again and self.gate_up_later(a, l)
         if later:  # h kept for the backward, which computes g and u again from it
             h = a.h_mlp[l]
         self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l], w.mlp_norm)
@@ -219,9 +219,9 @@ class Model:
         self.at(p + "mlp.down")
         self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
 
-    def gate_up_later(self, a: Activations) -> bool:
-        """Whether the gate and up products are computed again inside the
-        SwiGLU backward's kernel (products.py, gate_up_again): then the
+    def gate_up_later(self, a: Activations, l: int) -> bool:
+        """Whether layer l's gate and up products are computed again inside
+        the SwiGLU backward's kernel (products.py, gate_up_again): then the
         forward keeps each layer's mlp norm output h (a.h_mlp), an operand,
         instead of the float32 gate/up product, a quarter of its bytes, and
         the layer's norm backward does not write h again. Not with
@@ -229,7 +229,9 @@ class Model:
         the values in between."""
         return a.recompute is None and self.tap is None \
             and hasattr(self.blas, "gate_up_again") \
-            and self.blas.gate_up_again(a.B * a.T, self.config.d_ff, self.config.d_model)
+            and self.blas.gate_up_again(a.B * a.T, self.config.d_ff, self.config.d_model,
+                                        _ptr(self.Pop, self.layers[l].gate_up),
+                                        _ptr(self.Pop, self.layers[l].down))
 
     def gate_up_swiglu(self, h, W, gu, out, p: str) -> bool:
         """gu = h W^T (the gate and up products) and out = silu(g) * u in
@@ -452,7 +454,7 @@ class Model:
             # products choose it (no float32 da; not while an eager debugging
             # step taps da), with g and u computed again in it from the kept
             # h where gate_up_later holds
-            later = self.gate_up_later(a)
+            later = self.gate_up_later(a, l)
             if later:
                 done = self.down_dswiglu_again(dres_op, w.down, a.h_mlp[l], w.gate_up, a, p)
                 assert done, "gate_up_later: the products' rule takes the again kernel"

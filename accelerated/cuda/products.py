@@ -264,10 +264,12 @@ class Products:
                   dswiglu=gemm.Dswiglu(dgu, a))
         return True
 
-    def gate_up_again(self, m: int, F: int, k: int) -> bool:
-        """gate_up_again where the rule applies (own): the forward then
-        calls gemm_swiglu with gu 0 and the backward gemm_dswiglu_again."""
-        return self.own and gate_up_again(m, F, k)
+    def gate_up_again(self, m: int, F: int, k: int, W_gu: int, W_down: int) -> bool:
+        """gate_up_again where the rule applies (own) and the layer's weights
+        W_gu (2F, k) and W_down (k, F) start 16-byte aligned (the buffers
+        the step allocates always do): the forward then calls gemm_swiglu
+        with gu 0 and the backward gemm_dswiglu_again."""
+        return self.own and gate_up_again(m, F, k) and W_gu % 16 == 0 and W_down % 16 == 0
 
     def gemm_dswiglu_again(self, m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int,
                            h: int, ldh: int, W_gu: int, ldw_gu: int, dgu: int, a: int) -> bool:
