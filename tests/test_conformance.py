@@ -477,7 +477,8 @@ def test_random_small_cases_pass_on_the_reference_program(case):
 
 def test_random_configs_draw_every_family_field():
     configs, _ = cases.strategies()
-    found = settings(database=None, phases=[Phase.generate])  # found, not shrunk
+    # found, not shrunk; the same draws every run (a fixed seed), enough of them
+    found = settings(database=None, phases=[Phase.generate], max_examples=2000, derandomize=True)
     for field, value in [("norm", "rmsnorm"), ("tied", False), ("qkv_bias", True),
                          ("norm_eps", Fraction(1, 10**6)), ("rope_base", Fraction(500000))]:
         find(configs(), lambda c: getattr(c, field) == value, settings=found)
