@@ -306,8 +306,7 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
 def tiles(M: int, N: int, v: Variant) -> int:
     """The output tiles of a product (the SwiGLU tiles cover bn/2 gate
     columns and as many up columns; in clusters of two, a pair of tiles
-    one above the other counts as two, the lower one past M too; the again
-    variants' pairs lie side by side, the right one past N too)."""
+    one above the other counts as two, the lower one past M too)."""
     cols, width = (N // 2, v.bn // 2) if v.swiglu else (N, v.bn)
     return -(-M // (v.bm * v.cluster)) * v.cluster * -(-cols // width)
 
