@@ -389,7 +389,13 @@ __device__ __forceinline__ void staged(unsigned char* staging, int id, Fill fill
 #pragma unroll
     for (int q = 0; q < Q; q++) {
         unsigned char* buf = staging + (q % NBUF) * CHUNK;
-        if (t == 0) bulk_wait_read<NBUF - 1>();  // the store NBUF chunks back (this buffer's) has read it
+        // the store NBUF chunks back (this buffer's) has read it; a tile's first chunk
+        // where Q is no multiple of NBUF: every store (the previous tile's may be this
+        // buffer's)
+        if (t == 0) {
+            if (Q % NBUF && q == 0) bulk_wait_read<0>();
+            else bulk_wait_read<NBUF - 1>();
+        }
         warpgroup_sync(id);
         fill(q, buf);
         fence_async_shared();
