@@ -160,8 +160,8 @@ class GemmError(RuntimeError):
 
 def shared_bytes(v: Variant) -> int:
     """The dynamic shared memory a variant asks for: the stages, the staged
-    epilogues' buffers (two per multiplying warpgroup, or dswiglu_again's
-    one, each its rows of 128 bytes), the stages' two barriers each, the
+    epilogues' buffers (a variant's `buffers` per multiplying warpgroup,
+    each its rows of 128 bytes), the stages' two barriers each, the
     two order barriers, and up to 1024 bytes to align the first stage."""
     staging = 2 * v.staging_buffers * v.staging_rows * 128
     return v.stages * v.stage_bytes + staging + (v.stages + 1) * 16 + 1024
@@ -540,21 +540,21 @@ class Kernels:
         splits, target, ld_target = split_k(M, N, K, v, self.multiprocessors), C, ldc
         if splits > 1:  # the partials into the workspace, (splits M, N) packed; one split: C
             C, ldc = self.workspace().data.ptr, N
-        encoded = (encode_map(A, map_geometry(K, M, lda, BK) if v.layout == "mn"
-                              else map_geometry(M, K, lda, v.bm))
-                   + encode_map(B, map_geometry(K, N, ldb, BK) if v.layout != "kk"
-                                else map_geometry(N, K, ldb, v.box_b)))
+        a_map = encode_map(A, map_geometry(K, M, lda, BK) if v.layout == "mn"
+                           else map_geometry(M, K, lda, v.bm))
+        b_map = encode_map(B, map_geometry(K, N, ldb, BK) if v.layout != "kk"
+                           else map_geometry(N, K, ldb, v.box_b))
+        if v.again:  # dres, h, W_gu, then W_down
+            d = dswiglu
+            encoded = (a_map + encode_map(d.h, map_geometry(M, K, d.ldh, v.bm))
+                       + encode_map(d.w, map_geometry(2 * N, K, d.ldw, v.bn)) + b_map)
+        else:
+            encoded = a_map + b_map
         if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(splits * M, N, ldc, v.staging_rows, item=4),
                                   FLOAT32)
         if v.epilogue == "bf16_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows))
-        if v.again:  # h and W_gu beside dres and W_down
-            d = dswiglu
-            encoded = (encode_map(A, map_geometry(M, K, lda, v.bm))
-                       + encode_map(d.h, map_geometry(M, K, d.ldh, v.bm))
-                       + encode_map(d.w, map_geometry(2 * N, K, d.ldw, v.bn))
-                       + encode_map(B, map_geometry(K, N, ldb, BK)))
         if v.epilogue in ("dswiglu", "dswiglu_again"):  # dgu's gate and up halves, and a
             for half in (dswiglu.dgu, dswiglu.dgu + 2 * N):
                 encoded += encode_map(half, map_geometry(M, N, 2 * N, v.staging_rows))

@@ -223,7 +223,8 @@ class Model:
         """Whether layer l's gate and up products are computed again inside
         the SwiGLU backward's kernel (products.py, gate_up_again): then the
         forward keeps each layer's mlp norm output h (a.h_mlp), an operand,
-        instead of the float32 gate/up product, a quarter of its bytes, and
+        instead of the float32 gate/up product (D bfloat16 against 2F float32
+        a row: 8 against 92 MB a layer on the coppelius preset at B = 8), and
         the layer's norm backward does not write h again. Not with
         recompute (its own scheme), nor while an eager debugging step taps
         the values in between."""
