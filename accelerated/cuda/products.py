@@ -60,9 +60,9 @@ DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
 DSWIGLU_AGAIN = {True: "gemm_dswiglu_again_p_m1n128_s3",  # m <= AGAIN_WIDE_ROWS
                  False: "gemm_dswiglu_again_p_m2n64_s3"}
 AGAIN_WIDE_ROWS = 8192
-# d_model at most: measured level or faster at 512 (the coppelius preset); with the rule
-# at d_model 768 and 1024 (gpt-110m, gpt-340m, B = 8) the steps were 16.71 and 46.63 ms
-# against 16.28 and ~47 before (other runs), so those keep gu until measured side by side
+# d_model at most: measured level or faster at 512 (the coppelius preset); side by side
+# (dev/cuda/again_step.py, H200) the again path took 1.032x, 1.064x, 1.049x and 1.023x
+# the kept path's step at gpt-110m, gpt-340m, gpt-e128 and gpt-t4096 (d_model 768-1024)
 AGAIN_MAX_K = 512
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
