@@ -152,3 +152,27 @@ def test_attention_variants_replace_the_fused_file_whole():
     for path in variants:
         with open(path, encoding="utf-8") as f:
             assert sorted(kernel_definitions(f.read())) == want, path
+
+
+def test_every_kernel_waits_for_the_one_before_it_first():
+    """Each kernel is launched allowed to start before the kernel ahead of
+    it in the stream has ended (accelerated/cuda/dependent_launch.py), so
+    its first statement must be AFTER_PRIOR_GRIDS(): a kernel reading or
+    writing before it would race with its predecessor. Every __global__
+    definition of every file of both modules, macro bodies included."""
+    for name in sorted(set(compile.FILES) | set(gemm.FILES)):
+        text = read(name)
+        kernels = list(re.finditer(r"__global__", text))
+        if name.endswith(".cu"):
+            assert kernels, name
+        for m in kernels:
+            body = text.index("{", m.end())
+            first = text[body + 1:].lstrip(" \\\n")
+            line = text.count("\n", 0, m.start()) + 1
+            assert first.startswith("AFTER_PRIOR_GRIDS();"), \
+                f"{name}:{line}: a kernel whose first statement is {first[:40]!r}"
+    common = read("common.cuh")
+    assert "griddepcontrol.wait;" in common and "griddepcontrol.launch_dependents;" in common
+    # the wait comes first in the one asm statement: a kernel's dependents
+    # are let go only after it has itself waited
+    assert common.index("griddepcontrol.wait;") < common.index("griddepcontrol.launch_dependents;")

@@ -42,8 +42,8 @@ try:
 except ImportError:  # the backend is simply unavailable
     cupy = None
 
-from . import (adamw, attention, attention_fused, crossentropy, embedding, layernorm,
-               linear_bias, precision, rmsnorm, rope, swiglu)
+from . import (adamw, attention, attention_fused, crossentropy, dependent_launch, embedding,
+               layernorm, linear_bias, precision, rmsnorm, rope, swiglu)
 from .precision import PrecisionLaunchers
 from .embedding import EmbeddingLaunchers
 from .layernorm import LayernormLaunchers
@@ -129,5 +129,7 @@ class Kernels(PrecisionLaunchers, EmbeddingLaunchers, LayernormLaunchers, Rmsnor
             module = cupy.RawModule(code=module_source(replace),
                                     options=compile_options(precision))
             self.functions = {name: module.get_function(name) for name in KERNELS}
+            if replace is None:  # the project's own files: every kernel waits (common.cuh)
+                self.functions = dependent_launch.wrap(self.functions, cupy)
         self.launches = 0  # kernel launches so far (the capture counts its own)
         self.log = None  # a memory_plan.CommandLog recording every launch, or None

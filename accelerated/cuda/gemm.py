@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import dependent_launch
 from .compile import KERNEL_DIR
 
 try:
@@ -491,7 +492,10 @@ class Kernels:
             cupy.cuda.driver.funcSetAttribute(f.ptr, MAX_DYNAMIC_SHARED, shared_bytes(v))
             self.functions[name] = f
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self.reduce = self.module.get_function("gemm_splitk_reduce")
+        self.functions["gemm_splitk_reduce"] = self.module.get_function("gemm_splitk_reduce")
+        # every kernel of the module waits for the one before it (common.cuh)
+        self.functions = dependent_launch.wrap(self.functions, cupy)
+        self.reduce = self.functions.pop("gemm_splitk_reduce")
         self._workspace = None  # the split variants' partials, one buffer for every plan
 
     def workspace(self):

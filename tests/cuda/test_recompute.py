@@ -135,7 +135,7 @@ def test_train_recompute_block_runs_and_gives_the_checkpoint_of_the_run_that_kee
         argv = ["train", "--preset", "test", "--backend", "cupy", "--precision", "bf16",
                 "--batch", "2", "--stream", str(stream), "--run-dir", str(run),
                 "--checkpoint", str(run / "ck.bin"), "--until", "2", "--no-sample",
-                "--eval-every", "0", *extra]
+                "--eval-every", "0", "--no-tensorboard", *extra]
         assert main(argv) == 0
         captured = capsys.readouterr()
         out = captured.out + captured.err

@@ -11,6 +11,7 @@ __device__ __forceinline__ float bias_correction(double beta, int t) {
 // replay needs nothing from the host. c = (c1, c2, a_t, b_t).
 extern "C" __global__ void adamw_bias_corrections(int* t, float* c, double beta1, double beta2,
                                                   const float* rates, int rows) {
+    AFTER_PRIOR_GRIDS();
     int tn = t[0] + 1;
     t[0] = tn;
     c[0] = bias_correction(beta1, tn);
@@ -32,6 +33,7 @@ extern "C" __global__ void adamw_bias_corrections(int* t, float* c, double beta1
 extern "C" __global__ void gradient_sum_squares(const long long* __restrict__ gseg, int S,
                                                 long long n, long long n4,
                                                 float* __restrict__ partial) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float red[32];
     float s = 0.0f;
     long long stride = (long long)gridDim.x * blockDim.x;
@@ -72,6 +74,7 @@ extern "C" __global__ void gradient_sum_squares(const long long* __restrict__ gs
 // keep their bits.
 extern "C" __global__ void gradient_norm_clip(const float* partial, int blocks, float* norm,
                                               float clip) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float red[32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < blocks; i += blockDim.x) s += partial[i];
@@ -86,6 +89,7 @@ extern "C" __global__ void gradient_norm_clip(const float* partial, int blocks, 
 // c1, c2 for n given update counts (the check of bias_correction)
 extern "C" __global__ void adamw_bias_corrections_table(const int* ts, float* c1, float* c2,
                                                         int n, double beta1, double beta2) {
+    AFTER_PRIOR_GRIDS();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     c1[i] = bias_correction(beta1, ts[i]);
@@ -160,6 +164,7 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
                                         const float* __restrict__ norm, long long n,
                                         long long n4, float b1, float omb1, float b2, float omb2,
                                         float eps, float* __restrict__ partial) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float red[32];
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     float s = 0.0f;  // the squares of this thread's g (with partial)
@@ -213,6 +218,7 @@ extern "C" __global__ void adamw_update(float* __restrict__ P, float* __restrict
 // as adamw_update's.
 extern "C" __global__ void accumulate_gradient(float* __restrict__ G, const float* __restrict__ Gm,
                                                long long n, long long n4) {
+    AFTER_PRIOR_GRIDS();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n4) {
         float4 a = reinterpret_cast<float4*>(G)[i];

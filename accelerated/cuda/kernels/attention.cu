@@ -12,6 +12,7 @@
 #define SM_LANE 32
 extern "C" __global__ void attention_softmax_forward(float* s, floatX* __restrict__ p_op, int rows,
                                                      int T, float scale) {
+    AFTER_PRIOR_GRIDS();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -72,6 +73,7 @@ extern "C" __global__ void attention_softmax_backward(const float* __restrict__ 
                                                       floatX* __restrict__ ds,
                                                       floatX* __restrict__ p_op, int rows, int T,
                                                       float scale) {
+    AFTER_PRIOR_GRIDS();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;

@@ -490,12 +490,14 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
     extern "C" __global__ void __launch_bounds__(128)                                            \
         attention_forward_e##E(const bf16* qkv, bf16* y, float* m, float* l, int T, int H,       \
                                int Hkv, int W, int K, int V, float scale) {                       \
+        AFTER_PRIOR_GRIDS();                                                                      \
         attention_forward_tile<E>(qkv, y, m, l, T, H, Hkv, W, K, V, scale);                       \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                            \
         attention_backward_dq_e##E(const bf16* qkv, const bf16* y, const bf16* dy,               \
                                    const float* m, const float* l, float* dot, float* dqk, int T, \
                                    int H, int Hkv, int W, int K, int V, int QK, float scale) {    \
+        AFTER_PRIOR_GRIDS();                                                                      \
         attention_backward_dq_tile<E>(qkv, dy, m, l, dot, dqk, T, H, Hkv, W, K, V, QK, scale);    \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                            \
@@ -503,6 +505,7 @@ __device__ void attention_backward_dkdv_tile(const bf16* qkv, const bf16* dy, co
                                      const float* l, const float* dot, float* dqk, bf16* dqkv,   \
                                      int T, int H, int Hkv, int W, int K, int V, int QK,         \
                                      float scale) {                                               \
+        AFTER_PRIOR_GRIDS();                                                                      \
         attention_backward_dkdv_tile<E>(qkv, dy, m, l, dot, dqk, dqkv, T, H, Hkv, W, K, V, QK,    \
                                         scale);                                                   \
     }

@@ -6,6 +6,22 @@ typedef float floatX;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (accelerated/cuda/dependent_launch.py): on
+// sm_90 and later every kernel of the project is launched allowed to start
+// while the kernel before it in the stream still runs. This, each kernel's
+// first statement, waits until that kernel has completed and its writes
+// are visible (and so every kernel before it: each waited the same way),
+// then lets the next kernel's blocks be launched: they wait here in turn,
+// so nothing any kernel reads or writes moves past its predecessor's end;
+// what overlaps is the launch and the blocks' placement, the gaps between
+// kernels. Before sm_90 (and launched without the attribute) it is nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AFTER_PRIOR_GRIDS() \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define AFTER_PRIOR_GRIDS()
+#endif
+
 // float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN,
 // a value past the largest bfloat16 rounds to infinity (as ml_dtypes does)
 __device__ __forceinline__ unsigned short bf16_bits(float x) {

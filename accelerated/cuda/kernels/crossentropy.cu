@@ -21,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS, 2) crossentropy_forward
                                                          float* __restrict__ ce,
                                                          floatX* __restrict__ dlogits, int V,
                                                          float dce, int vec) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float red[32];
     int r = blockIdx.x, row = row0 + r;
     const float* l = logits + (long long)r * V;
@@ -97,6 +98,7 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS, 2) crossentropy_forward
 
 // One block: loss = sum(ce) / n in a fixed order
 extern "C" __global__ void mean_loss(const float* ce, float* loss, int n) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float red[32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += ce[i];

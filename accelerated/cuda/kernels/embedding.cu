@@ -11,6 +11,7 @@ __device__ __forceinline__ int id_at(const int* ids, int ids_stride, int T, int 
 extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int ids_stride, int T,
                                              const float* __restrict__ W, float* __restrict__ x,
                                              int BT, int D, int vec) {
+    AFTER_PRIOR_GRIDS();
     int per_row = vec ? D / 4 : D;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= BT * per_row) return;
@@ -35,6 +36,7 @@ extern "C" __global__ void embedding_forward(const int* __restrict__ ids, int id
 // how many do. embedding_index_reset clears it; embedding_index fills it
 // with integer atomics (a minimum and a count: the same result in any order).
 extern "C" __global__ void embedding_index_reset(int* __restrict__ index, int V) {
+    AFTER_PRIOR_GRIDS();
     int v = blockIdx.x * blockDim.x + threadIdx.x;
     if (v < V) {
         index[2 * v] = 0x7fffffff;
@@ -44,6 +46,7 @@ extern "C" __global__ void embedding_index_reset(int* __restrict__ index, int V)
 
 extern "C" __global__ void embedding_index(const int* __restrict__ ids, int ids_stride, int T,
                                            int BT, int* __restrict__ index) {
+    AFTER_PRIOR_GRIDS();
     int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= BT) return;
     int v = id_at(ids, ids_stride, T, p);
@@ -66,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(EMB_THREADS)
 embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, int ids_stride,
                    int T, int BT, float* __restrict__ dW, int D, const int* __restrict__ index,
                    int accumulate, int vec) {
+    AFTER_PRIOR_GRIDS();
     __shared__ int hits[EMB_THREADS];  // positions holding v among those of this pass, in order
     __shared__ int counts[EMB_THREADS / 32];
     int p = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -148,6 +152,7 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ ids, in
 extern "C" __global__ void embedding_backward_unseen(const int* __restrict__ index,
                                                      float* __restrict__ dW, int V, int D,
                                                      int vec) {
+    AFTER_PRIOR_GRIDS();
     int per_row = vec ? D / 4 : D;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= V * per_row) return;

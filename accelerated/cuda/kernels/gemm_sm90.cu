@@ -1037,6 +1037,7 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
 // same bits); N a multiple of 4, four columns a thread.
 extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, float* __restrict__ C,
                                               int M, int N, int ldc, int splits) {
+    AFTER_PRIOR_GRIDS();
     const long long quads = (long long)M * N / 4;
     for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < quads;
          q += (long long)gridDim.x * blockDim.x) {
@@ -1062,17 +1063,20 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
         const float *__restrict__ sn, int T, int rotated
 #define GEMM_KERNEL(NAME, MT, BN, STAGES, EPI, PINGPONG)                                      \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
                                                   rotated);                                   \
     }
 #define GEMM_KERNEL_PAIR(NAME, MT, BN, STAGES, EPI, PINGPONG)                                 \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
         NAME(GEMM_PARAMETERS) {                                                               \
+        AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 2>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
                                                   rotated);                                   \
     }
 #define GEMM_KERNEL_ROPE(NAME, MT, BN, STAGES, PINGPONG, R)                                   \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI_ROPE, PINGPONG, 1, R>(maps, M, N, K, C, ldc, H, cs, sn,   \
                                                           T, rotated);                        \
     }
@@ -1080,6 +1084,7 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
 // the backward's layouts: kn (B N-major, dX = dY W), mn (A M-major too, dW = dY^T X)
 #define GEMM_KERNEL_T(NAME, MT, BN, STAGES, EPI, PINGPONG, TA)                                \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1, 0, TA, true>(maps, M, N, K, C, ldc, H, cs,  \
                                                               sn, T, rotated);                \
     }
@@ -1087,6 +1092,7 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
 // the weight gradients with K split (SPLIT, above): rotated carries the splits
 #define GEMM_KERNEL_SPLIT(NAME, MT, BN, STAGES, PINGPONG)                                     \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI_F32_TMA, PINGPONG, 1, 0, true, true, true>(               \
             maps, M, N, K, C, ldc, H, cs, sn, T, rotated);                                     \
     }
@@ -1095,6 +1101,7 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
 // 64*MT rows, ping-pong, by BF columns of F; NBUF staging buffers)
 #define GEMM_KERNEL_AGAIN(NAME, MT, BF, STAGES, NBUF)                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
+        AFTER_PRIOR_GRIDS();                                                                  \
         dswiglu_again<STAGES, MT, BF, NBUF>(maps, M, N, K);                                   \
     }
 

@@ -297,6 +297,7 @@ __device__ __forceinline__ void layernorm_backward_wide(
             float* __restrict__ x_out, floatX* __restrict__ h, float* __restrict__ mean,         \
             float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ b, \
             int rows, int D, float eps, int vec) {                                               \
+        AFTER_PRIOR_GRIDS();                                                                     \
         int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);                           \
         if (row >= rows) return;                                                                 \
         layernorm_forward_row<NC, 32>(x_prev, add, x_out, h, mean, rstd, w, b, row,              \
@@ -309,6 +310,7 @@ __device__ __forceinline__ void layernorm_backward_wide(
             const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,    \
             float* dx, floatX* __restrict__ dx_op, float* __restrict__ partials, int rows,       \
             int D, int chunk, int vec) {                                                         \
+        AFTER_PRIOR_GRIDS();                                                                     \
         layernorm_backward_rows<NC>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, partials,     \
                                     rows, D, chunk, vec != 0);                                   \
     }
@@ -321,6 +323,7 @@ __device__ __forceinline__ void layernorm_backward_wide(
             float* __restrict__ x_out, floatX* __restrict__ h, float* __restrict__ mean,         \
             float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ b, \
             int rows, int D, float eps, int vec) {                                               \
+        AFTER_PRIOR_GRIDS();                                                                     \
         __shared__ float red[32];                                                                \
         layernorm_forward_row<NC, LN_WIDE>(x_prev, add, x_out, h, mean, rstd, w, b, blockIdx.x,  \
                                            threadIdx.x, D, eps, vec != 0, red);                  \
@@ -331,6 +334,7 @@ __device__ __forceinline__ void layernorm_backward_wide(
             const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,    \
             float* dx, floatX* __restrict__ dx_op, float* __restrict__ partials, int rows,       \
             int D, int chunk, int vec) {                                                         \
+        AFTER_PRIOR_GRIDS();                                                                     \
         layernorm_backward_wide<NC>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, partials,     \
                                     rows, D, chunk, vec != 0);                                   \
     }
@@ -358,6 +362,7 @@ layernorm_param_grads(const float* const* __restrict__ partials,
                       const long long* __restrict__ offsets,
                       const long long* __restrict__ gseg, int S, int norms, int chunks,
                       int width) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float group[LN_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
     int blocks_per_norm = (width + 31) / 32;

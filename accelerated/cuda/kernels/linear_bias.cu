@@ -32,6 +32,7 @@ extern "C" __global__ void linear_bias_forward(float* __restrict__ y, const floa
                                                const float* __restrict__ bk,
                                                const float* __restrict__ bv, int rows, int W,
                                                int K, int Vc, int vec) {
+    AFTER_PRIOR_GRIDS();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (vec ? W / 4 : W)) return;
     int col = vec ? 4 * c : c, j;
@@ -92,6 +93,7 @@ __device__ __forceinline__ void linear_bias_load(float (&a)[4], const floatX* ro
 extern "C" __global__ void __launch_bounds__(32 * LB_GROUPS)
 linear_bias_backward(const floatX* __restrict__ dy, float* __restrict__ partials, int rows, int W,
                      int chunk, int vec) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float4 stage[LB_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
     int c = blockIdx.x * 32 + j;
@@ -133,6 +135,7 @@ linear_bias_backward(const floatX* __restrict__ dy, float* __restrict__ partials
 extern "C" __global__ void __launch_bounds__(32 * LB_GROUPS)
 linear_bias_param_grads(const float* __restrict__ partials, int chunks, int W, int K, int Vc,
                         float* __restrict__ gq, float* __restrict__ gk, float* __restrict__ gv) {
+    AFTER_PRIOR_GRIDS();
     __shared__ float group[LB_GROUPS][32];
     int j = threadIdx.x & 31, g = threadIdx.x >> 5;
     int col = blockIdx.x * 32 + j;
@@ -165,6 +168,7 @@ extern "C" __global__ void linear_bias_gather_weights(const floatX* __restrict__
                                                       floatX* __restrict__ out,
                                                       const long long* __restrict__ offsets,
                                                       int nq, int nk, int nv, int vec) {
+    AFTER_PRIOR_GRIDS();
     int n = nq + nk + nv;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (vec ? n / 4 : n)) return;

@@ -5,6 +5,7 @@
 // (n4 = 0: every element alone).
 extern "C" __global__ void round_bf16(const float* __restrict__ x, unsigned short* __restrict__ out,
                                       long long n, long long n4) {
+    AFTER_PRIOR_GRIDS();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n4) {
         float4 v = reinterpret_cast<const float4*>(x)[i];

@@ -159,6 +159,7 @@ __device__ __forceinline__ void rmsnorm_backward_wide(
             const float* __restrict__ x_prev, const float* __restrict__ add,                     \
             float* __restrict__ x_out, floatX* __restrict__ h, float* __restrict__ rstd,         \
             const float* __restrict__ w, int rows, int D, float eps, int vec) {                  \
+        AFTER_PRIOR_GRIDS();                                                                     \
         int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);                           \
         if (row >= rows) return;                                                                 \
         rmsnorm_forward_row<NC, 32>(x_prev, add, x_out, h, rstd, w, row, threadIdx.x & 31, D,    \
@@ -170,6 +171,7 @@ __device__ __forceinline__ void rmsnorm_backward_wide(
             const float* __restrict__ rstd, const float* __restrict__ w,                         \
             floatX* __restrict__ h, float* dx, floatX* __restrict__ dx_op,                       \
             float* __restrict__ partials, int rows, int D, int chunk, int vec) {                 \
+        AFTER_PRIOR_GRIDS();                                                                     \
         rmsnorm_backward_rows<NC>(dout, dres, x, rstd, w, h, dx, dx_op, partials, rows, D,       \
                                   chunk, vec != 0);                                              \
     }
@@ -181,6 +183,7 @@ __device__ __forceinline__ void rmsnorm_backward_wide(
             const float* __restrict__ x_prev, const float* __restrict__ add,                     \
             float* __restrict__ x_out, floatX* __restrict__ h, float* __restrict__ rstd,         \
             const float* __restrict__ w, int rows, int D, float eps, int vec) {                  \
+        AFTER_PRIOR_GRIDS();                                                                     \
         __shared__ float red[32];                                                                \
         rmsnorm_forward_row<NC, LN_WIDE>(x_prev, add, x_out, h, rstd, w, blockIdx.x,             \
                                          threadIdx.x, D, eps, vec != 0, red);                    \
@@ -190,6 +193,7 @@ __device__ __forceinline__ void rmsnorm_backward_wide(
             const float* __restrict__ rstd, const float* __restrict__ w,                         \
             floatX* __restrict__ h, float* dx, floatX* __restrict__ dx_op,                       \
             float* __restrict__ partials, int rows, int D, int chunk, int vec) {                 \
+        AFTER_PRIOR_GRIDS();                                                                     \
         rmsnorm_backward_wide<NC>(dout, dres, x, rstd, w, h, dx, dx_op, partials, rows, D,       \
                                   chunk, vec != 0);                                              \
     }

@@ -140,6 +140,7 @@ extern "C" __global__ void rope_forward(const float* __restrict__ qkv, floatX* _
                                         const float* __restrict__ cos_t,
                                         const float* __restrict__ sin_t, int BT, int T, int heads,
                                         int E, int R, int W, int vec) {
+    AFTER_PRIOR_GRIDS();
     rope_rows<false>(qkv, out, cos_t, sin_t, BT, T, heads, E, R, W, W, vec);
 }
 
@@ -153,6 +154,7 @@ extern "C" __global__ void rope_backward(const float* __restrict__ dqk, floatX* 
                                          const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, int BT, int T,
                                          int heads, int E, int R, int ldx, int W, int vec) {
+    AFTER_PRIOR_GRIDS();
     rope_rows<true>(dqk, dqkv, cos_t, sin_t, BT, T, heads, E, R, ldx, W, vec);
 }
 
@@ -163,5 +165,6 @@ extern "C" __global__ void rope_backward_operand(const floatX* __restrict__ dqk,
                                                  const float* __restrict__ sin_t, int BT, int T,
                                                  int heads, int E, int R, int ldx, int W,
                                                  int vec) {
+    AFTER_PRIOR_GRIDS();
     rope_rows<true>(dqk, dqkv, cos_t, sin_t, BT, T, heads, E, R, ldx, W, vec);
 }

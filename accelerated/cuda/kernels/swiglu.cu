@@ -15,6 +15,7 @@ __device__ __forceinline__ float swiglu_value(float g, float sig, float u) {
 // gu (BT,2F): gate then up projections -> a (BT,F) = silu(g) * u operand
 extern "C" __global__ void swiglu_forward(const float* __restrict__ gu, floatX* __restrict__ a,
                                           int BT, int F, int vec) {
+    AFTER_PRIOR_GRIDS();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (vec ? F / 4 : F)) return;
     for (int r = blockIdx.y; r < BT; r += gridDim.y) {
@@ -53,6 +54,7 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
 extern "C" __global__ void swiglu_backward(const float* __restrict__ da,
                                            const float* __restrict__ gu, floatX* __restrict__ dgu,
                                            floatX* __restrict__ a, int BT, int F, int vec) {
+    AFTER_PRIOR_GRIDS();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (vec ? F / 4 : F)) return;
     for (int r = blockIdx.y; r < BT; r += gridDim.y) {
