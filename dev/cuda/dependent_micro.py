@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 import numpy as np
 
@@ -21,6 +22,8 @@ import cupy  # noqa: E402
 
 from coppelius.accelerated.cuda import dependent_launch  # noqa: E402
 
+from bench_step import time_graph  # noqa: E402  (dev/cuda's: median ms of 20 replays)
+
 SOURCE = r"""
 extern "C" __global__ void add_one(float* x, long long n) {
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
@@ -29,18 +32,6 @@ extern "C" __global__ void add_one(float* x, long long n) {
         x[i] += 1.0f;
 }
 """
-
-
-def timed(stream, graph, n=20):
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    ms = []
-    for _ in range(n + 2):
-        start.record(stream)
-        graph.launch(stream=stream)
-        end.record(stream)
-        end.synchronize()
-        ms.append(cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(ms[2:]))
 
 
 def main() -> None:
@@ -62,9 +53,9 @@ def main() -> None:
                 for _ in range(args.launches):
                     kernel((blocks,), (256,), (x, np.int64(n)), stream=stream)
                 graph = stream.end_capture()
-            ms = timed(stream, graph)
+            ms = time_graph(types.SimpleNamespace(stream=stream), graph)
             stream.synchronize()
-            replays = 22  # timed()'s: n + 2
+            replays = 22  # time_graph's: 20 timed after 2
             ok = bool((x == replays * args.launches).all())
             result[name] = (1e3 * ms / args.launches, ok)
         rows.append((blocks, result))
