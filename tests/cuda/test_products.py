@@ -167,3 +167,47 @@ def test_the_gate_up_products_computed_again_keep_h_not_gu(own, monkeypatch):
     named = [c.name for c in again.commands if c.kind == "product"]
     assert named.count(products.DSWIGLU_AGAIN[True]) == big.n_layer  # 2048 rows
     assert not set(products.DSWIGLU_AGAIN.values()) & {c.name for c in kept.commands}
+
+
+# d_model 512 (the fused norm backward's) at 4096 rows (B = 16): partials of 16 rows
+D512 = Config(vocab=64, context=256, d_model=512, n_layer=2, n_head=8, d_ff=128, steps=8,
+              interval=4)
+
+
+@pytest.mark.parametrize("recompute", [None, "block"])
+def test_the_norm_backward_in_the_input_gradients(own, monkeypatch, recompute):
+    """At d_model 512 the q | k | v and gate/up products' dX carry the layer
+    norm's backward in their epilogue (products.LNBACK: no float32 dout,
+    no layernorm_backward kernel but the final norm's), also where the
+    backward recomputes each layer; the steps are the cuBLAS step's (bit
+    for bit on the stand-ins, whose fused variant is the product and the
+    norm's stand-in; within the rounding on a Hopper GPU). With the rule
+    refusing it, the same step runs the product and the kernel."""
+    config, B = D512, 16
+    state = random_state(config, seed=71, t=2)
+    inputs = windows(2, seed=72, config=config, batch=B)
+    mine = capture(config, Hyper(), "bf16", B, state.copy(), recompute=recompute)
+    L = config.n_layer
+    named = [c.name for c in mine.plan.commands]
+    assert named.count(products.LNBACK) == 2 * L
+    assert sum(n.startswith("layernorm_backward") for n in named) == 1
+    monkeypatch.setattr(products, "choose_lnback", lambda *args: None)
+    unfused = capture(config, Hyper(), "bf16", B, state.copy(), recompute=recompute)
+    named = [c.name for c in unfused.plan.commands]
+    assert products.LNBACK not in named
+    assert sum(n.startswith("layernorm_backward") for n in named) == 2 * L + 1
+    monkeypatch.setenv(products.ENV, "cublas")
+    theirs = capture(config, Hyper(), "bf16", B, state.copy(), recompute=recompute)
+    rows1, G1, s1 = run_steps(theirs, inputs)
+    rows2, G2, s2 = run_steps(mine, inputs)
+    if _emulated():
+        check_bitwise("row losses", rows2, rows1)
+        check_bitwise("G", G2, G1)
+        for part in "PMV":
+            check_bitwise(part, getattr(s2, part), getattr(s1, part))
+    else:
+        np.testing.assert_allclose(rows2, rows1, rtol=2e-3, atol=2e-3)
+        rows3, G3, _ = run_steps(unfused, inputs)
+        np.testing.assert_allclose(rows2, rows3, rtol=2e-3, atol=2e-3)
+        scale = float(np.abs(G3).max())
+        np.testing.assert_allclose(G2, G3, rtol=0, atol=2e-3 * scale)

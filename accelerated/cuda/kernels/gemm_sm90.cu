@@ -1032,6 +1032,271 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
     }
 }
 
+// The input gradient dX = dY W of a product whose input is a layer norm's
+// output (the q | k | v and gate/up products: N = d_model) with that norm's
+// backward in its epilogue (gemm_lnback): no float32 dout is written or
+// read. A tile is 64 whole rows of D = 2 HALF columns; both multiplying
+// warpgroups take its 64 rows, each HALF columns (cooperative, split by
+// columns), on every slab: dY's 64 x 64 (K-major) and W's 64 K-rows of all
+// D columns (N-major, D/64 boxes). The epilogue is layernorm.cu's
+// layernorm_backward_row on the float32 accumulators (dout), in other sum
+// orders: the row sums of dxhat and dxhat xhat by each thread over its
+// values in column order, the four threads of a row by shuffles, then the
+// two halves in order through shared memory; x read twice (for the sums,
+// then for dx), both x's and dres's rows of the tile prefetched into L2
+// with its first slab. The weight and bias partials per `chunk` rows
+// (layernorm.py's partition; 16, 32 or 64: whole warps): the column sums of
+// dout xhat and of dout, each warp's 16 rows by shuffles (a thread's two
+// rows, then the 8 row groups), then the chunk's warps in order through
+// shared memory, into partials (chunks, 2D: dw then db). dres, dx (may be
+// dres), dx_op and h (0: not written; b the bias) as layernorm_backward's.
+// maps: dY's (box 64 x 64), W's (K, D) (box 64 x 64). M a multiple of 64.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// both multiplying warpgroups (named barrier 3)
+__device__ __forceinline__ void warpgroups_sync() {
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+}
+
+// A warpgroup's column sums of a tile: add(j, s0, s1) with this thread's sums
+// over its two rows of columns x + 8j, x + 8j + 1 (x its first), group j
+// after group j; then done(out) stores the chunks' sums (out: the partials'
+// row of the tile's first chunk, at the warpgroup's first column; rows 2D
+// apart). colsum: the warpgroup's 4 x HALF floats.
+template <int HALF>
+struct ColumnSums {
+    float* colsum;
+    int id;
+    __device__ __forceinline__ void add(int j, float s0, float s1) const {
+        const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {  // the warp's 8 row groups
+            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        }
+        if (lane < 4)
+            *reinterpret_cast<float2*>(colsum + warp * HALF + 8 * j + 2 * lane) =
+                make_float2(s0, s1);
+    }
+    __device__ __forceinline__ void done(float* out, int chunk) const {
+        constexpr int D = 2 * HALF;
+        const int t = threadIdx.x % 128, per = chunk / 16;  // warps a chunk
+        warpgroup_sync(id);
+        for (int k = t; k < (4 / per) * HALF; k += 128) {
+            const int g = k / HALF, col = k % HALF;
+            float s = colsum[g * per * HALF + col];
+            for (int q = 1; q < per; q++) s = __fadd_rn(s, colsum[(g * per + q) * HALF + col]);
+            out[(long long)g * 2 * D + col] = s;
+        }
+        warpgroup_sync(id);  // the next sums store over colsum
+    }
+};
+
+template <int HALF, int STAGES, int LB = 8, int LC = 4, int PF = 1 << 20>
+__device__ __forceinline__ void lnback(const TensorMap* __restrict__ maps, int M, int K,
+                                       const float* __restrict__ x, const float* __restrict__ mean,
+                                       const float* __restrict__ rstd, const float* __restrict__ w,
+                                       const float* __restrict__ b, const float* dres, float* dx,
+                                       unsigned short* __restrict__ dx_op,
+                                       unsigned short* __restrict__ h,
+                                       float* __restrict__ partials, int chunk) {
+    constexpr int D = 2 * HALF, BM = 64, J = HALF / 8;
+    static_assert(J % LB == 0 && J % LC == 0, "whole batches of the epilogue's loads");
+    constexpr int A_BYTES = BM * GEMM_BK * 2, B_BYTES = D * GEMM_BK * 2;
+    constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    // after the stages: each warpgroup's column sums (4 warps x HALF), the
+    // halves' row sums (2 x 64 float2), then the barriers
+    float* colsums = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);
+    float2* rowsum = reinterpret_cast<float2*>(colsums + 2 * 4 * HALF);
+    u64* full = reinterpret_cast<u64*>(rowsum + 2 * 64);
+    u64* empty = full + STAGES;
+
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int tiles = M / BM, slabs = (K + GEMM_BK - 1) / GEMM_BK;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            bar_init(&full[s], 1);
+            bar_init(&empty[s], 2);  // both multiplying warpgroups
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // the loads
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (t == 0) {
+            int s = 0;
+            unsigned phase = 0;
+            for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
+                for (int kb = 0; kb < slabs; kb++) {
+                    // the epilogue's rows into L2 while the tile multiplies, PF slabs
+                    // before its end (PF < 0: none)
+                    if (PF >= 0 && kb == max(0, slabs - PF)) {
+                        prefetch_l2(x + (long long)i * BM * D, BM * D * 4);
+                        if (dres != 0) prefetch_l2(dres + (long long)i * BM * D, BM * D * 4);
+                    }
+                    bar_wait(&empty[s], phase ^ 1);
+                    bar_expect(&full[s], STAGE_BYTES);
+                    unsigned char* sa = smem + s * STAGE_BYTES;
+                    tma_load(sa, &maps[0], &full[s], kb * GEMM_BK, i * BM);
+#pragma unroll
+                    for (int j = 0; j < D / 64; j++)
+                        tma_load(sa + A_BYTES + j * 8192, &maps[1], &full[s], 64 * j,
+                                 kb * GEMM_BK);
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {  // the products, then the norm's backward
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int c = wg - 1, warp = t / 32, lane = t % 32;
+        const ColumnSums<HALF> sums{colsums + c * 4 * HALF, 1 + c};
+        float d[HALF / 2];
+        int s = 0;
+        unsigned phase = 0;
+        for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
+            int held = -1;
+            for (int kb = 0; kb < slabs; kb++) {
+                bar_wait(&full[s], phase);
+                unsigned char* sa = smem + s * STAGE_BYTES;
+                unsigned char* sb = sa + A_BYTES + c * (HALF / 64) * 8192;
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < GEMM_BK / 16; k++)
+                    wgmma_tile<HALF, false, true>(d, slab_desc<false>(sa, k),
+                                                  slab_desc<true>(sb, k), kb > 0 || k > 0);
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+                held = s;
+                if (++s == STAGES) s = 0, phase ^= 1;
+            }
+            wgmma_wait<0>();
+            if (held >= 0 && t == 0) bar_arrive(&empty[held]);
+
+            // d[4j + 2h + e]: dout at row r0 + 8h, column x0 + 8j + e
+            const int y0 = i * BM, r0 = y0 + warp * 16 + lane / 4;
+            const int x0 = c * HALF + 2 * (lane % 4);
+            float* part = partials + (long long)(y0 / chunk) * 2 * D + c * HALF;
+            float mu[2], rs[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) mu[hh] = mean[r0 + 8 * hh], rs[hh] = rstd[r0 + 8 * hh];
+            // the bias's partials: the column sums of dout
+#pragma unroll
+            for (int j = 0; j < J; j++)
+                sums.add(j, __fadd_rn(d[4 * j], d[4 * j + 2]), __fadd_rn(d[4 * j + 1], d[4 * j + 3]));
+            sums.done(part + D, chunk);
+            // dxhat = dout w (into d), the row sums, and the weight's partials; x's
+            // values LB groups at a time, their loads issued together (two warps a
+            // scheduler: one load in flight each would leave the epilogue waiting)
+            float s1[2] = {0.0f, 0.0f}, s2[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j0 = 0; j0 < J; j0 += LB) {
+                float2 xv[LB][2], wv[LB];
+#pragma unroll
+                for (int jj = 0; jj < LB; jj++) {
+                    const int col = x0 + 8 * (j0 + jj);
+                    wv[jj] = __ldg(reinterpret_cast<const float2*>(w + col));
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++)
+                        xv[jj][hh] = __ldg(reinterpret_cast<const float2*>(
+                            x + (long long)(r0 + 8 * hh) * D + col));
+                }
+#pragma unroll
+                for (int jj = 0; jj < LB; jj++) {
+                    const int j = j0 + jj;
+                    float g[2][2];
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const float xa = layernorm_xhat(xv[jj][hh].x, mu[hh], rs[hh]);
+                        const float xb = layernorm_xhat(xv[jj][hh].y, mu[hh], rs[hh]);
+                        float& da = d[4 * j + 2 * hh];
+                        float& db = d[4 * j + 2 * hh + 1];
+                        g[hh][0] = __fmul_rn(da, xa);
+                        g[hh][1] = __fmul_rn(db, xb);
+                        da = __fmul_rn(da, wv[jj].x);
+                        db = __fmul_rn(db, wv[jj].y);
+                        s1[hh] += da;
+                        s1[hh] += db;
+                        s2[hh] += da * xa;
+                        s2[hh] += db * xb;
+                    }
+                    sums.add(j, __fadd_rn(g[0][0], g[1][0]), __fadd_rn(g[0][1], g[1][1]));
+                }
+            }
+            sums.done(part, chunk);
+            // the rows' means of dxhat and dxhat xhat: this half's, then both in order
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+#pragma unroll
+                for (int o = 1; o < 4; o <<= 1) {
+                    s1[hh] += __shfl_xor_sync(0xffffffffu, s1[hh], o);
+                    s2[hh] += __shfl_xor_sync(0xffffffffu, s2[hh], o);
+                }
+                if (lane % 4 == 0)
+                    rowsum[c * 64 + warp * 16 + lane / 4 + 8 * hh] = make_float2(s1[hh], s2[hh]);
+            }
+            warpgroups_sync();
+            float m1[2], m2[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int r = warp * 16 + lane / 4 + 8 * hh;
+                const float2 p = rowsum[r], q = rowsum[64 + r];
+                m1[hh] = __fadd_rn(p.x, q.x) / (float)D;
+                m2[hh] = __fadd_rn(p.y, q.y) / (float)D;
+            }
+            warpgroups_sync();  // read before the next tile's sums store over them
+            // dx = rstd (dxhat - m1 - xhat m2) (+ dres), its operand, and h again; x's
+            // and dres's values LC groups at a time, loaded together
+#pragma unroll
+            for (int j0 = 0; j0 < J; j0 += LC) {
+                float2 xv[LC][2], rv[LC][2];
+#pragma unroll
+                for (int jj = 0; jj < LC; jj++)
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const long long o = (long long)(r0 + 8 * hh) * D + x0 + 8 * (j0 + jj);
+                        xv[jj][hh] = __ldg(reinterpret_cast<const float2*>(x + o));
+                        rv[jj][hh] = dres != 0 ? *reinterpret_cast<const float2*>(dres + o)
+                                               : make_float2(0.0f, 0.0f);
+                    }
+#pragma unroll
+                for (int jj = 0; jj < LC; jj++) {
+                    const int j = j0 + jj, col = x0 + 8 * j;
+                    const float2 wv = __ldg(reinterpret_cast<const float2*>(w + col));
+                    const float2 bv = h != 0 ? __ldg(reinterpret_cast<const float2*>(b + col))
+                                             : make_float2(0.0f, 0.0f);
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const long long o = (long long)(r0 + 8 * hh) * D + col;
+                        const float xa = layernorm_xhat(xv[jj][hh].x, mu[hh], rs[hh]);
+                        const float xb = layernorm_xhat(xv[jj][hh].y, mu[hh], rs[hh]);
+                        float va = __fmul_rn(rs[hh], __fsub_rn(__fsub_rn(d[4 * j + 2 * hh], m1[hh]),
+                                                               __fmul_rn(xa, m2[hh])));
+                        float vb = __fmul_rn(rs[hh],
+                                             __fsub_rn(__fsub_rn(d[4 * j + 2 * hh + 1], m1[hh]),
+                                                       __fmul_rn(xb, m2[hh])));
+                        if (dres != 0) {
+                            va = __fadd_rn(rv[jj][hh].x, va);
+                            vb = __fadd_rn(rv[jj][hh].y, vb);
+                        }
+                        *reinterpret_cast<float2*>(dx + o) = make_float2(va, vb);
+                        if (dx_op != 0)
+                            *reinterpret_cast<unsigned*>(dx_op + o) = pack_bf16x2(va, vb);
+                        if (h != 0)
+                            *reinterpret_cast<unsigned*>(h + o) = pack_bf16x2(
+                                layernorm_out(xa, wv.x, bv.x), layernorm_out(xb, wv.y, bv.y));
+                    }
+                }
+            }
+        }
+    }
+}
+
 // The split products' sum: C (M, N) = the splits' partials, ws (splits, M, N)
 // float32 packed, added in split order (a fixed order: a replay gives the
 // same bits); N a multiple of 4, four columns a thread.
@@ -1105,6 +1370,21 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
         dswiglu_again<STAGES, MT, BF, NBUF>(maps, M, N, K);                                   \
     }
 
+// the input gradient with the layer norm's backward (lnback: tiles of 64 rows by
+// all 2 HALF = d_model columns, each multiplying warpgroup HALF of them)
+#define GEMM_KERNEL_LNBACK(NAME, HALF, STAGES, ...)                                           \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(                       \
+        const TensorMap* __restrict__ maps, int M, int K, const float* __restrict__ x,        \
+        const float* __restrict__ mean, const float* __restrict__ rstd,                       \
+        const float* __restrict__ w, const float* __restrict__ b, const float* dres,          \
+        float* dx, unsigned short* __restrict__ dx_op, unsigned short* __restrict__ h,        \
+        float* __restrict__ partials, int chunk) {                                            \
+        AFTER_PRIOR_GRIDS();                                                                  \
+        lnback<HALF, STAGES, ##__VA_ARGS__>(maps, M, K, x, mean, rstd, w, b, dres, dx, dx_op, \
+                                            h, partials,                                      \
+                             chunk);                                                          \
+    }
+
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
@@ -1141,3 +1421,8 @@ GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
 GEMM_KERNEL_SPLIT(gemm_f32t_mn_p_m1n128_s6_splitk, 1, 128, 6, true)
 GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m2n64_s3, 2, 64, 3, 1)
 GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m1n128_s3, 1, 128, 3, 2)
+GEMM_KERNEL_LNBACK(gemm_lnback_kn_c_n512_s3, 256, 3)
+GEMM_KERNEL_LNBACK(gemm_lnback_kn_c_n512_s3_pf12, 256, 3, 8, 4, 12)
+GEMM_KERNEL_LNBACK(gemm_lnback_kn_c_n512_s3_pf6, 256, 3, 8, 4, 6)
+GEMM_KERNEL_LNBACK(gemm_lnback_kn_c_n512_s3_nopf, 256, 3, 8, 4, -1)
+GEMM_KERNEL_LNBACK(gemm_lnback_kn_c_n512_s3_b16, 256, 3, 16, 8)
