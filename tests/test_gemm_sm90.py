@@ -25,9 +25,8 @@ def test_every_variant_fits_a_hopper_multiprocessor():
         assert gemm.shared_bytes(v) >= v.stages * stage + 1024, name
         assert gemm.shared_bytes(v) <= SHARED_LIMIT, (name, gemm.shared_bytes(v))
         # at most 128 float32 accumulators a thread, or again's 192 (g | u and da);
-        # what 232 registers hold without spills (the compile test below); lnback's
-        # warpgroups take half the tile's columns each
-        accumulators = v.mt * (3 if v.again else 1) * v.bn // (4 if v.lnback else 2)
+        # what 232 registers hold without spills (the compile test below)
+        accumulators = v.mt * (3 if v.again else 1) * v.bn // 2
         assert accumulators <= (192 if v.again else 128), name
 
 
@@ -53,9 +52,6 @@ def test_the_variants_are_the_sources_instantiations():
             r"^GEMM_KERNEL_AGAIN\((\w+), (\d+), (\d+), (\d+), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "dswiglu_again", True,
                                    layout="kn", buffers=int(buffers))
-    for name, half, stages in re.findall(
-            r"^GEMM_KERNEL_LNBACK\((\w+), (\d+), (\d+)\)", source, re.M):
-        found[name] = gemm.Variant(1, 2 * int(half), int(stages), "lnback", False, layout="kn")
     for name, mt, bn, stages, pingpong, R in re.findall(
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
@@ -132,27 +128,6 @@ def test_a_plan_checks_its_outputs():
     with pytest.raises(ValueError, match="A given as"):
         gemm.check_plan("gemm_f32t_mn_p_m1n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
                         B=1 << 21, ldb=512, C=1 << 22, ldc=512)
-    # lnback: its arguments given exactly for it, N its d_model, whole 64-row tiles,
-    # partials of whole warps, every matrix given (h with the bias) and 16-byte aligned
-    ln = gemm.Lnback(*(k << 20 for k in range(4, 13)), partials=1 << 30, chunk=32)
-    lnargs = dict(K=1536, A=1 << 20, lda=1536, B=1 << 21, ldb=512, C=0, ldc=0)
-    gemm.check_plan("gemm_lnback_kn_c_n512_s3", M=8192, N=512, lnback=ln, **lnargs)
-    with pytest.raises(ValueError, match="lnback arguments"):
-        gemm.check_plan("gemm_lnback_kn_c_n512_s3", M=8192, N=512, **lnargs)
-    with pytest.raises(ValueError, match="lnback arguments"):
-        gemm.check_plan("gemm_f32t_kn_c_n128_s6", M=8192, N=512, lnback=ln,
-                        **{**lnargs, "C": 1 << 22, "ldc": 512})
-    for M, N, bad, match in ((8192, 768, {}, "d_model 512"), (8100, 512, {}, "whole tiles"),
-                             (8192, 512, dict(chunk=8), "partials of 8"),
-                             (8192, 512, dict(chunk=48), "partials of 48"),
-                             (8192, 512, dict(x=(4 << 20) + 8), "aligned"),
-                             (8192, 512, dict(partials=0), "given"),
-                             (8192, 512, dict(b=0), "bias")):
-        with pytest.raises(ValueError, match=match):
-            gemm.check_plan("gemm_lnback_kn_c_n512_s3", M=M, N=N,
-                            lnback=gemm.Lnback(**{**ln.__dict__, **bad}), **lnargs)
-    gemm.check_plan("gemm_lnback_kn_c_n512_s3", M=8192, N=512,
-                    lnback=gemm.Lnback(**{**ln.__dict__, "b": 0, "h": 0, "dres": 0}), **lnargs)
 
 
 def test_map_geometry_is_innermost_first_in_bytes():

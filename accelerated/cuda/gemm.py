@@ -44,10 +44,8 @@ REDUCE_THREADS = 256  # gemm_splitk_reduce's block
 # (and dswiglu_again, the kernel of its own that computes the gate and up
 # products again in the SwiGLU backward's tile; swiglu_a the gate/up kernel
 # that stores a alone, its forward)
-# (and lnback, the kernel of its own that does a layer norm's backward on the
-# input gradient dY W of the product that read the norm's output)
 EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu",
-             "swiglu_a", "dswiglu_again", "lnback")
+             "swiglu_a", "dswiglu_again")
 # stored through shared memory and the copy engine
 STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again")
 # the operands' layouts: kk both K-major (A (M,K), B (N,K)); kn B given as
@@ -70,14 +68,8 @@ class Variant:
     buffers: int = 2  # a multiplying warpgroup's staging buffers (the staged epilogues')
 
     @property
-    def bm(self) -> int:  # a tile's rows (lnback: 64 rows of bn = d_model columns)
-        if self.lnback:
-            return 64
+    def bm(self) -> int:  # a tile's rows
         return 64 * self.mt if self.pingpong else 128
-
-    @property
-    def lnback(self) -> bool:  # the layer norm's backward on dX, whole rows a tile
-        return self.epilogue == "lnback"
 
     @property
     def staging_rows(self) -> int:  # a warpgroup's rows of C (f32_tma: staged)
@@ -153,14 +145,7 @@ VARIANTS = {
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
     "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
                                                split=True),
-    "gemm_lnback_kn_c_n512_s3": Variant(1, 512, 3, "lnback", False, layout="kn"),
-    "gemm_lnback_kn_c_n512_s3_pf12": Variant(1, 512, 3, "lnback", False, layout="kn"),
-    "gemm_lnback_kn_c_n512_s3_pf6": Variant(1, 512, 3, "lnback", False, layout="kn"),
-    "gemm_lnback_kn_c_n512_s3_nopf": Variant(1, 512, 3, "lnback", False, layout="kn"),
-    "gemm_lnback_kn_c_n512_s3_b16": Variant(1, 512, 3, "lnback", False, layout="kn"),
 }
-# lnback's chunks of rows of the weight partials: whole warps of a 64-row tile
-LNBACK_CHUNKS = (16, 32, 64)
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
 # CUtensorMapL2promotion, CUtensorMapFloatOOBfill (cuda.h)
@@ -180,8 +165,6 @@ def shared_bytes(v: Variant) -> int:
     each its rows of 128 bytes), the stages' two barriers each, the
     two order barriers, and up to 1024 bytes to align the first stage."""
     staging = 2 * v.staging_buffers * v.staging_rows * 128
-    if v.lnback:  # each warpgroup's column sums (4 warps x bn/2), the halves' row sums
-        staging = 2 * 4 * (v.bn // 2) * 4 + 2 * 64 * 8
     return v.stages * v.stage_bytes + staging + (v.stages + 1) * 16 + 1024
 
 
@@ -271,50 +254,6 @@ class Dswiglu:
     ldw: int = 0
 
 
-@dataclass(frozen=True)
-class Lnback:
-    """The lnback epilogue's arguments (the product's dY W is dout, not
-    stored): the norm's input x, its row statistics mean and rstd, its
-    weight w and bias b, the residual gradient dres (0: none) added to dx
-    (may be dres), dx_op its bfloat16 operand (0: none), h the forward's
-    output again as an operand (0: not written), and partials (chunks, 2D)
-    float32, the weight and bias terms' sums per `chunk` rows
-    (layernorm.layernorm_chunk); every (rows, D) matrix dense."""
-
-    x: int
-    mean: int
-    rstd: int
-    w: int
-    b: int
-    dres: int
-    dx: int
-    dx_op: int
-    h: int
-    partials: int
-    chunk: int
-
-
-def check_lnback(v: Variant, M: int, N: int, ln: Lnback | None) -> None:
-    """The lnback variant's arguments: given exactly for it, N its d_model,
-    whole tiles of rows, chunks of whole warps, every matrix 16-byte
-    aligned (the copy engine's prefetch of x's and dres's rows)."""
-    if v.lnback != (ln is not None):
-        raise ValueError("the lnback arguments are the lnback variants'")
-    if ln is None:
-        return
-    if N != v.bn or M % v.bm:
-        raise ValueError(f"lnback: {M} rows of {N} features: d_model {v.bn} and whole tiles "
-                         f"of {v.bm} rows")
-    if ln.chunk not in LNBACK_CHUNKS:
-        raise ValueError(f"lnback: partials of {ln.chunk} rows: one of {LNBACK_CHUNKS}")
-    if any(p % 16 for p in (ln.x, ln.mean, ln.rstd, ln.w, ln.b, ln.dres, ln.dx, ln.dx_op,
-                            ln.h, ln.partials)) or 0 in (ln.x, ln.mean, ln.rstd, ln.w, ln.dx,
-                                                         ln.partials):
-        raise ValueError("lnback: its matrices must be given, 16-byte aligned")
-    if ln.h and not ln.b:
-        raise ValueError("lnback: h is written from the bias b")
-
-
 def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
     """The rope variants' arguments: given exactly for them, N whole heads."""
     if (v.epilogue == "rope") != (rope is not None):
@@ -331,11 +270,10 @@ def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
 
 def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, ldb: int,
                C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-               dswiglu: Dswiglu | None = None, lnback: Lnback | None = None) -> None:
+               dswiglu: Dswiglu | None = None) -> None:
     """Everything a plan of `variant` checks before it encodes a map (the
     CPU stand-in's plans check the same)."""
     v = VARIANTS[variant]
-    check_lnback(v, M, N, lnback)
     if (v.epilogue in ("dswiglu", "dswiglu_again")) != (dswiglu is not None):
         raise ValueError("the dswiglu arguments are the dswiglu variants'")
     if v.again != bool(dswiglu and dswiglu.h):
@@ -356,12 +294,10 @@ def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, l
     check_rope(v, N, rope)
     check_addresses(A, lda, B, ldb, rope.out if rope else C, rope.ld if rope else ldc, H,
                     v.c_item)
-    if v.lnback and (C or H):
-        raise ValueError(f"{variant}: writes through its lnback arguments (C and H 0)")
     if v.split and M % v.bm:
         raise ValueError(f"{variant}: M = {M}: the split partials need whole tiles of {v.bm} "
                          f"rows")
-    if v.swiglu != bool(H) and not v.lnback:
+    if v.swiglu != bool(H):
         raise ValueError(f"{variant}: H is the SwiGLU variants' output")
     if v.epilogue in ("swiglu_tma", "swiglu_a") and (N // 2) % 8:
         raise ValueError(f"{variant}: F = {N // 2}: a's rows through the copy engine need a "
@@ -592,7 +528,7 @@ class Kernels:
 
     def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
                       ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-                      dswiglu: Dswiglu | None = None, lnback: Lnback | None = None) -> Planned:
+                      dswiglu: Dswiglu | None = None) -> Planned:
         """plan's product by addresses and row strides (elements): A (M,K)
         and B (N,K) bfloat16 (layout kn: B (K,N); mn: A (K,M) and B (K,N)),
         C (M,N) float32 (bf16_tma: bfloat16), H (M, N/2) bfloat16 (the
@@ -600,11 +536,9 @@ class Kernels:
         the rope variants write rope.out instead of C (C may be 0); the
         dswiglu variants (N = F) read gu (M, 2F) float32 at C, row stride
         ldc, and write dswiglu.dgu and dswiglu.a; dswiglu_again reads
-        dswiglu.h and dswiglu.w instead of gu (C 0); lnback (layout kn, N
-        = d_model, C and H 0) does the norm's backward on dY W through
-        lnback's matrices."""
+        dswiglu.h and dswiglu.w instead of gu (C 0)."""
         v = VARIANTS[variant]
-        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, lnback)
+        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
         # a transposed operand: its (K, M) or (K, N) rows in boxes of 64 columns by 64 K-rows
         splits, target, ld_target = split_k(M, N, K, v, self.multiprocessors), C, ldc
@@ -639,13 +573,6 @@ class Kernels:
             encoded += encode_map(rope.out, map_geometry(M, N, rope.ld, v.staging_rows))
         maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
-        if v.lnback:
-            ln = lnback
-            args = (maps, np.int32(M), np.int32(K),
-                    *(np.uint64(p) for p in (ln.x, ln.mean, ln.rstd, ln.w, ln.b, ln.dres, ln.dx,
-                                             ln.dx_op, ln.h, ln.partials)), np.int32(ln.chunk))
-            return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors),
-                           shared_bytes(v), args, maps)
         r = rope or Rope(0, 0, 0, 0, 1, 0)
         args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C),
                 np.int32(rope.ld if rope else ldc), np.uint64(H), np.uint64(r.cos),

@@ -11,10 +11,9 @@ import numpy as np
 from ...reference.config import LAYERNORM_EPS, Config
 from ...reference.params import registry
 
-from . import attention, cudnn_attention, gemm
+from . import attention, cudnn_attention
 from .buffers import Activations, Gradient, StepBuffers, _ptr, step_layout
 from .launch import fused_head_dim
-from .layernorm import layernorm_chunk
 from .memory_plan import VirtualArray
 
 EPS = np.float32(float(LAYERNORM_EPS))  # the default norm_eps; a model's own is Model.eps
@@ -103,28 +102,6 @@ class Model:
                                       **({} if h is None else {"b": bias, "h": h}))
         else:
             self.k.rmsnorm_backward(dout, dres, x, rstd, weight, dx, dx_op, partials, h=h)
-
-    def input_gradient_norm_backward(self, dy, width: int, W: int, x, mean, rstd, offset,
-                                     a: Activations, partials, h, operations: tuple) -> bool:
-        """dout = dy W (dy (rows, width) operands, W the address of the (width,
-        D) weight operands: the input gradient of the product that read the
-        norm's output) and the norm's backward on it (norm_backward's, into
-        a.dres and a.dres_op, h again where not None) in one kernel, where
-        the products choose it (products.py: a layer norm, d_model 512; not
-        while an eager debugging step taps dout): True if done, the commands
-        tagged with `operations`."""
-        if self.tap is not None or not self.layout.norm_bias \
-                or not hasattr(self.blas, "gemm_lnback"):
-            return False
-        weight, bias = self.norm(offset)
-        rows, D = dy.shape[0], self.config.d_model
-        ln = gemm.Lnback(x=_ptr(x), mean=_ptr(mean), rstd=_ptr(rstd), w=_ptr(weight),
-                         b=_ptr(bias), dres=_ptr(a.dres), dx=_ptr(a.dres),
-                         dx_op=0 if a.dres_op is None else _ptr(a.dres_op),
-                         h=0 if h is None else _ptr(h), partials=_ptr(partials),
-                         chunk=layernorm_chunk(rows))
-        self.at(*operations)
-        return self.blas.gemm_lnback(rows, D, width, _ptr(dy), width, W, D, ln)
 
     def operand(self, a, a_op):
         """The operand form of a float32 buffer: its bfloat16 copy under bf16."""
@@ -496,26 +473,18 @@ class Model:
             # h = mlp_norm(x_mid) is not kept per layer either: the norm's
             # backward writes it again (the forward's bits) for the gate and up
             # weights' gradient dgu^T h
+            self.at(p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
+            self.linear_backward_input(a.dgu, w.gate_up, a.dh, lay.gate_up_width, D)
+            self._tap(p + "mlp_norm.dout", a.dh)
+            self.at(p + "mlp_norm.backward", p + "mlp.residual.backward",
+                    *(() if a.recompute or later else (p + "mlp_norm",)))
             # (with recompute h_back holds h already: the gate and up
             # products' operand, from the recompute above; gate_up_later: h
-            # kept from the forward); in one kernel with the norm's backward
-            # where the products choose it
+            # kept from the forward)
             h_mlp = a.h_mlp[l] if later else a.h_back
-            product = (p + "mlp.gate.backward", p + "mlp.up.backward", p + "mlp_norm.dout_sum")
-            norm = (p + "mlp_norm.backward", p + "mlp.residual.backward",
-                    *(() if a.recompute or later else (p + "mlp_norm",)))
-            h_again = None if a.recompute or later else h_mlp
-            if not self.input_gradient_norm_backward(
-                    a.dgu, lay.gate_up_width, _ptr(self.Pop, w.gate_up), a.x_mid[l], a.mean2[l],
-                    a.rstd2[l], w.mlp_norm, a, a.ln_partials[2 * l + 1], h_again,
-                    product + norm):
-                self.at(*product)
-                self.linear_backward_input(a.dgu, w.gate_up, a.dh, lay.gate_up_width, D)
-                self._tap(p + "mlp_norm.dout", a.dh)
-                self.at(*norm)
-                self.norm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l],
-                                   w.mlp_norm, a.dres, a.dres_op, a.ln_partials[2 * l + 1],
-                                   h=h_again)
+            self.norm_backward(a.dh, a.dres, a.x_mid[l], a.mean2[l], a.rstd2[l], w.mlp_norm,
+                               a.dres, a.dres_op, a.ln_partials[2 * l + 1],
+                               h=None if a.recompute or later else h_mlp)
             self.at(p + "mlp.gate.backward", p + "mlp.up.backward")
             self.linear_backward_weight(a.dgu, h_mlp, w.gate_up, lay.gate_up_width, D)
             self._tap(p + "dmid", a.dres)
@@ -530,20 +499,13 @@ class Model:
             self.attention_backward(a, l)  # -> a.dqkv (BT,qkv)
             # dh = dh_q + dh_k + dh_v (and the q, k, v biases' gradients)
             # (h = attn_norm(x) written again by the norm's backward, as above)
-            # (in one kernel with the norm's backward where the products
-            # choose it; not with the q, k, v biases, whose gradients read dqkv)
-            product = (p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
-                       p + "attn_norm.dout_sum")
-            norm = (p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
-            if self.qkv_parts is not None or not self.input_gradient_norm_backward(
-                    a.dqkv, lay.qkv_width, self.qkv_matrix(l), a.x[l], a.mean1[l], a.rstd1[l],
-                    w.attn_norm, a, a.ln_partials[2 * l], a.h_back, product + norm):
-                self.at(*product)
-                self.qkv_backward(a, l)
-                self._tap(p + "attn_norm.dout", a.dh)
-                self.at(*norm)
-                self.norm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], w.attn_norm,
-                                   a.dres, a.dres_op, a.ln_partials[2 * l], h=a.h_back)
+            self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward",
+                    p + "attn_norm.dout_sum")
+            self.qkv_backward(a, l)
+            self._tap(p + "attn_norm.dout", a.dh)
+            self.at(p + "attn_norm.backward", p + "attn.residual.backward", p + "attn_norm")
+            self.norm_backward(a.dh, a.dres, a.x[l], a.mean1[l], a.rstd1[l], w.attn_norm,
+                               a.dres, a.dres_op, a.ln_partials[2 * l], h=a.h_back)
             self.at(p + "attn.q.backward", p + "attn.k.backward", p + "attn.v.backward")
             self.qkv_backward_weight(a.dqkv, a.h_back, l)
         self._tap("embedding.dout", a.dres)

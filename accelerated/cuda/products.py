@@ -66,9 +66,6 @@ AGAIN_WIDE_ROWS = 8192
 AGAIN_MAX_K = 512
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
-# the q | k | v and gate/up products' dX with the layer norm's backward in the epilogue (no
-# float32 dout written and read again): tiles of 64 whole rows of d_model 512
-LNBACK = "gemm_lnback_kn_c_n512_s3"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
 
@@ -182,22 +179,6 @@ def choose_dswiglu_again(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: 
     return variant
 
 
-def choose_lnback(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int,
-                  ln: gemm.Lnback) -> str | None:
-    """The fused dX = dY W (W given as (k, n)) + layer norm backward variant,
-    or None (then the product into float32 dout and the norm's kernel): at
-    least MIN_ROWS rows, n its d_model, and what its plan takes (whole tiles
-    of 64 rows, partials of 16, 32 or 64 rows, every matrix 16-byte
-    aligned)."""
-    if m < MIN_ROWS or k % 8:
-        return None
-    try:
-        gemm.check_plan(LNBACK, m, n, k, A, lda, W, ldw, 0, 0, lnback=ln)
-    except ValueError:
-        return None
-    return LNBACK
-
-
 def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                 ldo: int, E: int, R: int) -> str | None:
     """The fused q | k | v + rope variant, or None (then the product into
@@ -302,20 +283,6 @@ class Products:
         self._own(variant, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
         return True
 
-    def gemm_lnback(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int,
-                    ln: gemm.Lnback) -> bool:
-        """dout = A (m,k) @ W (k,n) (an input gradient, W given as (k, n); n
-        = d_model) and on it, as kernels/layernorm.cu's layernorm_backward
-        computes them (in other sum orders), ln.dx (+ ln.dres), ln.dx_op,
-        ln.h again and the weight and bias partials, in one kernel where
-        chosen (no float32 dout): True if done, False if the caller is to
-        run the product and the norm's backward."""
-        variant = choose_lnback(m, n, k, A, lda, W, ldw, ln) if self.own else None
-        if variant is None:
-            return False
-        self._own(variant, m, n, k, A, lda, W, ldw, 0, 0, lnback=ln)
-        return True
-
     def gemm_rope(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                   ldo: int, cos: int, sin: int, T: int, rotated: int, E: int, R: int) -> bool:
         """out (m,n) operands = the rope (kernels/rope.cu's rope_forward, cos,
@@ -331,17 +298,15 @@ class Products:
 
     def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
              C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None,
-             dswiglu: gemm.Dswiglu | None = None, lnback: gemm.Lnback | None = None) -> None:
+             dswiglu: gemm.Dswiglu | None = None) -> None:
         if self.log is not None:
             touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
-                + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ()) \
-                + ((lnback.x, lnback.mean, lnback.rstd, lnback.w, lnback.b, lnback.dres,
-                    lnback.dx, lnback.dx_op, lnback.h, lnback.partials) if lnback else ())
+                + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ())
             self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only
             return
-        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu, lnback)
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         plan = self.plans.get(key)
         stream = cupy.cuda.get_current_stream()
         if plan is None:
@@ -349,6 +314,5 @@ class Products:
                 raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
                                    f"the warm-up step plans every product before it")
             plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
-                                                                ldb, C, ldc, H, rope, dswiglu,
-                                                                lnback)
+                                                                ldb, C, ldc, H, rope, dswiglu)
         plan.launch(stream)

@@ -13,8 +13,6 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
-  lnback     the dX products and the layer norm's backward apart against fused
-             (products.LNBACK)
 """
 
 from __future__ import annotations
@@ -62,8 +60,6 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
-    "lnback": lambda c: (("apart", attribute(products, "choose_lnback", lambda *a: None)),
-                         ("lnback", contextlib.nullcontext())),
 }
 
 

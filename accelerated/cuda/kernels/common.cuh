@@ -52,17 +52,6 @@ __device__ __forceinline__ floatX to_operand(float x) {
 #endif
 }
 
-// The layer norm's h = xhat * w + b, xhat = (x - mean) * rstd: the forward's output, and the
-// backward's recomputation of it from the kept x, mean and rstd (the same
-// operations: the same bits), here for layernorm.cu and the product
-// kernels' fused norm backward (gemm_sm90.cu)
-__device__ __forceinline__ float layernorm_xhat(float x, float mu, float rs) {
-    return __fmul_rn(__fsub_rn(x, mu), rs);
-}
-__device__ __forceinline__ float layernorm_out(float xhat, float w, float b) {
-    return __fadd_rn(__fmul_rn(xhat, w), b);
-}
-
 // butterfly sums leave lanes with differently ordered sums: broadcast lane 0's
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

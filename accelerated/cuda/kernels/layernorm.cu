@@ -17,9 +17,15 @@
 // 512 features per row, so enough loads are in flight; one for wider rows
 #define LN_BLOCKS(NC) ((NC) <= 4 ? 2 : 1)
 
-// (layernorm_xhat and layernorm_out, the forward's output and the backward's
-// recomputation of it: common.cuh, which the product kernels' fused norm
-// backward shares)
+// h = xhat * w + b, xhat = (x - mean) * rstd: the forward's output, and the
+// backward's recomputation of it from the kept x, mean and rstd (the same
+// operations: the same bits)
+__device__ __forceinline__ float layernorm_xhat(float x, float mu, float rs) {
+    return __fmul_rn(__fsub_rn(x, mu), rs);
+}
+__device__ __forceinline__ float layernorm_out(float xhat, float w, float b) {
+    return __fadd_rn(__fmul_rn(xhat, w), b);
+}
 
 // The sum over a row's team (TEAM = 32: the calling warp; else the whole
 // block, red: 32 floats of shared memory): every member gets the same bits.

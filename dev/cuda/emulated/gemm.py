@@ -6,8 +6,7 @@ variants' a is the swiglu kernel's stand-in's on the product's gu (swiglu_a:
 on a gu of its own, not stored), the rope variants' operands the rope
 kernel's stand-in's on the float32 product, the dswiglu variants' dgu and a
 the swiglu_backward kernel's on the product's da (dswiglu_again: and on
-the gate/up product computed again, as the forward's stand-in computes it),
-the lnback variant's the layernorm_backward kernel's on the product's dout."""
+the gate/up product computed again, as the forward's stand-in computes it)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import numpy as np
 
 from .cublas import _gemm
 from .runtime import _submit
-from .layernorm import k_layernorm_backward
 from .rope import k_rope_forward
 from .swiglu import k_swiglu_backward, k_swiglu_forward
 
@@ -34,10 +32,8 @@ def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
 
 
 class _Plan:
-    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None,
-                 lnback=None):
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None):
         self.variant, self.shape, self.rope, self.dswiglu = variant, (M, N, K), rope, dswiglu
-        self.lnback = lnback
         self.operands = (A, lda, B, ldb, C, ldc, H)
 
     def launch(self, stream=None) -> None:
@@ -56,7 +52,7 @@ class _Plan:
             trans_a, trans_b = {"kk": (False, True), "kn": (False, False),
                                 "mn": (True, False)}[v.layout]
             # the float32 product is the epilogue's input only
-            fused = rope or self.dswiglu or self.lnback or v.epilogue == "swiglu_a"
+            fused = rope or self.dswiglu or v.epilogue == "swiglu_a"
             product = np.empty((M, N), np.float32) if fused else None
             at, ld = (product.ctypes.data, N) if fused else (C, ldc)
             g = column_major(trans_a, trans_b, M, N, K, lda, ldb, ld)
@@ -84,19 +80,6 @@ class _Plan:
                                   gu if gu is not None else _rows(C, np.float32, M, 2 * N, ldc),
                                   _rows(d.dgu, np.uint16, M, 2 * N, 2 * N),
                                   _rows(d.a, np.uint16, M, N, N), M, N, 1)
-            if self.lnback:  # the layernorm_backward kernel's stand-in on dout
-                ln = self.lnback
-                rows = lambda p, dtype=np.float32, n=N: (  # noqa: E731
-                    np.uint64(0) if not p else _rows(p, dtype, M, n, n))
-                vector = lambda p: _rows(p, np.float32, 1, M, M)[0]  # noqa: E731
-                chunks = -(-M // ln.chunk)
-                k_layernorm_backward(True, product, rows(ln.dres), rows(ln.x), vector(ln.mean),
-                                     vector(ln.rstd), _rows(ln.w, np.float32, 1, N, N)[0],
-                                     _rows(ln.b, np.float32, 1, N, N)[0] if ln.b else None,
-                                     rows(ln.h, np.uint16), rows(ln.dx),
-                                     rows(ln.dx_op, np.uint16),
-                                     _rows(ln.partials, np.float32, chunks, 2 * N, 2 * N), M, N,
-                                     ln.chunk, 1)
             if H:
                 F = N // 2
                 k_swiglu_forward(True, product if product is not None
@@ -113,9 +96,9 @@ class FakeGemmKernels:
         self.planned = 0
 
     def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None,
-                      dswiglu=None, lnback=None) -> _Plan:
+                      dswiglu=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
-        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, lnback)
+        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         self.planned += 1
-        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, lnback)
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
