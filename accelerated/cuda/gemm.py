@@ -44,12 +44,10 @@ REDUCE_THREADS = 256  # gemm_splitk_reduce's block
 # (and dswiglu_again, the kernel of its own that computes the gate and up
 # products again in the SwiGLU backward's tile; swiglu_a the gate/up kernel
 # that stores a alone, its forward)
-# (add_tma: f32_tma's result with a float32 matrix R added, the residual add)
 EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu",
-             "swiglu_a", "dswiglu_again", "add_tma")
+             "swiglu_a", "dswiglu_again")
 # stored through shared memory and the copy engine
-STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again",
-          "add_tma")
+STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again")
 # the operands' layouts: kk both K-major (A (M,K), B (N,K)); kn B given as
 # (K,N); mn A as (K,M) and B as (K,N)
 LAYOUTS = ("kk", "kn", "mn")
@@ -120,8 +118,6 @@ VARIANTS = {
     "gemm_f32t_c_n128_s6": Variant(1, 128, 6, "f32_tma", False),
     "gemm_f32t_p_m2n128_s4": Variant(2, 128, 4, "f32_tma", True),
     "gemm_f32t_p_m1n256_s4": Variant(1, 256, 4, "f32_tma", True),
-    "gemm_addt_c_n256_s4": Variant(1, 256, 4, "add_tma", False),
-    "gemm_addt_p_m2n128_s4": Variant(2, 128, 4, "add_tma", True),
     "gemm_swiglu_c_n256_s4": Variant(1, 256, 4, "swiglu", False),
     "gemm_swiglu_c_n128_s6": Variant(1, 128, 6, "swiglu", False),
     "gemm_swiglu_c2_n256_s4": Variant(1, 256, 4, "swiglu", False, 2),
@@ -274,14 +270,10 @@ def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
 
 def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, ldb: int,
                C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-               dswiglu: Dswiglu | None = None, R: int = 0) -> None:
+               dswiglu: Dswiglu | None = None) -> None:
     """Everything a plan of `variant` checks before it encodes a map (the
     CPU stand-in's plans check the same)."""
     v = VARIANTS[variant]
-    if (v.epilogue == "add_tma") != bool(R):
-        raise ValueError(f"{variant}: R (the residual added) is the add variants'")
-    if R % 16:
-        raise ValueError(f"{variant}: R must start 16-byte aligned")
     if (v.epilogue in ("dswiglu", "dswiglu_again")) != (dswiglu is not None):
         raise ValueError("the dswiglu arguments are the dswiglu variants'")
     if v.again != bool(dswiglu and dswiglu.h):
@@ -536,7 +528,7 @@ class Kernels:
 
     def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
                       ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-                      dswiglu: Dswiglu | None = None, R: int = 0) -> Planned:
+                      dswiglu: Dswiglu | None = None) -> Planned:
         """plan's product by addresses and row strides (elements): A (M,K)
         and B (N,K) bfloat16 (layout kn: B (K,N); mn: A (K,M) and B (K,N)),
         C (M,N) float32 (bf16_tma: bfloat16), H (M, N/2) bfloat16 (the
@@ -544,10 +536,9 @@ class Kernels:
         the rope variants write rope.out instead of C (C may be 0); the
         dswiglu variants (N = F) read gu (M, 2F) float32 at C, row stride
         ldc, and write dswiglu.dgu and dswiglu.a; dswiglu_again reads
-        dswiglu.h and dswiglu.w instead of gu (C 0); the add variants write
-        C = R + A @ B^T, R (M,N) float32 with C's row stride ldc."""
+        dswiglu.h and dswiglu.w instead of gu (C 0)."""
         v = VARIANTS[variant]
-        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, R)
+        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
         # a transposed operand: its (K, M) or (K, N) rows in boxes of 64 columns by 64 K-rows
         splits, target, ld_target = split_k(M, N, K, v, self.multiprocessors), C, ldc
@@ -563,7 +554,7 @@ class Kernels:
                        + encode_map(d.w, map_geometry(2 * N, K, d.ldw, v.bn)) + b_map)
         else:
             encoded = a_map + b_map
-        if v.epilogue in ("f32_tma", "add_tma"):
+        if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(splits * M, N, ldc, v.staging_rows, item=4),
                                   FLOAT32)
         if v.epilogue == "bf16_tma":
@@ -585,8 +576,7 @@ class Kernels:
         r = rope or Rope(0, 0, 0, 0, 1, 0)
         args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C),
                 np.int32(rope.ld if rope else ldc), np.uint64(H), np.uint64(r.cos),
-                np.uint64(r.sin), np.int32(r.T), np.int32(splits if v.split else r.rotated),
-                np.uint64(R))
+                np.uint64(r.sin), np.int32(r.T), np.int32(splits if v.split else r.rotated))
         reduce = None
         if splits > 1:
             blocks = min(4 * self.multiprocessors, -(-M * N // (4 * REDUCE_THREADS)))

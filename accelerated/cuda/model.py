@@ -118,17 +118,6 @@ class Model:
         self.gemm(False, True, x.shape[0], n_out, n_in, _ptr(x), n_in, _ptr(self.Pop, W),
                   n_in, _ptr(out), n_out)
 
-    def linear_residual(self, x, W, out, n_out, n_in, residual) -> bool:
-        """out = residual + x @ W.T (x (rows, in) operand, W at offset into Pop,
-        residual and out (rows, out) float32) in one product, where the
-        products choose it (products.py: the residual add in the epilogue,
-        as the norm kernels add it): True if done, False if the caller is to
-        run the product and let the next norm add it."""
-        if not hasattr(self.blas, "gemm_residual"):
-            return False
-        return self.blas.gemm_residual(x.shape[0], n_out, n_in, _ptr(x), n_in,
-                                       _ptr(self.Pop, W), n_in, _ptr(out), n_out, _ptr(residual))
-
     def linear_backward(self, dy, x, W, dx, n_out, n_in):
         # dy (rows, out) operand -> dx (rows, in) = dy @ W ; G[W] (out, in) = dy.T @ x
         self.linear_backward_input(dy, W, dx, n_out, n_in)
@@ -165,17 +154,12 @@ class Model:
         self.at("embedding")
         k.embedding_forward(ids, ids_stride, T, self.P[self.emb:self.emb + V * D].reshape(V, D),
                             a.x[0])
-        self.added = [False] * L  # layer l's down product added x_mid[l] itself (into x[l+1])
         for l in range(L):
             self.layer_forward(a, l)
         # x[L] = x_mid + down(...) ; logits = final_norm(x[L]) W_head^T
-        if self.added[L - 1]:
-            self.at("final_norm")
-            self.norm_forward(a.x[L], None, None, a.hf, a.meanf, a.rstdf, self.final_norm)
-        else:
-            self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
-            self.norm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
-                              self.final_norm)
+        self.at(f"layers.{L - 1}.mlp.residual", "final_norm")
+        self.norm_forward(a.x_mid[L - 1], a.proj, a.x[L], a.hf, a.meanf, a.rstdf,
+                          self.final_norm)
         if not a.train:
             self.at("lm_head")
             self.linear_forward(a.hf, self.head, a.logits, V, D)
@@ -196,7 +180,7 @@ class Model:
         tap = (lambda *args: None) if again else self._tap  # seen once, in the forward
         h = a.h_back if again else a.h
         # h = attn_norm(x), after the previous layer's residual add
-        if again or (l and self.added[l - 1]):  # x[l] as kept, or as the down product wrote it
+        if again:
             self.at(p + "attn_norm")
             self.norm_forward(a.x[l], None, None, h, a.mean1[l], a.rstd1[l], w.attn_norm)
         else:
@@ -212,20 +196,14 @@ class Model:
             k.rope_forward(a.qkv32, a.qkv[l], self.cos, self.sin, T, lay.heads, lay.kv_heads)
         self.at(p + "attn.core")
         self.attention_forward(a, l)  # -> a.y[l] (BT,D)
-        # x_mid = x + y Wo^T (in the product, where the products choose it) ; h = mlp_norm(x_mid)
+        self.at(p + "attn.o")
+        self.linear_forward(a.y[l], w.o, a.proj, D, D)
+        # x_mid = x + y Wo^T ; h = mlp_norm(x_mid)
+        self.at(p + "attn.residual", p + "mlp_norm")
         later = not again and self.gate_up_later(a, l)
         if later:  # h kept for the backward, which computes g and u again from it
             h = a.h_mlp[l]
-        self.at(p + "attn.o", p + "attn.residual")
-        if self.linear_residual(a.y[l], w.o, a.x_mid[l], D, D, a.x[l]):
-            self.at(p + "mlp_norm")
-            self.norm_forward(a.x_mid[l], None, None, h, a.mean2[l], a.rstd2[l], w.mlp_norm)
-        else:
-            self.at(p + "attn.o")
-            self.linear_forward(a.y[l], w.o, a.proj, D, D)
-            self.at(p + "attn.residual", p + "mlp_norm")
-            self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l],
-                              w.mlp_norm)
+        self.norm_forward(a.x[l], a.proj, a.x_mid[l], h, a.mean2[l], a.rstd2[l], w.mlp_norm)
         tap(p + "mlp_norm.out", h)
         if later:
             done = self.gate_up_swiglu(h, w.gate_up, None, a.a, p)
@@ -238,12 +216,8 @@ class Model:
             self.at(p + "mlp.swiglu")
             k.swiglu_forward(a.gu[l], a.a)
         tap(p + "mlp.h", a.a)
-        # x[l+1] = x_mid + a Wdown^T, in the product where the products choose it
-        self.at(p + "mlp.down", p + "mlp.residual")
-        self.added[l] = self.linear_residual(a.a, w.down, a.x[l + 1], D, c.d_ff, a.x_mid[l])
-        if not self.added[l]:
-            self.at(p + "mlp.down")
-            self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
+        self.at(p + "mlp.down")
+        self.linear_forward(a.a, w.down, a.proj, D, c.d_ff)
 
     def gate_up_later(self, a: Activations, l: int) -> bool:
         """Whether layer l's gate and up products are computed again inside

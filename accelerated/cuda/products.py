@@ -64,9 +64,6 @@ AGAIN_WIDE_ROWS = 8192
 # (dev/cuda/side_by_side.py again, H200) the again path took 1.032x, 1.064x, 1.049x and 1.023x
 # the kept path's step at gpt-110m, gpt-340m, gpt-e128 and gpt-t4096 (d_model 768-1024)
 AGAIN_MAX_K = 512
-# the o and down products with the residual add in the epilogue (x_out = x_prev + y W^T: no
-# float32 product written for the norm kernel to read and add), the forward's tiles by K
-RESIDUAL = {True: "gemm_addt_c_n256_s4", False: "gemm_addt_p_m2n128_s4"}  # K > 1024
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
@@ -121,17 +118,6 @@ def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: in
             A, lda, B, ldb, C, ldc, c_item=gemm.VARIANTS[variant].c_item):
         return None
     return variant
-
-
-def choose_residual(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, C: int,
-                    ldc: int, R: int) -> str | None:
-    """The forward's x @ W^T variant with R added (C = R + A W^T, R with C's
-    row stride), or None (then the product and the norm kernel's add): the
-    shapes `choose` takes for the forward's products, R 16-byte aligned."""
-    variant = choose(False, True, m, n, k, A, lda, W, ldw, C, ldc, "bfloat16", "float32", 0.0, 1)
-    if variant is None or R % 16:
-        return None
-    return RESIDUAL[k > 1024]
 
 
 def _input_gradient(m: int, n: int, k: int) -> bool:
@@ -297,18 +283,6 @@ class Products:
         self._own(variant, m, F, k, A, lda, W, ldw, 0, 0, dswiglu=d)
         return True
 
-    def gemm_residual(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, C: int,
-                      ldc: int, R: int) -> bool:
-        """C (m,n) float32 = R + A (m,k) @ W (n,k)^T, R (m,n) float32 with C's
-        row stride, added as the norm kernels add the residual (x_prev +
-        the product), in one kernel where chosen: True if done, False if the
-        caller is to run the product and let the norm add it."""
-        variant = choose_residual(m, n, k, A, lda, W, ldw, C, ldc, R) if self.own else None
-        if variant is None:
-            return False
-        self._own(variant, m, n, k, A, lda, W, ldw, C, ldc, R=R)
-        return True
-
     def gemm_rope(self, m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out: int,
                   ldo: int, cos: int, sin: int, T: int, rotated: int, E: int, R: int) -> bool:
         """out (m,n) operands = the rope (kernels/rope.cu's rope_forward, cos,
@@ -324,15 +298,15 @@ class Products:
 
     def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
              C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None,
-             dswiglu: gemm.Dswiglu | None = None, R: int = 0) -> None:
+             dswiglu: gemm.Dswiglu | None = None) -> None:
         if self.log is not None:
-            touched = (A, B, C, H, R) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
+            touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
                 + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ())
             self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only
             return
-        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu, R)
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         plan = self.plans.get(key)
         stream = cupy.cuda.get_current_stream()
         if plan is None:
@@ -340,6 +314,5 @@ class Products:
                 raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
                                    f"the warm-up step plans every product before it")
             plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
-                                                                ldb, C, ldc, H, rope, dswiglu,
-                                                                R)
+                                                                ldb, C, ldc, H, rope, dswiglu)
         plan.launch(stream)

@@ -13,8 +13,6 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
-  residual   the o and down products' residual add in the next norm kernel against in
-             their epilogue (products.RESIDUAL)
 """
 
 from __future__ import annotations
@@ -62,9 +60,6 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
-    "residual": lambda c: (("in the norm", attribute(products, "choose_residual",
-                                                     lambda *a: None)),
-                           ("in the product", contextlib.nullcontext())),
 }
 
 

@@ -28,9 +28,7 @@
 //   down product's dX, da = dres W_down) does the SwiGLU's backward on da
 //   in registers: no float32 da is written; EPI_SWIGLU_A stores a alone,
 //   for dswiglu_again (a kernel of its own, below), which computes the gate
-//   and up products again beside da in the SwiGLU backward's tile;
-//   EPI_ADD_TMA stores R + the accumulators (the residual add after the o
-//   and down products: x_out = x_prev + y W^T, as the norm kernels add).
+//   and up products again beside da in the SwiGLU backward's tile.
 //
 // Layouts (TA, TB): the forward's, both operands K-major (A (M,K), B (N,K)
 // row-major), and the backward's: TB, B given as (K,N) row-major (N-major:
@@ -61,7 +59,6 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_BF16_TMA 5
 #define EPI_DSWIGLU 6
 #define EPI_SWIGLU_A 7
-#define EPI_ADD_TMA 8
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -460,49 +457,6 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[MT][BN / 2], uns
         [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 32 * q, y0); });
 }
 
-// EPI_ADD_TMA: R + the 64*MT x BN accumulators to C (R (M, N) float32 with
-// C's row stride ldc; __fadd_rn(r, d), the norm kernels' residual add),
-// 32 columns a chunk, each chunk's R values loaded together before it is
-// filled (rows and columns past the matrix read as zeros, not stored).
-template <int MT, int BN>
-__device__ __forceinline__ void store_tile_add(const float (&d)[MT][BN / 2], unsigned char* staging,
-                                               const TensorMap* map, int x0, int y0, int id,
-                                               const float* __restrict__ R, int ldr, int M,
-                                               int N) {
-    const int lane = threadIdx.x % 32;
-    staged<MT, BN / 32>(
-        staging, id,
-        [&](int q, unsigned char* buf) {
-            float2 r[MT][4][2];
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int jj = 0; jj < 4; jj++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int row = y0 + staged_row(m, h);
-                        const int col = x0 + 32 * q + jj * 8 + 2 * (lane % 4);
-                        r[m][jj][h] = row < M && col < N
-                                          ? __ldg(reinterpret_cast<const float2*>(
-                                                R + (long long)row * ldr + col))
-                                          : make_float2(0.0f, 0.0f);
-                    }
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int jj = 0; jj < 4; jj++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int j = 4 * q + jj;
-                        *reinterpret_cast<float2*>(
-                            swizzled(buf, staged_row(m, h), jj * 32 + 8 * (lane % 4))) =
-                            make_float2(__fadd_rn(r[m][jj][h].x, d[m][4 * j + 2 * h]),
-                                        __fadd_rn(r[m][jj][h].y, d[m][4 * j + 2 * h + 1]));
-                    }
-        },
-        [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 32 * q, y0); });
-}
-
 // EPI_BF16_TMA: the 64*MT x BN accumulators rounded to bfloat16 operands,
 // 64 columns a chunk (a product whose result is only another product's
 // operand). map: the operands' (box 64 x 64*MT).
@@ -724,7 +678,6 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 // C's (bfloat16 operands, box 64 x 64*MT). EPI_DSWIGLU (N = F, the da tile's
 // columns): C = gu (M, 2F) float32 read, ldc its row stride, and the maps of
 // dgu's gate and up halves and of a (bfloat16, box 64 x 64*MT).
-// EPI_ADD_TMA: EPI_F32_TMA's map, and res (M, N) float32 added, row stride ldc.
 // EPI_F32: C (M, ldc) float32, N columns. EPI_SWIGLU: N = 2F, C = gu (M, 2F),
 // H = a (M, F) bfloat16 bits (EPI_SWIGLU_TMA: the same through its maps).
 // SPLIT (the weight gradients, whose (out, in) tiles are too few for the
@@ -738,8 +691,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                         float* __restrict__ C, int ldc,
                                         unsigned short* __restrict__ H,
                                         const float* __restrict__ cs,
-                                        const float* __restrict__ sn, int T, int rotated,
-                                        const float* __restrict__ res) {
+                                        const float* __restrict__ sn, int T, int rotated) {
     static_assert(PINGPONG || MT == 1, "the cooperative tile is two warpgroups' 64 rows");
     static_assert(!TA || TB, "an M-major A with an N-major B (dW = dY^T X) only");
     constexpr int BM = PINGPONG ? 64 * MT : 128;  // a tile's rows
@@ -751,8 +703,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
     constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA ||
-                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU || EPI == EPI_SWIGLU_A ||
-                            EPI == EPI_ADD_TMA;
+                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU || EPI == EPI_SWIGLU_A;
     constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA ||
                          EPI == EPI_SWIGLU_A;  // the gate/up tiles
     static_assert(!TB || (!SWI && CL == 1), "the N-major B: plain tiles, no clusters");
@@ -896,9 +847,6 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 if constexpr (EPI == EPI_F32_TMA) {  // (SPLIT: the split's rows of C)
                     store_tile_tma<MT, BN>(d, staging, &maps[2], tn * width,
                                            y0 + (SPLIT ? M * (i % splits) : 0), 1 + c);
-                } else if constexpr (EPI == EPI_ADD_TMA) {
-                    store_tile_add<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c, res, ldc,
-                                           M, N);
                 } else if constexpr (EPI == EPI_ROPE) {
                     store_tile_rope<MT, BN, R>(d, staging, &maps[2], tn * width, y0, 1 + c, rc,
                                                rs, rotated);
@@ -1112,25 +1060,25 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
 #define GEMM_PARAMETERS                                                                    \
     const TensorMap *__restrict__ maps, int M, int N, int K, float *__restrict__ C, int ldc,  \
         unsigned short *__restrict__ H, const float *__restrict__ cs,                         \
-        const float *__restrict__ sn, int T, int rotated, const float *__restrict__ res
+        const float *__restrict__ sn, int T, int rotated
 #define GEMM_KERNEL(NAME, MT, BN, STAGES, EPI, PINGPONG)                                      \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
         AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
-                                                  rotated, res);                                   \
+                                                  rotated);                                   \
     }
 #define GEMM_KERNEL_PAIR(NAME, MT, BN, STAGES, EPI, PINGPONG)                                 \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) __cluster_dims__(2, 1, 1)   \
         NAME(GEMM_PARAMETERS) {                                                               \
         AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 2>(maps, M, N, K, C, ldc, H, cs, sn, T,        \
-                                                  rotated, res);                                   \
+                                                  rotated);                                   \
     }
 #define GEMM_KERNEL_ROPE(NAME, MT, BN, STAGES, PINGPONG, R)                                   \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
         AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI_ROPE, PINGPONG, 1, R>(maps, M, N, K, C, ldc, H, cs, sn,   \
-                                                          T, rotated, res);                        \
+                                                          T, rotated);                        \
     }
 
 // the backward's layouts: kn (B N-major, dX = dY W), mn (A M-major too, dW = dY^T X)
@@ -1138,7 +1086,7 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
         AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1, 0, TA, true>(maps, M, N, K, C, ldc, H, cs,  \
-                                                              sn, T, rotated, res);                \
+                                                              sn, T, rotated);                \
     }
 
 // the weight gradients with K split (SPLIT, above): rotated carries the splits
@@ -1146,7 +1094,7 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) NAME(GEMM_PARAMETERS) {     \
         AFTER_PRIOR_GRIDS();                                                                  \
         gemm_tn<MT, BN, STAGES, EPI_F32_TMA, PINGPONG, 1, 0, true, true, true>(               \
-            maps, M, N, K, C, ldc, H, cs, sn, T, rotated, res);                                  \
+            maps, M, N, K, C, ldc, H, cs, sn, T, rotated);                                     \
     }
 
 // the SwiGLU backward with the gate/up product again (dswiglu_again: its tiles
@@ -1168,8 +1116,6 @@ GEMM_KERNEL(gemm_f32t_c_n256_s4, 1, 256, 4, EPI_F32_TMA, false)
 GEMM_KERNEL(gemm_f32t_c_n128_s6, 1, 128, 6, EPI_F32_TMA, false)
 GEMM_KERNEL(gemm_f32t_p_m2n128_s4, 2, 128, 4, EPI_F32_TMA, true)
 GEMM_KERNEL(gemm_f32t_p_m1n256_s4, 1, 256, 4, EPI_F32_TMA, true)
-GEMM_KERNEL(gemm_addt_c_n256_s4, 1, 256, 4, EPI_ADD_TMA, false)
-GEMM_KERNEL(gemm_addt_p_m2n128_s4, 2, 128, 4, EPI_ADD_TMA, true)
 GEMM_KERNEL(gemm_swiglu_c_n256_s4, 1, 256, 4, EPI_SWIGLU, false)
 GEMM_KERNEL(gemm_swiglu_c_n128_s6, 1, 128, 6, EPI_SWIGLU, false)
 GEMM_KERNEL_PAIR(gemm_swiglu_c2_n256_s4, 1, 256, 4, EPI_SWIGLU, false)

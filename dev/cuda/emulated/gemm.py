@@ -6,9 +6,7 @@ variants' a is the swiglu kernel's stand-in's on the product's gu (swiglu_a:
 on a gu of its own, not stored), the rope variants' operands the rope
 kernel's stand-in's on the float32 product, the dswiglu variants' dgu and a
 the swiglu_backward kernel's on the product's da (dswiglu_again: and on
-the gate/up product computed again, as the forward's stand-in computes it),
-the add variants' C the product plus R (float32, as the norm kernels'
-stand-ins add)."""
+the gate/up product computed again, as the forward's stand-in computes it)."""
 
 from __future__ import annotations
 
@@ -34,10 +32,8 @@ def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
 
 
 class _Plan:
-    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None,
-                 R=0):
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None):
         self.variant, self.shape, self.rope, self.dswiglu = variant, (M, N, K), rope, dswiglu
-        self.residual = R
         self.operands = (A, lda, B, ldb, C, ldc, H)
 
     def launch(self, stream=None) -> None:
@@ -56,7 +52,7 @@ class _Plan:
             trans_a, trans_b = {"kk": (False, True), "kn": (False, False),
                                 "mn": (True, False)}[v.layout]
             # the float32 product is the epilogue's input only
-            fused = rope or self.dswiglu or self.residual or v.epilogue == "swiglu_a"
+            fused = rope or self.dswiglu or v.epilogue == "swiglu_a"
             product = np.empty((M, N), np.float32) if fused else None
             at, ld = (product.ctypes.data, N) if fused else (C, ldc)
             g = column_major(trans_a, trans_b, M, N, K, lda, ldb, ld)
@@ -84,9 +80,6 @@ class _Plan:
                                   gu if gu is not None else _rows(C, np.float32, M, 2 * N, ldc),
                                   _rows(d.dgu, np.uint16, M, 2 * N, 2 * N),
                                   _rows(d.a, np.uint16, M, N, N), M, N, 1)
-            if self.residual:  # C = R + the product
-                _rows(C, np.float32, M, N, ldc)[...] = \
-                    _rows(self.residual, np.float32, M, N, ldc) + product
             if H:
                 F = N // 2
                 k_swiglu_forward(True, product if product is not None
@@ -103,9 +96,9 @@ class FakeGemmKernels:
         self.planned = 0
 
     def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None,
-                      dswiglu=None, R=0) -> _Plan:
+                      dswiglu=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
-        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, R)
+        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         self.planned += 1
-        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, R)
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
