@@ -17,8 +17,9 @@ The project's step is captured with plain launches unless
 --dependent-launch: a dependent launch starts before its predecessor ends
 and waits inside (accelerated/cuda/dependent_launch.py), and CUPTI counts
 that wait as the kernel's time, so each kernel's time and the busy time
-would include the waits and the gaps would look smaller (measured: gaps
-0.34 -> 0.20 ms at B = 8 with the step's time unchanged).
+would include the waits and the gaps would look smaller (H200, B = 8: gaps
+0.337 ms with plain launches, 0.193 with dependent ones, the span 11.40 and
+11.27 ms).
 """
 
 from __future__ import annotations
