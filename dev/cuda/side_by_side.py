@@ -51,7 +51,10 @@ def environment(name, value):
     try:
         yield
     finally:
-        os.environ.pop(name) if kept is None else os.environ.__setitem__(name, kept)
+        if kept is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = kept
 
 
 # change -> (the step without it, with it): (label, the setting a capture is made under)
