@@ -78,10 +78,10 @@ def test_kernel_params_refuse_what_cupy_would_not_pass():
         dl.kernel_params(("a string",))
 
 
-def fake_cupy(major):
+def fake_cupy(major, capturing=True):
     runtime = types.SimpleNamespace(getDevice=lambda: 0,
                                     getDeviceProperties=lambda i: {"major": major})
-    stream = types.SimpleNamespace(ptr=0x5EED)
+    stream = types.SimpleNamespace(ptr=0x5EED, is_capturing=lambda: capturing)
     return types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=runtime, get_current_stream=lambda: stream))
 
@@ -136,11 +136,17 @@ def test_a_launch_hands_the_driver_its_configuration(monkeypatch):
                         id=dl.PROGRAMMATIC_STREAM_SERIALIZATION, value=1, function=0xF00,
                         extra=None, args=[struct.pack("<Q", 0xABC), struct.pack("<i", -7)])
     seen.clear()
-    kernel((1,), (32,), (Array(1), np.int32(0)), stream=types.SimpleNamespace(ptr=77))
+    kernel((1,), (32,), (Array(1), np.int32(0)),
+           stream=types.SimpleNamespace(ptr=77, is_capturing=lambda: True))
     assert seen["stream"] == 77 and seen["shared"] == 0
     seen["status"] = 1  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match="cuLaunchKernelEx: CUresult 1"):
         kernel((1,), (32,), (Array(1), np.int32(0)))
+    # an eager launch (no capture: the warm-up, sampling's forward) is CuPy's own, plain
+    seen.clear()
+    eager = Function(6)
+    dl.DependentKernel(eager, fake_cupy(9, capturing=False))((2,), (64,), (np.int32(1),))
+    assert eager.calls == [(((2,), (64,), (np.int32(1),)), {"shared_mem": 0})] and not seen
     # switched off after the program's module was loaded: the next captures launch plainly
     monkeypatch.setenv(dl.ENV, "off")
     plain = Function(5)

@@ -106,8 +106,13 @@ class DependentKernel:
     """A loaded kernel (CuPy's RawKernel or Function), called as CuPy's:
     (grid, block, args, shared_mem=0, stream=None), launched with
     programmatic stream serialization on the given (else the current)
-    stream; plainly while COPPELIUS_DEPENDENT_LAUNCH is off (read at each
-    launch: a program captured then keeps plain launches in its graph)."""
+    stream while that stream is being captured: the replayed graph is where
+    the overlap is worth something. Eager launches (the warm-up step,
+    sampling's forward a token, debugging steps) go plainly, by CuPy's own
+    launch, which costs the host a fraction of this one's ctypes call
+    (about 20 us a launch); so do all while COPPELIUS_DEPENDENT_LAUNCH is
+    off (read at each captured launch: a program captured then keeps plain
+    launches in its graph)."""
 
     def __init__(self, function, cupy):
         self.function = function
@@ -115,7 +120,8 @@ class DependentKernel:
         self.ptr = getattr(function, "kernel", function).ptr  # CUfunction
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        if not wanted():  # switched off since the module was loaded: a plain launch
+        s = stream if stream is not None else self.cupy.cuda.get_current_stream()
+        if not s.is_capturing() or not wanted():  # eager, or switched off: a plain launch
             extra = {} if stream is None else {"stream": stream}
             self.function(grid, block, args, shared_mem=shared_mem, **extra)
             return
@@ -123,7 +129,6 @@ class DependentKernel:
         block = (tuple(block) + (1, 1))[:3]
         attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         attribute.value[0] = 1  # programmaticStreamSerializationAllowed
-        s = stream if stream is not None else self.cupy.cuda.get_current_stream()
         config = _Config((ctypes.c_uint * 3)(*(max(1, int(g)) for g in grid)),
                          (ctypes.c_uint * 3)(*(max(1, int(b)) for b in block)),
                          int(shared_mem), ctypes.c_void_p(s.ptr), ctypes.pointer(attribute), 1)
