@@ -163,9 +163,11 @@ def shared_bytes(v: Variant) -> int:
     """The dynamic shared memory a variant asks for: the stages, the staged
     epilogues' buffers (a variant's `buffers` per multiplying warpgroup,
     each its rows of 128 bytes), the stages' two barriers each, the
-    two order barriers, and up to 1024 bytes to align the first stage."""
+    two order barriers, dswiglu_again's count of tiles (16 bytes), and up
+    to 1024 bytes to align the first stage."""
     staging = 2 * v.staging_buffers * v.staging_rows * 128
-    return v.stages * v.stage_bytes + staging + (v.stages + 1) * 16 + 1024
+    count = 16 if v.again else 0
+    return v.stages * v.stage_bytes + staging + (v.stages + 1) * 16 + count + 1024
 
 
 @dataclass(frozen=True)

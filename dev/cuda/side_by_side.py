@@ -13,6 +13,8 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
+  sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
+             against the fast one (kernels/swiglu.cu)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from coppelius.bench import _cupy_pool  # noqa: E402
-from coppelius.accelerated.cuda import dependent_launch, products  # noqa: E402
+from coppelius.accelerated.cuda import dependent_launch, gemm, products  # noqa: E402
 from coppelius.accelerated.cuda.program import capture  # noqa: E402
 from coppelius.reference.config import Hyper, config_from_toml, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
@@ -63,7 +65,16 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
+    "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", exact_sigmoid)),
+                          ("fast", contextlib.nullcontext())),
 }
+
+
+def exact_sigmoid(watchdog: bool = False) -> list:
+    return COMPILE_OPTIONS(watchdog) + ["-DSIGMOID_EXACT"]
+
+
+COMPILE_OPTIONS = gemm.compile_options
 
 
 def main() -> None:

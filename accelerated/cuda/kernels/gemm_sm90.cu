@@ -907,6 +907,10 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES + 2 * NBUF * CHUNK);
     u64* empty = full + STAGES;
     u64* order = empty + STAGES;
+    // the count of tiles, after the barriers (gemm.shared_bytes), which the
+    // products' warpgroups read at each tile: in their registers, beside 192
+    // accumulators, ptxas spilled it
+    volatile int* bound = reinterpret_cast<volatile int*>(order + 2);
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (F + BF - 1) / BF;
@@ -918,6 +922,7 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
         }
         bar_init(&order[0], 1);
         bar_init(&order[1], 1);
+        *bound = items;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -952,7 +957,7 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
         float gu[MT][BF], da[MT][BF / 2];
         int s = 0, turn = 0, mine = 0;
         unsigned phase = 0;
-        for (int i = blockIdx.x; i < items; i += gridDim.x, turn++) {
+        for (int i = blockIdx.x; i < *bound; i += gridDim.x, turn++) {
             if ((turn & 1) != c) {  // the other warpgroup's tile: skip its slabs
                 const int at = s + slabs;
                 phase ^= (at / STAGES) & 1;
@@ -992,24 +997,15 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 held = s;
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
+            // every product issued: the other warpgroup's turn. Then the last slab
+            // back, and the SwiGLU backward computed in the first chunks' fill: with
+            // it in a loop of its own before them, ptxas (its fast sigmoid) moved
+            // both arrivals below it, and the other warpgroup's products waited for
+            // it (dev/cuda/NOTES.md, "The sigmoid"; dev/cuda/arrive_check.py)
+            if (t == 0) bar_arrive(&order[1 - c]);
             wgmma_wait<0>();
             if (held >= 0 && t == 0) bar_arrive(&empty[held]);
-            if (t == 0) bar_arrive(&order[1 - c]);
             mine++;
-            // dg into da's registers, du into g's, a into u's
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int j = 0; j < BF / 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float dg, du, a;
-                        swiglu_grad(da[m][4 * j + e], gu[m][4 * j + e], gu[m][4 * (j + UP) + e],
-                                    dg, du, a);
-                        da[m][4 * j + e] = dg;
-                        gu[m][4 * j + e] = du;
-                        gu[m][4 * (j + UP) + e] = a;
-                    }
             constexpr int PER = BF / 64;  // chunks of each output
             unsigned char* staging = smem + STAGES * STAGE_BYTES + c * NBUF * CHUNK;
             staged<MT, 3 * PER, NBUF>(
@@ -1017,9 +1013,16 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 [&](int q, unsigned char* buf) {
                     const int which = q / PER, j0 = 8 * (q % PER);
                     fill_bf16<MT>(buf, [&](int m, int jj, int h) {
-                        if (which == 0)
-                            return make_float2(da[m][4 * (j0 + jj) + 2 * h],
-                                               da[m][4 * (j0 + jj) + 2 * h + 1]);
+                        if (which == 0) {  // dg stored; du into g's registers, a into u's
+                            float dg[2];
+#pragma unroll
+                            for (int e = 0; e < 2; e++) {
+                                const int x = 4 * (j0 + jj) + 2 * h + e;
+                                swiglu_grad(da[m][x], gu[m][x], gu[m][x + 4 * UP], dg[e],
+                                            gu[m][x], gu[m][x + 4 * UP]);
+                            }
+                            return make_float2(dg[0], dg[1]);
+                        }
                         const int j = j0 + jj + (which == 2 ? UP : 0);  // du's groups, a's
                         return make_float2(gu[m][4 * j + 2 * h], gu[m][4 * j + 2 * h + 1]);
                     });

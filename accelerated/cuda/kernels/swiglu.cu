@@ -4,7 +4,20 @@
 // aligned): a thread takes a chunk of 4 features (16-byte loads of g and u,
 // one chunk store); else one feature.
 
+// sigmoid(g) = 1 / (1 + exp(-g)), one body for every SwiGLU kernel and
+// epilogue (the backward's recomputation of a is the forward's bits). With
+// bfloat16 operands every use rounds its result to one, and the fast
+// exponential and division (a few units of float32's last place, 2^-24
+// each, against bfloat16's 2^-8) change a few in a million of them by one
+// unit; the IEEE division held the gate/up product's epilogue to 54 us a
+// layer at B = 8, 37 with these (dev/cuda/NOTES.md, "The sigmoid"). Float32 operands
+// keep the accurate forms, and so does a build with SIGMOID_EXACT defined
+// (dev/cuda/side_by_side.py sigmoid).
+#if defined(OPERAND_BF16) && !defined(SIGMOID_EXACT)
+__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+#else
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+#endif
 
 // silu(g) * u = (g * sig) * u, sig = sigmoid(g): the forward's value, and
 // the backward's recomputation of it (the same operations: the same bits)
