@@ -15,6 +15,8 @@ CHANGE (CHANGES below):
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
+  order      the ping-pong products' order barrier arrived at after the tile's last wgmma
+             wait, against before it (ORDER_BEFORE_WAIT; CUTLASS's place)
 """
 
 from __future__ import annotations
@@ -65,13 +67,17 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
-    "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", exact_sigmoid)),
+    "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
+    "order": lambda c: (("after wait", contextlib.nullcontext()),
+                        ("before wait", attribute(gemm, "compile_options",
+                                                  defined("ORDER_BEFORE_WAIT")))),
 }
 
 
-def exact_sigmoid(watchdog: bool = False) -> list:
-    return COMPILE_OPTIONS(watchdog) + ["-DSIGMOID_EXACT"]
+def defined(name: str):
+    """gemm.compile_options with -D name"""
+    return lambda watchdog=False: COMPILE_OPTIONS(watchdog) + [f"-D{name}"]
 
 
 COMPILE_OPTIONS = gemm.compile_options
