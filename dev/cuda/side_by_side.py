@@ -15,8 +15,6 @@ CHANGE (CHANGES below):
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
-  order      the ping-pong products' order barrier arrived at after the tile's last wgmma
-             wait, against before it (ORDER_BEFORE_WAIT; CUTLASS's place)
 """
 
 from __future__ import annotations
@@ -69,9 +67,6 @@ CHANGES = {
                             ("dependent", environment(dependent_launch.ENV, "on"))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
-    "order": lambda c: (("after wait", contextlib.nullcontext()),
-                        ("before wait", attribute(gemm, "compile_options",
-                                                  defined("ORDER_BEFORE_WAIT")))),
 }
 
 

@@ -835,14 +835,9 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 held = s;
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
-#ifdef ORDER_BEFORE_WAIT
-            if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
-#endif
             wgmma_wait<0>();
             if (held >= 0 && t == 0) release<CL>(&empty[held]);
-#ifndef ORDER_BEFORE_WAIT
             if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
-#endif
             mine++;
             // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
             // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
