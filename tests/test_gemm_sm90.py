@@ -4,9 +4,12 @@ geometry, the shapes taken, the tiles and the grid) against brute-force
 counts, each variant's shared memory within Hopper's limit, the variants'
 table against the source's instantiations, and, where NVIDIA's NVRTC is
 installed, the source compiled for sm_90a with the wgmma instructions
-kept. The kernels themselves run in tests/cuda/test_gemm_sm90.py (on an
+kept (and, with cuobjdump, the ping-pong kernels' barrier arrivals where
+they belong). The kernels themselves run in tests/cuda/test_gemm_sm90.py (on an
 H100/H200) and dev/cuda/gemm_check.py."""
 
+import importlib.util
+import os
 import re
 
 import pytest
@@ -296,3 +299,29 @@ def test_the_rule_for_the_gate_up_products_again():
                                                                     (1 << 25) + 8, 512,
                                                                     1 << 26, 512)) is None
     assert products.choose_dswiglu_again(floor - 1, *args, d) is None
+
+
+def test_the_ping_pong_arrivals_come_before_the_epilogue():
+    """Each ping-pong kernel's thread 0 arrives at the order barrier (the
+    other warpgroup's turn to multiply) and at the last slab's empty barrier
+    within a hundred instructions of the tile's last wgmma wait, not after
+    its epilogue's arithmetic, where ptxas puts an arrival nothing depends on
+    when it may (the again kernel's did so with the fast sigmoid, and the
+    other warpgroup's products then waited for the SwiGLU backward:
+    dev/cuda/NOTES.md, "The sigmoid"). Needs NVRTC and cuobjdump/nvdisasm."""
+    try:
+        gemm.nvrtc_library()
+    except gemm.GemmError:
+        pytest.skip("NVIDIA's NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    path = os.path.join(os.path.dirname(__file__), "..", "dev", "cuda", "arrive_check.py")
+    spec = importlib.util.spec_from_file_location("arrive_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    if check.cuobjdump() is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump "
+                    "nvidia-cuda-nvdisasm)")
+    found = check.placements(gemm.compile_options())
+    assert {v for v, var in gemm.VARIANTS.items() if var.pingpong} <= set(found)
+    for name, (arrivals, work) in found.items():
+        early = [a for a in arrivals if -5 <= a <= 100]
+        assert len(early) >= 2, (name, arrivals, work[:1], work[-1:])

@@ -30,17 +30,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from coppelius.accelerated.cuda import gemm  # noqa: E402
 
 
-def cuobjdump() -> str:
+def cuobjdump() -> str | None:
+    """cuobjdump's path: on PATH, else in an nvidia-cuda-cuobjdump package."""
     found = shutil.which("cuobjdump")
     if found:
         return found
     for d in sys.path:
         for path in glob.glob(os.path.join(d, "nvidia", "*", "bin", "cuobjdump")):
             return path
-    sys.exit("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    return None
 
 
 def functions(sass: str) -> dict:
+    """kernel name -> its SASS instructions, in order"""
     out, name = {}, None
     for line in sass.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
@@ -54,30 +56,44 @@ def functions(sass: str) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("pattern", nargs="?", default=r"_p_|_p2_")
-    p.add_argument("--define", action="append", default=[], help="a -D for the compile")
-    args = p.parse_args()
-    options = gemm.compile_options() + [f"-D{d}" for d in args.define]
+def placements(options: list, pattern: str = r"_p_|_p2_") -> dict:
+    """kernel name -> (the SYNCS.ARRIVE positions from 40 before the first
+    wgmma wait for none outstanding, relative to it; its epilogue's MUFU and
+    F2FP positions after it), for the module's kernels matching pattern
+    that have such a wait"""
     cubin, _ = gemm.compile_cubin(options=options)
     tool = cuobjdump()
+    if tool is None:
+        raise FileNotFoundError("cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
                               env=env, check=True).stdout
-    print(f"{'kernel':<42} {'arrivals (from the wait)':<28} epilogue's MUFU/F2FP")
+    out = {}
     for name, ins in sorted(functions(sass).items()):
-        if not re.search(args.pattern, name):
-            continue
         waits = [i for i, s in enumerate(ins) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in s]
-        if not waits:
+        if not re.search(pattern, name) or not waits:
             continue
         w = waits[0]
-        arrivals = [i - w for i, s in enumerate(ins) if "SYNCS.ARRIVE" in s and i > w - 40]
-        work = [i - w for i, s in enumerate(ins) if i > w and ("MUFU" in s or "F2FP" in s)]
+        out[name] = ([i - w for i, s in enumerate(ins) if "SYNCS.ARRIVE" in s and i > w - 40],
+                     [i - w for i, s in enumerate(ins) if i > w and ("MUFU" in s or "F2FP" in s)])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("pattern", nargs="?", default=r"_p_|_p2_")
+    p.add_argument("--define", action="append", default=[], help="a -D for the compile")
+    args = p.parse_args()
+    try:
+        found = placements(gemm.compile_options() + [f"-D{d}" for d in args.define],
+                           args.pattern)
+    except FileNotFoundError as e:
+        sys.exit(str(e))
+    print(f"{'kernel':<42} {'arrivals (from the wait)':<28} epilogue's MUFU/F2FP")
+    for name, (arrivals, work) in found.items():
         span = f"+{work[0]} .. +{work[-1]}" if work else "-"
         print(f"{name:<42} {' '.join(f'{a:+d}' for a in arrivals[:4]):<28} {span}")
 
