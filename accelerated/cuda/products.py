@@ -64,6 +64,11 @@ AGAIN_WIDE_ROWS = 8192
 # (dev/cuda/side_by_side.py again, H200) the again path took 1.032x, 1.064x, 1.049x and 1.023x
 # the kept path's step at gpt-110m, gpt-340m, gpt-e128 and gpt-t4096 (d_model 768-1024)
 AGAIN_MAX_K = 512
+# the fused epilogues' own bounds (each fusion saves a float32 round trip that a plain
+# product does not, so its break-even shape is its own): K and N at most
+ROPE_MAX_K, ROPE_MAX_COLUMNS = MAX_K, MAX_COLUMNS
+SWIGLU_MAX_K = MAX_K
+DSWIGLU_MAX_K, DSWIGLU_MAX_COLUMNS = MAX_K_INPUT, MAX_COLUMNS
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
@@ -131,7 +136,7 @@ def choose_swiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, gu
     """The fused gate/up + SwiGLU variant, or None (then the product and
     the swiglu kernel); gu 0: the variant that stores a alone (the
     backward computing g and u again: gate_up_again)."""
-    if m < MIN_ROWS or k > MAX_K or (2 * F) % 8 or k % 8 \
+    if m < MIN_ROWS or k > SWIGLU_MAX_K or (2 * F) % 8 or k % 8 \
             or not _aligned(A, lda, W, ldw, gu, 2 * F, a):
         return None
     if not gu:
@@ -154,7 +159,7 @@ def choose_dswiglu(m: int, F: int, k: int, A: int, lda: int, W: int, ldw: int, g
     product into float32 da and the swiglu_backward kernel): dX's shapes,
     and what its plan takes (F a multiple of 8: its outputs' rows through
     the copy engine; every matrix 16-byte aligned)."""
-    if not _input_gradient(m, F, k):
+    if m < MIN_ROWS or F > DSWIGLU_MAX_COLUMNS or k > DSWIGLU_MAX_K or F % 8 or k % 8:
         return None
     try:
         gemm.check_plan(DSWIGLU, m, F, k, A, lda, W, ldw, gu, 2 * F,
@@ -185,7 +190,7 @@ def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out:
     float32 and the rope kernel): heads rotated whole (R = E) of a width
     the kernel is built for, at any M (faster than cuBLAS + rope at B = 1
     too)."""
-    if R != E or E not in ROPE or n > MAX_COLUMNS or k > MAX_K or n % E or k % 8 \
+    if R != E or E not in ROPE or n > ROPE_MAX_COLUMNS or k > ROPE_MAX_K or n % E or k % 8 \
             or not _aligned(A, lda, W, ldw, out, ldo):
         return None
     return (ROPE if m >= MIN_ROWS else ROPE_FEW_ROWS)[E]

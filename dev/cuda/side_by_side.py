@@ -1,10 +1,11 @@
 """One change to the CUDA step, measured side by side: the step without it
-and with it captured in one process from one state, their row losses after
-the same four steps compared (bit for bit, or their largest relative
-difference where the change sums in another order), then `rounds` times
-`steps` steps of each in turn; the median ms of each, their ratio, and each
-program's memory (the CuPy pool's growth while it was captured and
-warmed). A short table last.
+and with it (or with each of its forms) captured in one process from one
+state, their row losses after the same four steps compared with the
+first's (bit for bit, or their largest relative difference where the change
+sums in another order), then `rounds` times `steps` steps of each in turn;
+the median ms of each, its ratio to the first's, and each program's memory
+(the CuPy pool's growth while it was captured and warmed). A short table
+last.
 
     PYTHONPATH=. python dev/cuda/side_by_side.py CHANGE [coppelius | FILE.toml ...]
         [--batches 8] [--precision bf16] [--steps 20] [--rounds 3]
@@ -15,6 +16,8 @@ CHANGE (CHANGES below):
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
+  wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
+             + SwiGLU, down's dX + SwiGLU backward) taken at any K and N, and all three
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ def attribute(owner, name, value):
 
 
 @contextlib.contextmanager
+def attributes(owner, **values):
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(attribute(owner, name, value))
+        yield
+
+
+@contextlib.contextmanager
 def environment(name, value):
     kept = os.environ.get(name)
     os.environ[name] = value
@@ -67,7 +78,17 @@ CHANGES = {
                             ("dependent", environment(dependent_launch.ENV, "on"))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
+    "wide": lambda c: (("rule", contextlib.nullcontext()),
+                       ("rope", attributes(products, **WIDE["rope"])),
+                       ("swiglu", attributes(products, **WIDE["swiglu"])),
+                       ("dswiglu", attributes(products, **WIDE["dswiglu"])),
+                       ("all", attributes(products, **{k: v for w in WIDE.values()
+                                                       for k, v in w.items()}))),
 }
+ANY = 1 << 30
+WIDE = {"rope": {"ROPE_MAX_K": ANY, "ROPE_MAX_COLUMNS": ANY},
+        "swiglu": {"SWIGLU_MAX_K": ANY},
+        "dswiglu": {"DSWIGLU_MAX_K": ANY, "DSWIGLU_MAX_COLUMNS": ANY}}
 
 
 def defined(name: str):
@@ -108,9 +129,12 @@ def main() -> None:
                     rows.append(program.row_losses())
                 programs[label], losses[label] = program, np.stack(rows)
                 memory[label] = (pool.total_bytes() - base) / 2**20
-            (before, l0), (after, l1) = losses.items()
-            same = l0.tobytes() == l1.tobytes()
-            diff = "bitwise" if same else f"{float(np.max(np.abs(l1 - l0) / np.abs(l0))):.1e}"
+            first = next(iter(losses))
+            diff = {}
+            for label, l1 in losses.items():
+                l0 = losses[first]
+                diff[label] = "bitwise" if l0.tobytes() == l1.tobytes() else \
+                    f"{float(np.max(np.abs(l1 - l0) / np.abs(l0))):.1e}"
             ms = {label: [] for label in programs}
             for _ in range(args.rounds):
                 for label, program in programs.items():
@@ -119,17 +143,16 @@ def main() -> None:
                         ms[label].append(1e3 * program.replay_timed_and_wait()[1])
             med = {label: float(np.median(v)) for label, v in ms.items()}
             print(f"{model} B={B}: " + ", ".join(
-                f"{label} {med[label]:.3f} ms {memory[label]:,.0f} MiB" for label in programs)
-                + f"; losses {diff}", flush=True)
-            table.append((os.path.basename(model), B, med[before], memory[before], med[after],
-                          memory[after], diff))
+                f"{label} {med[label]:.3f} ms {memory[label]:,.0f} MiB ({diff[label]})"
+                for label in programs), flush=True)
+            for label in programs:
+                table.append((os.path.basename(model), B, label, med[label], memory[label],
+                              med[label] / med[first], diff[label]))
             del programs, program
-    labels = [label for label, _ in CHANGES[args.change](config)]
-    print(f"\n{args.change}, {args.precision}: {labels[0]} against {labels[1]}")
-    print(f"{'model':<18} {'B':>3} {'ms':>9} {'MiB':>8} {'ms':>9} {'MiB':>8} {'ratio':>6}  losses")
-    for name, B, t0, m0, t1, m1, diff in table:
-        print(f"{name:<18} {B:>3} {t0:>9.3f} {m0:>8,.0f} {t1:>9.3f} {m1:>8,.0f} "
-              f"{t1 / t0:>6.3f}  {diff}")
+    print(f"\n{args.change}, {args.precision}: each against the first of its model and B")
+    print(f"{'model':<18} {'B':>3} {'':<10} {'ms':>9} {'MiB':>8} {'ratio':>6}  losses")
+    for name, B, label, t, m, ratio, diff in table:
+        print(f"{name:<18} {B:>3} {label:<10} {t:>9.3f} {m:>8,.0f} {ratio:>6.3f}  {diff}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ torch.profiler (CUPTI sees the kernels of any library's graph on the
 device), kernel by kernel.
 
     PYTHONPATH=. python dev/cuda/step_profile.py [--batch 1 --batch 8] [--steps 5]
+        [--model bench/models/gpt-890m.toml] [--top 8]
 
 Per step (median over the profiled replays): the span from the first
 kernel's start to the last one's end, the time some kernel runs (the union
@@ -40,7 +41,7 @@ from coppelius.accelerated.cuda import dependent_launch  # noqa: E402
 from coppelius.accelerated.cuda.compile import KERNELS  # noqa: E402
 from coppelius.accelerated.cuda.program import capture  # noqa: E402
 from coppelius.bench.torch_peer import CompiledGraphStep  # noqa: E402
-from coppelius.reference.config import Hyper, preset  # noqa: E402
+from coppelius.reference.config import Hyper, config_from_toml, preset  # noqa: E402
 from coppelius.reference.params import initialize  # noqa: E402
 from coppelius.reference.state import State  # noqa: E402
 
@@ -100,7 +101,7 @@ def per_step(kernels: list) -> list:
     return out
 
 
-def summary(label: str, kernels: list) -> dict:
+def summary(label: str, kernels: list, top_n: int) -> dict:
     steps = per_step(kernels)
     med = lambda key: float(np.median([s[key] for s in steps])) / 1e3  # noqa: E731  ms
     groups = collections.Counter()
@@ -111,7 +112,7 @@ def summary(label: str, kernels: list) -> dict:
         top[name[:70]] += (stop - start) / len(steps) / 1e3
     row = {"who": label, "steps": len(steps), "span": med("span"), "busy": med("busy"),
            "count": int(np.median([s["count"] for s in steps])), "groups": dict(groups),
-           "top": top.most_common(8)}
+           "top": top.most_common(top_n)}
     row["gaps"] = row["span"] - row["busy"]
     return row
 
@@ -120,16 +121,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="coppelius")
     parser.add_argument("--batch", type=int, action="append")
+    parser.add_argument("--model", help="a model file (SPEC 17): its shape, and its batch "
+                        "where --batch is not given")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per step")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--dependent-launch", action="store_true",
                         help="capture with dependent launches (the waits then count as the "
                              "kernels' time)")
     args = parser.parse_args()
     os.environ[dependent_launch.ENV] = "on" if args.dependent_launch else "off"
-    config = preset(args.preset)
+    config, defaults = preset(args.preset), {}
+    if args.model:
+        config, defaults = config_from_toml(args.model, config)
     rows = []
-    for B in args.batch or [1, 8]:
+    for B in args.batch or ([defaults["batch"]] if "batch" in defaults else [1, 8]):
         tokens = np.random.default_rng(B).integers(0, config.vocab, (B, config.context + 1))
         program = capture(config, Hyper(), "bf16", B,
                                        State.fresh(initialize(config)))
@@ -137,14 +143,15 @@ def main() -> None:
         for _ in range(3):
             program.replay_and_wait()
 
-        rows.append((B, summary("cupy", profiled(program.replay, args.steps))))
+        rows.append((B, summary("cupy", profiled(program.replay, args.steps), args.top)))
         program.reset()
         del program
         if not args.no_peer:
             peer = CompiledGraphStep(config, initialize(config), tokens)
             for _ in range(3):
                 peer.replay()
-            rows.append((B, summary("torch.compile + graph", profiled(peer.replay, args.steps))))
+            rows.append((B, summary("torch.compile + graph", profiled(peer.replay, args.steps),
+                                 args.top)))
             del peer
             torch.cuda.empty_cache()
     for B, r in rows:
