@@ -56,8 +56,6 @@ from .swiglu import SwigluLaunchers
 from .crossentropy import CrossentropyLaunchers
 from .adamw import AdamwLaunchers
 
-MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-
 # ---------------------------------------------------------------------------
 # kernel source
 # ---------------------------------------------------------------------------
@@ -131,8 +129,6 @@ class Kernels(PrecisionLaunchers, EmbeddingLaunchers, LayernormLaunchers, Rmsnor
             module = cupy.RawModule(code=module_source(replace),
                                     options=compile_options(precision))
             self.functions = {name: module.get_function(name) for name in KERNELS}
-            layernorm.allow_shared(self.functions, lambda f, n: cupy.cuda.driver.funcSetAttribute(
-                f.ptr, MAX_DYNAMIC_SHARED, n))
             if replace is None:  # the project's own files: every kernel waits (common.cuh)
                 self.functions = dependent_launch.wrap(self.functions, cupy)
         self.launches = 0  # kernel launches so far (the capture counts its own)

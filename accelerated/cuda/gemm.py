@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dependent_launch
-from .compile import KERNEL_DIR, MAX_DYNAMIC_SHARED
+from .compile import KERNEL_DIR
 
 try:
     import cupy
@@ -152,6 +152,7 @@ VARIANTS = {
 FLOAT32, BFLOAT16 = 7, 9
 INTERLEAVE_NONE, SWIZZLE_128B, L2_256B, OOB_ZERO = 0, 3, 3, 0
 MAP_BYTES = 128
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 class GemmError(RuntimeError):

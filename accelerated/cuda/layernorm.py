@@ -14,9 +14,6 @@ LAYERNORM_WARPS = 8  # LN_WARPS: warps (rows at once) per block of the warp kern
 LAYERNORM_WIDE = 256  # LN_WIDE: threads holding one row in the block kernels
 MAX_D = LAYERNORM_WIDE * 4 * LN_CHUNKS  # the widest row the norm kernels hold in registers
 LAYERNORM_GROUPS = 8  # LN_GROUPS: threads summing one column of the partials
-# LN_SHARED_FROM: the warp kernels' backward from this many chunks a lane keeps the
-# weight-gradient sums in dynamic shared memory (H200, dev/cuda/NOTES.md)
-LAYERNORM_SHARED_FROM = 8
 
 # the norm kernels' suffixes: a warp per row, then a block per row
 VARIANTS = (*(f"c{nc}" for nc in LAYERNORM_VARIANTS), *(f"w{nc}" for nc in WIDE_VARIANTS))
@@ -46,33 +43,6 @@ def norm_backward_threads(D: int) -> int:
     """Threads of a block of a norm's backward (one block per
     layernorm_chunk(rows) rows either way)."""
     return 32 * LAYERNORM_WARPS if layernorm_variant(D).startswith("c") else LAYERNORM_WIDE
-
-
-def shared_sums_bytes(nc: int) -> int:
-    """Dynamic shared memory of layernorm_backward_c<nc> where it keeps the
-    sums there: a dw and a db float4 per lane and chunk of every warp."""
-    return 2 * LAYERNORM_WARPS * 32 * nc * 16
-
-
-def backward_shared_bytes(D: int) -> int:
-    """The dynamic shared memory a layernorm backward over rows of D
-    features is launched with (0: its sums are in registers)."""
-    v = layernorm_variant(D)
-    nc = int(v[1:])
-    return shared_sums_bytes(nc) if v[0] == "c" and nc >= LAYERNORM_SHARED_FROM else 0
-
-
-def allow_shared(functions: dict, set_attribute) -> None:
-    """Let each warp kernel of the backward take its sums' shared memory
-    (over the 48 KB a launch gets without asking): set_attribute(function,
-    bytes), for the loaded functions (CuPy's RawKernel, whose `kernel` is the
-    driver's function, or that function, with its `ptr`; the CPU stand-ins'
-    have none)."""
-    for nc in LAYERNORM_VARIANTS:
-        f = functions[f"layernorm_backward_c{nc}"]
-        f = getattr(f, "kernel", f)
-        if shared_sums_bytes(nc) > 48 * 1024 and hasattr(f, "ptr"):
-            set_attribute(f, shared_sums_bytes(nc))
 
 
 def layernorm_chunk(rows: int) -> int:
@@ -111,8 +81,7 @@ class LayernormLaunchers(Launcher):
         self._launch(f"layernorm_backward_{layernorm_variant(D)}", chunks,
                      norm_backward_threads(D),
                      (dout, _opt(dres), x, mean, rstd, w, _opt(b), _opt(h), dx, _opt(dx_op),
-                      partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)),
-                     shared_mem=backward_shared_bytes(D))
+                      partials, i32(rows), i32(D), i32(layernorm_chunk(rows)), i32(vec)))
 
     def layernorm_param_grads(self, partials, table, offsets, G):
         # partials: per norm, a (chunks, width) buffer (width: 2D, a layernorm's

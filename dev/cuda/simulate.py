@@ -153,7 +153,7 @@ class RawModule:
     """cupy.RawModule on the CPU: the simulated kernels, else emulate's NumPy ones."""
 
     def __init__(self, code, options=()):
-        self.numpy = emulate.RawModule(code, options)
+        self.numpy = emulate.emulated.RawModule(code, options)
         self.lib, kernels = compile_module(code, options)
         self.kernels = dict(kernels)
 
@@ -164,7 +164,8 @@ class RawModule:
         types = self.kernels[name]
 
         def launch(grid, block, args, shared_mem=0):
-            capturing, current = emulate._STATE.capturing, emulate._STATE.current
+            state = emulate.emulated.runtime._STATE
+            capturing, current = state.capturing, state.current
             if capturing is not None and (not current or current[-1] is not capturing):
                 raise AssertionError(f"kernel {name} launched outside the capturing stream")
             assert len(args) == len(types), (name, len(args), types)
@@ -179,13 +180,13 @@ class RawModule:
                                    ctypes.c_uint64(shared_mem), pointers)
                 assert status == 0, f"simulated launch of {name} refused"
 
-            emulate._submit(run)
+            emulate.emulated.runtime._submit(run)
 
         return launch
 
 
 def main():
-    emulate.fake_cupy.RawModule = RawModule
+    emulate.emulated.fake_cupy.RawModule = RawModule
     emulate.main()
 
 

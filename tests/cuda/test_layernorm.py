@@ -32,7 +32,7 @@ dims = st.tuples(st.integers(1, 3), st.integers(1, 40),
 
 @small
 @example((2, 37, 1028, 1), "bf16", True, True)
-@example((2, 40, 1024, 5), "bf16", True, True)  # the sums in shared memory (LN_SHARED_FROM)
+@example((2, 40, 1024, 5), "bf16", True, True)  # the widest warp kernel (c8)
 @example((1, 9, 2304, 2), "fp32", False, True)
 @example((1, 5, 8191, 3), "bf16", True, False)
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())
@@ -59,7 +59,7 @@ def test_layernorm_forward(shape, precision, residual, aligned):
 
 @small
 @example((2, 37, 1028, 1), "bf16", True, True)
-@example((2, 40, 1024, 5), "bf16", True, True)  # the sums in shared memory (LN_SHARED_FROM)
+@example((2, 40, 1024, 5), "bf16", True, True)  # the widest warp kernel (c8)
 @example((1, 9, 2304, 2), "fp32", False, True)
 @example((1, 5, 8191, 3), "bf16", True, False)
 @given(dims, st.sampled_from(PRECISIONS), st.booleans(), st.booleans())

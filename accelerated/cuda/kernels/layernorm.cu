@@ -13,18 +13,9 @@
 #define LN_CHUNKS 8   // the largest NC: rows of up to 1024 features (a warp), 8192 (a block)
 #define LN_WARPS 8    // warps (rows at once) per block
 #define LN_WIDE 256   // threads of the block holding one row of the wide kernels (_w<NC>)
-// The warp kernels' backward from LN_SHARED_FROM chunks a lane keeps the
-// block's weight and bias gradient sums in shared memory (dynamic: 2 x
-// LN_WARPS x 32 NC float4s, each lane its own; the same additions in the
-// same order as in registers, so the same bits), which leaves the lane's
-// registers to the row and lets two blocks share a multiprocessor.
-#define LN_SHARED_FROM 8
-// blocks per SM the backward's registers are held to, so that enough loads are
-// in flight: two (16 warps) up to 512 features a row, else one
-// (LN_REGISTER_BLOCKS: the sums in registers, rmsnorm's too); two where the
-// sums are in shared memory
-#define LN_REGISTER_BLOCKS(NC) ((NC) <= 4 ? 2 : 1)
-#define LN_BLOCKS(NC) ((NC) >= LN_SHARED_FROM ? 2 : LN_REGISTER_BLOCKS(NC))
+// blocks per SM the backward's registers are held to: three (24 warps) up to
+// 512 features per row, so enough loads are in flight; one for wider rows
+#define LN_BLOCKS(NC) ((NC) <= 4 ? 2 : 1)
 
 // h = xhat * w + b, xhat = (x - mean) * rstd: the forward's output, and the
 // backward's recomputation of it from the kept x, mean and rstd (the same
@@ -139,28 +130,20 @@ __device__ __forceinline__ void layernorm_forward_row(
 // values at once (16-byte stores, no bank conflicts), then each thread adds
 // the LN_WARPS values of its columns in warp order. (Warp by warp through
 // one shared row, the same sums took 8 us per launch, a barrier per warp.)
-// out[d] = the warps' values of column d in `stage` ([warp][32 NC] float4s:
-// column d = 4 (lane + 32 k) + i of a warp's), added in warp order
 template <int NC>
-__device__ __forceinline__ void staged_column_sums(const float4* stage, float* out, int D) {
-    int warps = blockDim.x >> 5;
+__device__ __forceinline__ void block_column_sums(const float (&g)[NC][4],
+                                                  float4 (*stage)[32 * NC], float* out, int D) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int k = 0; k < NC; k++)
+        stage[warp][lane + 32 * k] = make_float4(g[k][0], g[k][1], g[k][2], g[k][3]);
+    __syncthreads();
     const float* s = reinterpret_cast<const float*>(stage);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float t = s[d];
         for (int w = 1; w < warps; w++) t = __fadd_rn(t, s[w * 128 * NC + d]);
         out[d] = t;
     }
-}
-
-template <int NC>
-__device__ __forceinline__ void block_column_sums(const float (&g)[NC][4],
-                                                  float4 (*stage)[32 * NC], float* out, int D) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int k = 0; k < NC; k++)
-        stage[warp][lane + 32 * k] = make_float4(g[k][0], g[k][1], g[k][2], g[k][3]);
-    __syncthreads();
-    staged_column_sums<NC>(stage[0], out, D);
     __syncthreads();  // the next call stores over stage
 }
 
@@ -173,15 +156,14 @@ __device__ __forceinline__ void block_column_sums(const float (&g)[NC][4],
 // the forward's output h = xhat * w + b again, as an operand (the step
 // keeps no h per layer; the weight gradient of the product that read it
 // runs after this kernel). The weight and bias gradient terms dout * xhat
-// and dout of the member's features are added to its sums (RegisterSums or
-// SharedSums).
-template <int NC, int TEAM, class Sums>
+// and dout of the member's features are added to gw and gb.
+template <int NC, int TEAM>
 __device__ __forceinline__ void layernorm_backward_row(
         const float* __restrict__ dout, const float* dres, const float* __restrict__ x,
         const float* __restrict__ mean, const float* __restrict__ rstd,
         const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,
         float* dx, floatX* __restrict__ dx_op, int row, int t, int D, bool vec,
-        Sums& sums, float* red) {
+        float (&gw)[NC][4], float (&gb)[NC][4], float* red) {
     long long o = (long long)row * D;
     // every load of the row first (x, dout and dres), so they are in
     // flight together; x becomes xhat and dout dxhat in place
@@ -192,9 +174,8 @@ __device__ __forceinline__ void layernorm_backward_row(
 #pragma unroll
     for (int k = 0; k < NC; k++) {
         int c = t + TEAM * k;
-        float wk[4], gw[4], gb[4];
+        float wk[4];
         if (4 * c < D) load_chunk(wk, w, c, D, vec, 0.0f);
-        sums.get(k, gw, gb);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             if (4 * c + i < D) {
@@ -205,11 +186,10 @@ __device__ __forceinline__ void layernorm_backward_row(
                 dxh[k][i] = dxhat;
                 s1 += dxhat;
                 s2 += dxhat * xhat;
-                gw[i] = __fadd_rn(gw[i], __fmul_rn(dy, xhat));
-                gb[i] = __fadd_rn(gb[i], dy);
+                gw[k][i] = __fadd_rn(gw[k][i], __fmul_rn(dy, xhat));
+                gb[k][i] = __fadd_rn(gb[k][i], dy);
             }
         }
-        sums.put(k, gw, gb);
     }
     float m1 = team_sum<TEAM>(s1, red) / (float)D;
     float m2 = team_sum<TEAM>(s2, red) / (float)D;
@@ -246,41 +226,6 @@ __device__ __forceinline__ void zero_chunks(float (&g)[NC][4]) {
         for (int i = 0; i < 4; i++) g[k][i] = 0.0f;
 }
 
-// A member's weight and bias gradient sums of its chunks k < NC, zero to
-// start: get(k, ...) reads chunk k's 4 + 4, put(k, ...) writes them back.
-// RegisterSums: in the member's registers.
-template <int NC>
-struct RegisterSums {
-    float w[NC][4], b[NC][4];
-    __device__ __forceinline__ RegisterSums() {
-        zero_chunks<NC>(w);
-        zero_chunks<NC>(b);
-    }
-    __device__ __forceinline__ void get(int k, float (&gw)[4], float (&gb)[4]) const {
-#pragma unroll
-        for (int i = 0; i < 4; i++) gw[i] = w[k][i], gb[i] = b[k][i];
-    }
-    __device__ __forceinline__ void put(int k, const float (&gw)[4], const float (&gb)[4]) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) w[k][i] = gw[i], b[k][i] = gb[i];
-    }
-};
-
-// SharedSums: in shared memory, the lane's float4s w[32 k] and b[32 k]
-// (in a warp's rows of 32 NC float4s: block_column_sums' layout)
-struct SharedSums {
-    float4 *w, *b;
-    __device__ __forceinline__ void get(int k, float (&gw)[4], float (&gb)[4]) const {
-        const float4 u = w[32 * k], v = b[32 * k];
-        gw[0] = u.x, gw[1] = u.y, gw[2] = u.z, gw[3] = u.w;
-        gb[0] = v.x, gb[1] = v.y, gb[2] = v.z, gb[3] = v.w;
-    }
-    __device__ __forceinline__ void put(int k, const float (&gw)[4], const float (&gb)[4]) {
-        w[32 * k] = make_float4(gw[0], gw[1], gw[2], gw[3]);
-        b[32 * k] = make_float4(gb[0], gb[1], gb[2], gb[3]);
-    }
-};
-
 // A wide kernel's member t stores its features' sums g (chunks t + LN_WIDE k) to out
 template <int NC>
 __device__ __forceinline__ void store_wide_sums(const float (&g)[NC][4], float* out, int t,
@@ -308,32 +253,19 @@ __device__ __forceinline__ void layernorm_backward_rows(
         const float* __restrict__ w, const float* __restrict__ b, floatX* __restrict__ h,
         float* dx, floatX* __restrict__ dx_op, float* __restrict__ partials, int rows, int D,
         int chunk, bool vec) {
+    __shared__ float4 stage[LN_WARPS][32 * NC];  // every warp's dw or db
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float gw[NC][4], gb[NC][4];
+    zero_chunks<NC>(gw);
+    zero_chunks<NC>(gb);
     int last = min(rows, ((int)blockIdx.x + 1) * chunk);
+    for (int row = (int)blockIdx.x * chunk + warp; row < last; row += warps)
+        layernorm_backward_row<NC, 32>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, row, lane,
+                                       D, vec, gw, gb, 0);
+    // the warps' sums, added in warp order: dw, then db
     float* part = partials + (long long)blockIdx.x * 2 * D;
-    if constexpr (NC >= LN_SHARED_FROM) {
-        // [0][warp]: the warps' dw sums, [1][warp]: their db sums (the launcher's
-        // 2 * LN_WARPS * 32 * NC float4s of dynamic shared memory)
-        extern __shared__ float4 ln_sums[];
-        SharedSums sums{ln_sums + warp * 32 * NC + lane, ln_sums + (warps + warp) * 32 * NC + lane};
-#pragma unroll
-        for (int k = 0; k < NC; k++) sums.w[32 * k] = sums.b[32 * k] = make_float4(0, 0, 0, 0);
-        for (int row = (int)blockIdx.x * chunk + warp; row < last; row += warps)
-            layernorm_backward_row<NC, 32>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, row,
-                                           lane, D, vec, sums, 0);
-        __syncthreads();
-        staged_column_sums<NC>(ln_sums, part, D);
-        staged_column_sums<NC>(ln_sums + warps * 32 * NC, part + D, D);
-    } else {
-        __shared__ float4 stage[LN_WARPS][32 * NC];  // every warp's dw or db
-        RegisterSums<NC> sums;
-        for (int row = (int)blockIdx.x * chunk + warp; row < last; row += warps)
-            layernorm_backward_row<NC, 32>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, row,
-                                           lane, D, vec, sums, 0);
-        // the warps' sums, added in warp order: dw, then db
-        block_column_sums<NC>(sums.w, stage, part, D);
-        block_column_sums<NC>(sums.b, stage, part + D, D);
-    }
+    block_column_sums<NC>(gw, stage, part, D);
+    block_column_sums<NC>(gb, stage, part + D, D);
 }
 
 // Wide kernels (_w<NC>): the block's LN_WIDE threads take its rows one
@@ -347,14 +279,16 @@ __device__ __forceinline__ void layernorm_backward_wide(
         int chunk, bool vec) {
     __shared__ float red[32];
     int t = threadIdx.x;
-    RegisterSums<NC> sums;
+    float gw[NC][4], gb[NC][4];
+    zero_chunks<NC>(gw);
+    zero_chunks<NC>(gb);
     int last = min(rows, ((int)blockIdx.x + 1) * chunk);
     for (int row = (int)blockIdx.x * chunk; row < last; row++)
         layernorm_backward_row<NC, LN_WIDE>(dout, dres, x, mean, rstd, w, b, h, dx, dx_op, row, t,
-                                            D, vec, sums, red);
+                                            D, vec, gw, gb, red);
     float* part = partials + (long long)blockIdx.x * 2 * D;
-    store_wide_sums<NC>(sums.w, part, t, D);
-    store_wide_sums<NC>(sums.b, part + D, t, D);
+    store_wide_sums<NC>(gw, part, t, D);
+    store_wide_sums<NC>(gb, part + D, t, D);
 }
 
 #define LAYERNORM_KERNELS(NC)                                                                     \

@@ -3,7 +3,7 @@
 // RMSNorm (SPEC 21): per row rstd = 1 / sqrt(mean(x^2) + eps), y = (x * rstd) * w;
 // a weight and no bias. The layout and the partition of the work are
 // layernorm's (this file follows layernorm.cu in the module and uses its
-// teams, LN_WARPS, LN_WIDE, LN_REGISTER_BLOCKS, team_sum, block_column_sums and
+// teams, LN_WARPS, LN_WIDE, LN_BLOCKS, team_sum, block_column_sums and
 // store_wide_sums): a row in the registers of a warp (kernels _c<NC>, NC =
 // 1, 2, 4, 8) or of a block of LN_WIDE threads (_w<NC>, NC = 2, 4, 8),
 // member t holding the chunks (4 features each) c = t + TEAM k, k < NC.
@@ -165,7 +165,7 @@ __device__ __forceinline__ void rmsnorm_backward_wide(
         rmsnorm_forward_row<NC, 32>(x_prev, add, x_out, h, rstd, w, row, threadIdx.x & 31, D,    \
                                     eps, vec != 0, 0);                                           \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS, LN_REGISTER_BLOCKS(NC))                   \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS, LN_BLOCKS(NC))                   \
     rmsnorm_backward_c##NC(                                                                      \
             const float* __restrict__ dout, const float* dres, const float* __restrict__ x,      \
             const float* __restrict__ rstd, const float* __restrict__ w,                         \
