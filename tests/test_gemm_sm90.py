@@ -232,8 +232,7 @@ def test_the_products_rule():
                    {"a": (1 << 24) + 8}):
         assert products.choose_dswiglu(**{**dsw, **change}) is None, change
     for name in (products.choose(**base), products.SWIGLU, products.SWIGLU_ANY_F,
-                 *products.ROPE.values(), *products.ROPE_FEW_ROWS.values(),
-                 *products.ROPE_DEEP.values()):
+                 *products.ROPE.values(), *products.ROPE_FEW_ROWS.values()):
         assert name in gemm.VARIANTS
     assert gemm.VARIANTS[products.SWIGLU].epilogue == "swiglu_tma"
     assert gemm.VARIANTS[products.SWIGLU_ANY_F].epilogue == "swiglu"
@@ -250,12 +249,6 @@ def test_the_products_rule():
         assert gemm.VARIANTS[products.choose_rope(8192, **rope)].rope == E
         assert products.choose_rope(8192, **rope) == products.ROPE[E]
         assert products.choose_rope(1024, **rope) == products.ROPE_FEW_ROWS[E]
-        deep = {**rope, "k": products.ROPE_DEEP_K, "lda": products.ROPE_DEEP_K,
-                "ldw": products.ROPE_DEEP_K}  # the cooperative tile from that d_model
-        assert products.choose_rope(8192, **deep) == products.ROPE_DEEP[E]
-        assert gemm.VARIANTS[products.ROPE_DEEP[E]].rope == E
-        assert products.choose_rope(8192, **{**deep, "k": products.ROPE_DEEP_K - 8}) \
-            == products.ROPE[E]
         assert products.choose_rope(8192, **{**rope, "R": E // 2}) is None  # partial rotary
     assert products.choose_rope(8192, 1536, 512, 1 << 20, 512, 1 << 21, 512, 1 << 22, 1536,
                                 96, 96) is None  # no variant of that head width

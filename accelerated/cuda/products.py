@@ -72,11 +72,6 @@ DSWIGLU_MAX_K, DSWIGLU_MAX_COLUMNS = MAX_K_INPUT, MAX_COLUMNS
 SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
 SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
-# from d_model ROPE_DEEP_K the cooperative tile (H200, us: gpt-340m B = 8, K 1024, rope64
-# 85.6 against 92.3; gpt-890m B = 4, K 2048, rope128 354.1 against 414.4; at K 768, gpt-110m,
-# 50.2 against 47.8: the ping-pong one)
-ROPE_DEEP = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_c_n128_s6"}
-ROPE_DEEP_K = 1024
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
 
 
@@ -198,9 +193,7 @@ def choose_rope(m: int, n: int, k: int, A: int, lda: int, W: int, ldw: int, out:
     if R != E or E not in ROPE or n > ROPE_MAX_COLUMNS or k > ROPE_MAX_K or n % E or k % 8 \
             or not _aligned(A, lda, W, ldw, out, ldo):
         return None
-    if m < MIN_ROWS:
-        return ROPE_FEW_ROWS[E]
-    return (ROPE_DEEP if k >= ROPE_DEEP_K else ROPE)[E]
+    return (ROPE if m >= MIN_ROWS else ROPE_FEW_ROWS)[E]
 
 
 class Products:

@@ -16,8 +16,6 @@ CHANGE (CHANGES below):
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
-  rope       the q | k | v + rope product's ping-pong tile at every K against the
-             cooperative one from products.ROPE_DEEP_K, and that also past ROPE_MAX_K
   wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
              + SwiGLU, down's dX + SwiGLU backward) taken at any K and N, and all three
 """
@@ -80,9 +78,6 @@ CHANGES = {
                             ("dependent", environment(dependent_launch.ENV, "on"))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
-    "rope": lambda c: (("ping-pong", attribute(products, "ROPE_DEEP_K", ANY)),
-                       ("deep K", contextlib.nullcontext()),
-                       ("any K", attributes(products, **WIDE["rope"]))),
     "wide": lambda c: (("rule", contextlib.nullcontext()),
                        ("rope", attributes(products, **WIDE["rope"])),
                        ("swiglu", attributes(products, **WIDE["swiglu"])),
