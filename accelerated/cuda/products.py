@@ -64,8 +64,10 @@ AGAIN_WIDE_ROWS = 8192
 # (dev/cuda/side_by_side.py again, H200) the again path took 1.032x, 1.064x, 1.049x and 1.023x
 # the kept path's step at gpt-110m, gpt-340m, gpt-e128 and gpt-t4096 (d_model 768-1024)
 AGAIN_MAX_K = 512
-# the fused epilogues' own bounds (each fusion saves a float32 round trip that a plain
-# product does not, so its break-even shape is its own): K and N at most
+# the fused epilogues' own bounds, K and N at most (each fusion saves a float32 round trip
+# that a plain product does not, so its break-even shape is its own); today the plain
+# products': at d_model 2048 (gpt-890m, B = 4, H200) each fusion taken past them made the
+# step slower (rope 1.017x, SwiGLU 1.029x, its backward 1.028x; side_by_side.py wide)
 ROPE_MAX_K, ROPE_MAX_COLUMNS = MAX_K, MAX_COLUMNS
 SWIGLU_MAX_K = MAX_K
 DSWIGLU_MAX_K, DSWIGLU_MAX_COLUMNS = MAX_K_INPUT, MAX_COLUMNS

@@ -24,7 +24,8 @@ import kernel_bench as kb  # noqa: E402
 from coppelius.accelerated.cuda.compile import KERNEL_DIR, Kernels  # noqa: E402
 from coppelius.accelerated.cuda.layernorm import layernorm_chunks  # noqa: E402
 
-SHAPES = ((1, 512), (8, 512), (2, 1024), (8, 1024), (4, 2048), (1, 100))  # (contexts of 1,024 rows, D)
+# (contexts of 1,024 rows, D)
+SHAPES = ((1, 512), (8, 512), (2, 1024), (8, 1024), (4, 2048), (1, 100))
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
     stream = cupy.cuda.Stream(non_blocking=True)
     failed = 0
     for B, D in SHAPES:
-        rows = int(B * 1024)
+        rows = B * 1024
         chunks = layernorm_chunks(rows)
 
         def make():
