@@ -5,6 +5,7 @@ typedef float floatX;
 #endif
 
 #define NEG_INF __int_as_float(0xff800000)
+#define LOG2E_F 1.4426950408889634f  // log2(e): exp(x) = exp2(x log2 e)
 
 // Programmatic dependent launch (accelerated/cuda/dependent_launch.py): on
 // sm_90 and later every kernel of the project is launched allowed to start
