@@ -59,6 +59,7 @@ class Model:
         self.qkv_weights, self.qkv_offsets = qkv_weights, qkv_offsets
         assert (qkv_weights is None) == (self.qkv_parts is None)
         self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
+        self._fused_loss = {}  # fused_loss's choice, by the activations' buffers
 
     def at(self, *operations):
         """The semantic operations (reference/semantic.py) the next commands
@@ -375,10 +376,19 @@ class Model:
     def fused_loss(self, a: Activations) -> bool:
         """Whether the classifier's loss runs in its products (products.py,
         fused_loss): the bf16 policy's own kernels, d_model up to
-        LOSS_MAX_K. Not while an eager debugging step taps the logits."""
-        return self.tap is None and hasattr(self.blas, "fused_loss") \
-            and self.blas.fused_loss(a.B * a.T, self.config.vocab, self.config.d_model,
-                                     _ptr(a.hf), _ptr(self.Pop, self.head))
+        LOSS_MAX_K. Not while an eager debugging step taps the logits.
+        Asked once for a's buffers and kept: the evaluation runs on the
+        step's activations, whose memory plan gives the logits, or the
+        loss's partials, no bytes where the step does not use them, so the
+        evaluation must choose as the step did."""
+        if self.tap is not None or not hasattr(self.blas, "fused_loss"):
+            return False
+        key = (a.B * a.T, _ptr(a.hf), _ptr(a.loss_part))
+        if key not in self._fused_loss:
+            self._fused_loss[key] = self.blas.fused_loss(
+                a.B * a.T, self.config.vocab, self.config.d_model, _ptr(a.hf),
+                _ptr(self.Pop, self.head))
+        return self._fused_loss[key]
 
     def loss_in_products(self, a: Activations, ids, ids_stride: int, ce, dce,
                          backward: bool) -> None:

@@ -112,7 +112,7 @@ extern "C" __global__ void mean_loss(const float* ce, float* loss, int n) {
 // the tiles in turn, then the lanes' sums in a fixed order (warp_sum);
 // ce = log S + M - z[target] as crossentropy_forward_backward's, and
 // stats = (M, S) for the gradient's product (EPI_DLOGITS). exp(x - m) as
-// the products compute it: exp2(x log2 e - m log2 e). One warp a row.
+// the products compute it: exp2_ftz(x log2 e - m log2 e). One warp a row.
 extern "C" __global__ void crossentropy_combine(const float2* __restrict__ part, int tiles,
                                                 const float* __restrict__ target,
                                                 float* __restrict__ ce,
@@ -128,7 +128,7 @@ extern "C" __global__ void crossentropy_combine(const float2* __restrict__ part,
     float s = 0.0f;
     for (int i = lane; i < tiles; i += 32) {
         const float2 t = p[i];
-        s += t.y * exp2f(fmaf(t.x, LOG2E_F, -c));
+        s += t.y * exp2_ftz(fmaf(t.x, LOG2E_F, -c));
     }
     s = warp_sum(s);
     if (lane == 0) {

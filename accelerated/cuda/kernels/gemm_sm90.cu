@@ -667,8 +667,10 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
 // the same product again (the same tiles, K order and bits) whose epilogue
 // writes dlogits = (exp(z - M) / S - onehot) dce, rounded to bfloat16
 // operands, through the copy engine: no float32 logits are stored. Every
-// exp(x - m) is exp2(x log2 e - m log2 e), one fma and one ex2, in every
-// one of the three kernels alike.
+// exp(x - m) is exp2(x log2 e - m log2 e), one fma and one ex2 (exp2_ftz:
+// results below float32's normal range are 0), in every one of the three
+// kernels alike: the epilogue's instructions are the kernel's time (they
+// do not hide under the other warpgroup's products; dev/cuda/NOTES.md).
 // Targets as the cross-entropy kernel finds them: row r of the product is
 // row row0 + r = (b, t) of the batch's BT, target ids[b ids_stride + t + 1].
 struct LossArgs {
@@ -705,68 +707,124 @@ __device__ __forceinline__ void loss_rows(int (&tgt)[MT][2], float (&mx)[MT][2],
         }
 }
 
-// EPI_LSE: a warpgroup's 64*MT x BN logits (columns from x0, tile tn of
-// `tiles` a row) -> part[r][tn] = (m_t, s_t) for each row r < M, and
-// target[r] where the row's target is in the tile. A row's BN columns are
-// four threads' (lane % 4): each sums its own in column order, then the
-// four by two shuffles (the same sum in each).
-template <int MT, int BN>
-__device__ __forceinline__ void lse_tile(const float (&d)[MT][BN / 2], const int (&tgt)[MT][2],
-                                         int y0, int x0, int M, int N, int tn, int tiles,
-                                         const LossArgs& L) {
+// a row's tile of logits: this thread's maximum and sum of exp(z - max) of
+// its columns, each by the four threads of the row (two shuffles: the
+// same value in each); EDGE: the tile runs past column N (whose products
+// of the copy engine's zero rows are not the row's)
+template <int MT, int BN, bool EDGE>
+__device__ __forceinline__ void lse_sums(const float (&d)[MT][BN / 2], int x0, int N,
+                                         float (&mx)[MT][2], float (&s)[MT][2]) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int m = 0; m < MT; m++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            float mx = NEG_INF;
+            float v = NEG_INF;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
-                    if (x0 + 8 * j + 2 * (lane % 4) + e < N) mx = fmaxf(mx, d[m][4 * j + 2 * h + e]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float c = mx * LOG2E_F;
-            const int r = y0 + staged_row(m, h);
-            float s = 0.0f;
+                    if (!EDGE || x0 + 8 * j + 2 * (lane % 4) + e < N)
+                        v = fmaxf(v, d[m][4 * j + 2 * h + e]);
+            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+            mx[m][h] = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+        }
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float c = mx[m][h] * LOG2E_F;
+            float v = 0.0f;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = 8 * j + 2 * (lane % 4) + e;
-                    const float v = d[m][4 * j + 2 * h + e];
-                    if (x0 + col < N) s += exp2f(fmaf(v, LOG2E_F, -c));
-                    if (col == tgt[m][h]) L.target[r] = v;
-                }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            if (lane % 4 == 0 && r < M) L.part[(long long)r * tiles + tn] = make_float2(mx, s);
+                for (int e = 0; e < 2; e++)
+                    if (!EDGE || x0 + 8 * j + 2 * (lane % 4) + e < N)
+                        v += exp2_ftz(fmaf(d[m][4 * j + 2 * h + e], LOG2E_F, -c));
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            s[m][h] = v + __shfl_xor_sync(0xffffffffu, v, 2);
+        }
+}
+
+// the accumulator of this thread's row (m, h) at the tile's column col,
+// held by this thread (col's pair in the thread's columns: lane % 4)
+template <int MT, int BN>
+__device__ __forceinline__ float held(const float (&d)[MT][BN / 2], int m, int h, int col) {
+    float v = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+            if (8 * j + e == (col & ~6)) v = d[m][4 * j + 2 * h + e];
+    return v;
+}
+
+// whether this thread holds column col of a tile (col in [0, BN))
+template <int BN>
+__device__ __forceinline__ bool holds(int col) {
+    return col >= 0 && col < BN && (col % 8) / 2 == (int)(threadIdx.x % 4);
+}
+
+// EPI_LSE: a warpgroup's 64*MT x BN logits (columns from x0, tile tn of
+// `tiles` a row) -> part[r][tn] = (m_t, s_t) for each row r < M, and
+// target[r] where the row's target is in the tile.
+template <int MT, int BN>
+__device__ __forceinline__ void lse_tile(const float (&d)[MT][BN / 2], const int (&tgt)[MT][2],
+                                         int y0, int x0, int M, int N, int tn, int tiles,
+                                         const LossArgs& L) {
+    float mx[MT][2], s[MT][2];
+    if (x0 + BN <= N) lse_sums<MT, BN, false>(d, x0, N, mx, s);
+    else lse_sums<MT, BN, true>(d, x0, N, mx, s);
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = y0 + staged_row(m, h);
+            if (holds<BN>(tgt[m][h])) L.target[r] = held<MT, BN>(d, m, h, tgt[m][h]);
+            if (threadIdx.x % 4 == 0 && r < M)
+                L.part[(long long)r * tiles + tn] = make_float2(mx[m][h], s[m][h]);
         }
 }
 
 // EPI_DLOGITS: the logits -> (exp(z - M) / S - onehot) dce as bfloat16
-// operands, 64 columns a chunk (as the cross-entropy kernel computes them:
-// the target's 1 subtracted, then the product by dce). map: dlogits'
-// (box 64 x 64*MT); tgt, mx, inv: loss_rows'.
+// operands, 64 columns a chunk: each exp(z - M) times dce / S in the
+// registers, dce taken off at the target, then staged (the columns past N
+// are the copy engine's to clip). map: dlogits' (box 64 x 64*MT); tgt, mx,
+// inv: loss_rows'.
 template <int MT, int BN>
-__device__ __forceinline__ void store_tile_dlogits(const float (&d)[MT][BN / 2],
+__device__ __forceinline__ void store_tile_dlogits(float (&d)[MT][BN / 2],
                                                    unsigned char* staging, const TensorMap* map,
                                                    int x0, int y0, int id,
                                                    const int (&tgt)[MT][2],
                                                    const float (&mx)[MT][2],
                                                    const float (&inv)[MT][2], float dce) {
-    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float scale = inv[m][h] * dce;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float& v = d[m][4 * j + 2 * h + e];
+                    v = exp2_ftz(fmaf(v, LOG2E_F, -mx[m][h])) * scale;
+                }
+            const int t = tgt[m][h];
+            if (holds<BN>(t)) {
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++)
+                        if (8 * j + e == (t & ~6)) d[m][4 * j + 2 * h + e] -= dce;
+            }
+        }
     staged<MT, BN / 64>(
         staging, id,
         [&](int q, unsigned char* buf) {
             fill_bf16<MT>(buf, [&](int m, int jj, int h) {
-                const int j = 8 * q + jj, col = 8 * j + 2 * (lane % 4);
-                float p0 = exp2f(fmaf(d[m][4 * j + 2 * h], LOG2E_F, -mx[m][h])) * inv[m][h];
-                float p1 = exp2f(fmaf(d[m][4 * j + 2 * h + 1], LOG2E_F, -mx[m][h])) * inv[m][h];
-                if (col == tgt[m][h]) p0 -= 1.0f;
-                if (col + 1 == tgt[m][h]) p1 -= 1.0f;
-                return make_float2(p0 * dce, p1 * dce);
+                const int j = 8 * q + jj;
+                return make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
             });
         },
         [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 64 * q, y0); });
