@@ -59,10 +59,6 @@ def test_the_variants_are_the_sources_instantiations():
             r"^GEMM_KERNEL_ROPE\((\w+), (\d+), (\d+), (\d+), (true|false), (\d+)\)", source, re.M):
         found[name] = gemm.Variant(int(mt), int(bn), int(stages), "rope", pingpong == "true",
                                    rope=int(R))
-    for name, mt, bn, stages, epi, pingpong in re.findall(
-            r"^GEMM_KERNEL_LOSS\((\w+), (\d+), (\d+), (\d+), EPI_(\w+), (true|false)\)", source,
-            re.M):
-        found[name] = gemm.Variant(int(mt), int(bn), int(stages), epi.lower(), pingpong == "true")
     assert found == gemm.VARIANTS
     # the epilogues staged through shared memory: the kernel's list is gemm.py's
     # (shared_bytes places the barriers after their staging buffers)
@@ -135,31 +131,6 @@ def test_a_plan_checks_its_outputs():
     with pytest.raises(ValueError, match="A given as"):
         gemm.check_plan("gemm_f32t_mn_p_m1n128_s6", M=1004, N=512, K=512, A=1 << 20, lda=1008,
                         B=1 << 21, ldb=512, C=1 << 22, ldc=512)
-
-
-def test_the_loss_arguments_are_checked():
-    """The loss variants take Loss's arguments and nothing else takes them:
-    lse its partials and target logits, dlogits the rows' statistics, each
-    8-byte aligned; targets inside the ids' rows (a row of ids_stride ids
-    holds T inputs and the last target); dlogits' bfloat16 rows 16 bytes."""
-    args = dict(M=1000, N=12288, K=512, A=1 << 20, lda=512, B=1 << 21, ldb=512)
-    fwd = gemm.Loss(ids=1 << 22, ids_stride=1025, T=1024, part=1 << 23, target=1 << 24)
-    back = gemm.Loss(ids=1 << 22, ids_stride=1025, T=1024, stats=1 << 23, dce=1e-3)
-    gemm.check_plan("gemm_lse_p_m2n128_s4", C=0, ldc=12288, loss=fwd, **args)
-    gemm.check_plan("gemm_dlogits_p_m2n128_s4", C=1 << 25, ldc=12288, loss=back, **args)
-    for variant, loss in (("gemm_lse_p_m2n128_s4", None), ("gemm_f32t_c_n128_s6", fwd)):
-        with pytest.raises(ValueError, match="loss arguments"):
-            gemm.check_plan(variant, C=1 << 25, ldc=12288, loss=loss, **args)
-    for variant, loss in (("gemm_lse_p_m2n128_s4", back), ("gemm_dlogits_p_m2n128_s4", fwd),
-                          ("gemm_lse_c_n256_s4", gemm.Loss(**{**fwd.__dict__, "part": 4})),
-                          ("gemm_lse_c_n256_s4", gemm.Loss(**{**fwd.__dict__,
-                                                              "ids_stride": 1024}))):
-        with pytest.raises(ValueError, match="loss"):
-            gemm.check_plan(variant, C=0, ldc=12288, loss=loss, **args)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        gemm.check_plan("gemm_dlogits_p_m2n128_s4", C=1 << 25, ldc=12292, loss=back, **args)
-    assert gemm.loss_tiles(12288, gemm.VARIANTS["gemm_lse_p_m2n128_s4"]) == 96
-    assert gemm.loss_tiles(12300, gemm.VARIANTS["gemm_lse_c_n256_s4"]) == 49
 
 
 def test_map_geometry_is_innermost_first_in_bytes():

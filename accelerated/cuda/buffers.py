@@ -27,7 +27,7 @@ from ...reference.layers.rope import rope_tables
 from ...reference.layout import Layout, LayerOffsets, layout
 from ...reference.params import registry
 
-from . import adamw, attention, cudnn_attention, layernorm, linear_bias, products
+from . import adamw, attention, cudnn_attention, layernorm, linear_bias
 from .cublas import WORKSPACE_BYTES
 from .memory_plan import VirtualArray
 from .policy import attention_path, logits_chunk_rows
@@ -323,13 +323,6 @@ class Activations:
         self.ce = alloc((BT,), f32)  # row losses
         self.loss = alloc((1,), f32)
         self.dlogits = alloc((self.logits.shape[0], V), op_dtype)  # one chunk's, as the logits
-        # the loss in the classifier's products (products.fused_loss; the memory plan
-        # gives these, or the logits, no bytes where the step does not touch them):
-        # per row each tile's (maximum, sum of exp) of its logits, the target's logit,
-        # and the row's (maximum, sum)
-        self.loss_part = alloc((BT, 2 * products.loss_tiles(V)), f32)
-        self.loss_target = alloc((BT,), f32)
-        self.loss_stats = alloc((BT, 2), f32)
         self.dh = alloc((BT, D), f32)  # gradient at a norm's output
         self.dres = alloc((BT, D), f32)  # gradient of the residual stream
         self.dres_op = alloc((BT, D), op_dtype) if bf16 else None

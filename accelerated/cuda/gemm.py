@@ -44,14 +44,10 @@ REDUCE_THREADS = 256  # gemm_splitk_reduce's block
 # (and dswiglu_again, the kernel of its own that computes the gate and up
 # products again in the SwiGLU backward's tile; swiglu_a the gate/up kernel
 # that stores a alone, its forward)
-# (lse and dlogits: the classifier's loss, the logits product's row
-# partials of the log-sum-exp and, the same product again, its gradient)
 EPILOGUES = ("f32", "f32_tma", "swiglu", "swiglu_tma", "rope", "bf16_tma", "dswiglu",
-             "swiglu_a", "dswiglu_again", "lse", "dlogits")
+             "swiglu_a", "dswiglu_again")
 # stored through shared memory and the copy engine
-STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again",
-          "dlogits")
-LOSS = ("lse", "dlogits")  # the kernels of the loss's arguments (Loss)
+STAGED = ("f32_tma", "swiglu_tma", "rope", "bf16_tma", "dswiglu", "swiglu_a", "dswiglu_again")
 # the operands' layouts: kk both K-major (A (M,K), B (N,K)); kn B given as
 # (K,N); mn A as (K,M) and B as (K,N)
 LAYOUTS = ("kk", "kn", "mn")
@@ -106,12 +102,8 @@ class Variant:
         return self.bn // 2 if self.swiglu or self.cluster == 2 else self.bn
 
     @property
-    def loss(self) -> bool:  # the classifier's loss: Loss's arguments, not C's
-        return self.epilogue in LOSS
-
-    @property
     def c_item(self) -> int:  # bytes of an element of the result C
-        return 2 if self.epilogue in ("bf16_tma", "dlogits") else 4
+        return 2 if self.epilogue == "bf16_tma" else 4
 
 
 VARIANTS = {
@@ -153,10 +145,6 @@ VARIANTS = {
     "gemm_f32t_mn_p_m1n128_s6": Variant(1, 128, 6, "f32_tma", True, layout="mn"),
     "gemm_f32t_mn_p_m1n128_s6_splitk": Variant(1, 128, 6, "f32_tma", True, layout="mn",
                                                split=True),
-    "gemm_lse_p_m2n128_s4": Variant(2, 128, 4, "lse", True),
-    "gemm_lse_c_n256_s4": Variant(1, 256, 4, "lse", False),
-    "gemm_dlogits_p_m2n128_s4": Variant(2, 128, 4, "dlogits", True),
-    "gemm_dlogits_c_n256_s4": Variant(1, 256, 4, "dlogits", False),
 }
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -268,45 +256,6 @@ class Dswiglu:
     ldw: int = 0
 
 
-@dataclass(frozen=True)
-class Loss:
-    """The loss variants' arguments (kernels/gemm_sm90.cu's LossArgs): the
-    targets (int32 ids, row stride ids_stride: row r of the product is row
-    row0 + r = (b, t) of the batch's B*T, its target ids[b, t + 1]); lse
-    writes part, (M, tiles) float32 pairs (each tile's maximum and sum,
-    tiles = loss_tiles), and target (M) float32, the target's logit;
-    dlogits reads stats (M) pairs, crossentropy_combine's (maximum, sum),
-    and writes C (M, N) bfloat16 = (softmax - onehot) dce."""
-
-    ids: int
-    ids_stride: int
-    T: int
-    row0: int = 0
-    part: int = 0
-    target: int = 0
-    stats: int = 0
-    dce: float = 0.0
-
-
-def loss_tiles(N: int, v: Variant) -> int:
-    """The partials of a row an lse variant writes: its tiles of N."""
-    return -(-N // v.bn)
-
-
-def check_loss(v: Variant, loss: Loss | None) -> None:
-    """The loss variants' arguments: given exactly for them, the pairs 8-byte aligned."""
-    if v.loss != (loss is not None):
-        raise ValueError("the loss arguments are the loss variants'")
-    if loss is None:
-        return
-    if loss.T < 1 or loss.ids_stride < loss.T + 1 or loss.row0 < 0:
-        raise ValueError(f"loss: T = {loss.T}, ids_stride = {loss.ids_stride}, "
-                         f"row0 = {loss.row0}")
-    need = (loss.part, loss.target) if v.epilogue == "lse" else (loss.stats,)
-    if any(p == 0 or p % 8 for p in need) or loss.ids % 4:
-        raise ValueError(f"loss ({v.epilogue}): its buffers must be given, 8-byte aligned")
-
-
 def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
     """The rope variants' arguments: given exactly for them, N whole heads."""
     if (v.epilogue == "rope") != (rope is not None):
@@ -323,11 +272,10 @@ def check_rope(v: Variant, N: int, rope: Rope | None) -> None:
 
 def check_plan(variant: str, M: int, N: int, K: int, A: int, lda: int, B: int, ldb: int,
                C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-               dswiglu: Dswiglu | None = None, loss: Loss | None = None) -> None:
+               dswiglu: Dswiglu | None = None) -> None:
     """Everything a plan of `variant` checks before it encodes a map (the
     CPU stand-in's plans check the same)."""
     v = VARIANTS[variant]
-    check_loss(v, loss)
     if (v.epilogue in ("dswiglu", "dswiglu_again")) != (dswiglu is not None):
         raise ValueError("the dswiglu arguments are the dswiglu variants'")
     if v.again != bool(dswiglu and dswiglu.h):
@@ -582,7 +530,7 @@ class Kernels:
 
     def plan_pointers(self, variant: str, M: int, N: int, K: int, A: int, lda: int, B: int,
                       ldb: int, C: int, ldc: int, H: int = 0, rope: Rope | None = None,
-                      dswiglu: Dswiglu | None = None, loss: Loss | None = None) -> Planned:
+                      dswiglu: Dswiglu | None = None) -> Planned:
         """plan's product by addresses and row strides (elements): A (M,K)
         and B (N,K) bfloat16 (layout kn: B (K,N); mn: A (K,M) and B (K,N)),
         C (M,N) float32 (bf16_tma: bfloat16), H (M, N/2) bfloat16 (the
@@ -590,10 +538,9 @@ class Kernels:
         the rope variants write rope.out instead of C (C may be 0); the
         dswiglu variants (N = F) read gu (M, 2F) float32 at C, row stride
         ldc, and write dswiglu.dgu and dswiglu.a; dswiglu_again reads
-        dswiglu.h and dswiglu.w instead of gu (C 0); the loss variants take
-        Loss's arguments (lse: C 0; dlogits: C the bfloat16 dlogits)."""
+        dswiglu.h and dswiglu.w instead of gu (C 0)."""
         v = VARIANTS[variant]
-        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, loss)
+        check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         F = N // 2
         # a transposed operand: its (K, M) or (K, N) rows in boxes of 64 columns by 64 K-rows
         splits, target, ld_target = split_k(M, N, K, v, self.multiprocessors), C, ldc
@@ -612,7 +559,7 @@ class Kernels:
         if v.epilogue == "f32_tma":
             encoded += encode_map(C, map_geometry(splits * M, N, ldc, v.staging_rows, item=4),
                                   FLOAT32)
-        if v.epilogue in ("bf16_tma", "dlogits"):
+        if v.epilogue == "bf16_tma":
             encoded += encode_map(C, map_geometry(M, N, ldc, v.staging_rows))
         if v.epilogue in ("dswiglu", "dswiglu_again"):  # dgu's gate and up halves, and a
             for half in (dswiglu.dgu, dswiglu.dgu + 2 * N):
@@ -628,13 +575,6 @@ class Kernels:
             encoded += encode_map(rope.out, map_geometry(M, N, rope.ld, v.staging_rows))
         maps = cupy.asarray(np.frombuffer(encoded, dtype=np.uint8))
         assert maps.data.ptr % 64 == 0
-        blocks = grid(M, N, v, self.multiprocessors, splits)
-        if loss is not None:  # GEMM_KERNEL_LOSS's parameters
-            args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(loss.ids),
-                    np.int32(loss.ids_stride), np.int32(loss.T), np.int32(loss.row0),
-                    np.uint64(loss.part), np.uint64(loss.target), np.uint64(loss.stats),
-                    np.float32(loss.dce), np.int32(1 if ldc else 0))
-            return Planned(self.functions[variant], blocks, shared_bytes(v), args, maps)
         r = rope or Rope(0, 0, 0, 0, 1, 0)
         args = (maps, np.int32(M), np.int32(N), np.int32(K), np.uint64(C),
                 np.int32(rope.ld if rope else ldc), np.uint64(H), np.uint64(r.cos),
@@ -644,4 +584,5 @@ class Kernels:
             blocks = min(4 * self.multiprocessors, -(-M * N // (4 * REDUCE_THREADS)))
             reduce = (self.reduce, blocks, (np.uint64(C), np.uint64(target), np.int32(M),
                                             np.int32(N), np.int32(ld_target), np.int32(splits)))
-        return Planned(self.functions[variant], blocks, shared_bytes(v), args, maps, reduce)
+        return Planned(self.functions[variant], grid(M, N, v, self.multiprocessors, splits),
+                       shared_bytes(v), args, maps, reduce)

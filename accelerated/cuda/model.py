@@ -11,7 +11,7 @@ import numpy as np
 from ...reference.config import LAYERNORM_EPS, Config
 from ...reference.params import registry
 
-from . import attention, cudnn_attention, gemm
+from . import attention, cudnn_attention
 from .buffers import Activations, Gradient, StepBuffers, _ptr, step_layout
 from .launch import fused_head_dim
 from .memory_plan import VirtualArray
@@ -59,7 +59,6 @@ class Model:
         self.qkv_weights, self.qkv_offsets = qkv_weights, qkv_offsets
         assert (qkv_weights is None) == (self.qkv_parts is None)
         self.tap = None  # debugging: tap(name, buffer, part) sees the backward's intermediates
-        self._fused_loss = {}  # fused_loss's choice, by the activations' buffers
 
     def at(self, *operations):
         """The semantic operations (reference/semantic.py) the next commands
@@ -348,13 +347,9 @@ class Model:
         the float32 logits nor dlogits are ever whole. A row's logits and dh
         are products over that row alone, but cuBLAS may choose another
         algorithm for another number of rows; the results agree with the
-        whole products within SPEC 14 (and are the same run after run).
-        Where fused_loss holds, no logits are stored: loss_in_products."""
+        whole products within SPEC 14 (and are the same run after run)."""
         V, D = self.config.vocab, self.config.d_model
         BT, rows = a.B * a.T, a.logits.shape[0]
-        if self.fused_loss(a):
-            self.loss_in_products(a, ids, ids_stride, ce, dce, backward)
-            return
         for r0 in range(0, BT, rows):
             n = min(rows, BT - r0)
             logits, dlogits, hf = a.logits[:n], a.dlogits[:n], a.hf[r0:r0 + n]
@@ -368,57 +363,6 @@ class Model:
                 continue
             self._tap("dlogits", dlogits)
             # logits = hf W_head^T: dhf = dlogits W_head, and G_head
-            self.at("lm_head.backward")
-            self.linear_backward_input(dlogits, self.head, a.dh[r0:r0 + n], V, D)
-            self.linear_backward_weight(dlogits, hf, self.head, V, D,
-                                        beta=0.0 if r0 == 0 else 1.0)
-
-    def fused_loss(self, a: Activations) -> bool:
-        """Whether the classifier's loss runs in its products (products.py,
-        fused_loss): the bf16 policy's own kernels, d_model up to
-        LOSS_MAX_K. Not while an eager debugging step taps the logits.
-        Asked once for a's buffers and kept: the evaluation runs on the
-        step's activations, whose memory plan gives the logits, or the
-        loss's partials, no bytes where the step does not use them, so the
-        evaluation must choose as the step did."""
-        if self.tap is not None or not hasattr(self.blas, "fused_loss"):
-            return False
-        key = (a.B * a.T, _ptr(a.hf), _ptr(a.loss_part))
-        if key not in self._fused_loss:
-            self._fused_loss[key] = self.blas.fused_loss(
-                a.B * a.T, self.config.vocab, self.config.d_model, _ptr(a.hf),
-                _ptr(self.Pop, self.head))
-        return self._fused_loss[key]
-
-    def loss_in_products(self, a: Activations, ids, ids_stride: int, ce, dce,
-                         backward: bool) -> None:
-        """classifier_loss's results with the logits kept in the products'
-        registers (kernels/gemm_sm90.cu, EPI_LSE and EPI_DLOGITS): the logits
-        product over every row writes each row's partials (each tile's
-        maximum and sum of exp) and its target's logit, crossentropy_combine
-        the row losses ce and each row's (maximum, sum); then, by chunks of
-        a.dlogits' rows, the same product again writes dlogits, and dh and
-        G_head follow as classifier_loss's. The row losses are the
-        cross-entropy of SPEC 4 with the row's sum taken by tiles (within
-        SPEC 14 of the reference's; the same run after run)."""
-        V, D = self.config.vocab, self.config.d_model
-        BT, rows = a.B * a.T, a.dlogits.shape[0] if backward else 0
-        W = _ptr(self.Pop, self.head)
-        self.at("lm_head", "loss")
-        self.blas.loss_forward(BT, V, D, _ptr(a.hf), W,
-                               gemm.Loss(_ptr(ids), ids_stride, a.T, part=_ptr(a.loss_part),
-                                         target=_ptr(a.loss_target)))
-        self.k.crossentropy_combine(a.loss_part, a.loss_target, ce, a.loss_stats)
-        if not backward:
-            return
-        for r0 in range(0, BT, rows):
-            n = min(rows, BT - r0)
-            dlogits, hf = a.dlogits[:n], a.hf[r0:r0 + n]
-            self.at("loss.backward", "lm_head")
-            self.blas.loss_backward(n, V, D, _ptr(hf), W, _ptr(dlogits),
-                                    gemm.Loss(_ptr(ids), ids_stride, a.T, r0,
-                                              stats=_ptr(a.loss_stats, 2 * r0),
-                                              dce=float(dce)))
             self.at("lm_head.backward")
             self.linear_backward_input(dlogits, self.head, a.dh[r0:r0 + n], V, D)
             self.linear_backward_weight(dlogits, hf, self.head, V, D,

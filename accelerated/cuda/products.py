@@ -77,27 +77,6 @@ ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by he
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
 
 
-# the classifier's loss in its product (gemm.py's lse and dlogits variants): the logits
-# product's epilogue makes each row's log-sum-exp partials, and the same product again its
-# gradient, so that no float32 logits are stored or read (issue 25 item 5); up to LOSS_MAX_K
-# (d_model; measured at the coppelius preset's 512, dev/cuda/NOTES.md), from LOSS_MIN_ROWS
-LOSS_FORWARD, LOSS_BACKWARD = "gemm_lse_p_m2n128_s4", "gemm_dlogits_p_m2n128_s4"
-LOSS_MAX_K = 512
-LOSS_MIN_ROWS = 1024
-
-
-def loss_tiles(V: int) -> int:
-    """The partials a row of the fused loss has: LOSS_FORWARD's tiles of V."""
-    return gemm.loss_tiles(V, gemm.VARIANTS[LOSS_FORWARD])
-
-
-def fused_loss(m: int, V: int, k: int) -> bool:
-    """Whether the classifier's loss of m rows, vocabulary V and d_model k
-    runs in its products (Products.loss_forward, loss_backward): V and k
-    multiples of 8, k up to LOSS_MAX_K, at least LOSS_MIN_ROWS rows."""
-    return m >= LOSS_MIN_ROWS and k <= LOSS_MAX_K and V % 8 == 0 and k % 8 == 0
-
-
 def own_products(precision: str) -> bool:
     """Whether the step's products may take the own kernel: bf16, and
     COPPELIUS_PRODUCTS=own, or auto (the default) on a Hopper GPU."""
@@ -324,37 +303,17 @@ class Products:
                   rope=gemm.Rope(out, ldo, cos, sin, T, rotated))
         return True
 
-    def fused_loss(self, m: int, V: int, k: int, hf: int, W: int) -> bool:
-        """fused_loss where the rule applies (own) and the classifier's
-        operands hf (m, k) and W (V, k) start 16-byte aligned: the loss then
-        runs in loss_forward and loss_backward."""
-        return self.own and fused_loss(m, V, k) and hf % 16 == 0 and W % 16 == 0
-
-    def loss_forward(self, m: int, V: int, k: int, hf: int, W: int, loss: gemm.Loss) -> None:
-        """The logits hf (m,k) @ W (V,k)^T, kept in registers: each row's
-        partials into loss.part (m, loss_tiles(V)) float32 pairs and its
-        target's logit into loss.target (m) (for crossentropy_combine)."""
-        self._own(LOSS_FORWARD, m, V, k, hf, k, W, k, 0, V, loss=loss)
-
-    def loss_backward(self, m: int, V: int, k: int, hf: int, W: int, dlogits: int,
-                      loss: gemm.Loss) -> None:
-        """The same logits again -> dlogits (m, V) bfloat16 operands =
-        (softmax - onehot) loss.dce, from loss.stats (m) (maximum, sum)."""
-        self._own(LOSS_BACKWARD, m, V, k, hf, k, W, k, dlogits, V, loss=loss)
-
     def _own(self, variant: str, m: int, n: int, k: int, A: int, lda: int, B: int, ldb: int,
              C: int, ldc: int, H: int = 0, rope: gemm.Rope | None = None,
-             dswiglu: gemm.Dswiglu | None = None, loss: gemm.Loss | None = None) -> None:
+             dswiglu: gemm.Dswiglu | None = None) -> None:
         if self.log is not None:
             touched = (A, B, C, H) + ((rope.out, rope.cos, rope.sin) if rope else ()) \
-                + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ()) \
-                + ((loss.ids, loss.part, loss.target, loss.stats) if loss else ())
-            self.log.add("product", variant, {"m": m, "n": n, "k": k},
-                         tuple(p for p in touched if p))
+                + ((dswiglu.dgu, dswiglu.a, dswiglu.h, dswiglu.w) if dswiglu else ())
+            self.log.add("product", variant, {"m": m, "n": n, "k": k}, touched)
         self.own_calls += 1
         if self.kernels is None:  # dry: recorded only
             return
-        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu, loss)
+        key = (variant, m, n, k, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         plan = self.plans.get(key)
         stream = cupy.cuda.get_current_stream()
         if plan is None:
@@ -362,6 +321,5 @@ class Products:
                 raise RuntimeError(f"{variant} {m}x{n}x{k} first issued inside the capture: "
                                    f"the warm-up step plans every product before it")
             plan = self.plans[key] = self.kernels.plan_pointers(variant, m, n, k, A, lda, B,
-                                                                ldb, C, ldc, H, rope, dswiglu,
-                                                                loss)
+                                                                ldb, C, ldc, H, rope, dswiglu)
         plan.launch(stream)

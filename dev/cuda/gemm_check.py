@@ -355,10 +355,9 @@ def main() -> None:
                     swiglu = gemm.VARIANTS[v].swiglu
                     if swiglu and name != "gate_up" or gemm.VARIANTS[v].epilogue == "rope":
                         continue  # (the rope variants: below)
-                    if gemm.VARIANTS[v].layout != "kk" or gemm.VARIANTS[v].loss or \
-                            gemm.VARIANTS[v].epilogue in ("bf16_tma", "swiglu_a"):
-                        continue  # (the backward's: backward_pass; swiglu_a: again_rows;
-                        # the loss's: dev/cuda/loss_check.py)
+                    if gemm.VARIANTS[v].layout != "kk" or gemm.VARIANTS[v].epilogue in (
+                            "bf16_tma", "swiglu_a"):
+                        continue  # (the backward's: backward_pass; swiglu_a: again_rows)
                     if gemm.VARIANTS[v].epilogue == "swiglu_tma" and F % 8:
                         row(B, name, v, float("nan"), float("nan"), float("nan"), "refused (F % 8)")
                         continue  # check_plan's refusal (tests/test_gemm_sm90.py)

@@ -14,8 +14,6 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
-  loss       the classifier's float32 logits and the cross-entropy kernel against the
-             loss in the logits product's epilogues (products.LOSS_MAX_K set at d_model)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
   wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
@@ -78,8 +76,6 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
-    "loss": lambda c: (("logits", attribute(products, "LOSS_MAX_K", 0)),
-                       ("in products", attribute(products, "LOSS_MAX_K", c.d_model))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
     "wide": lambda c: (("rule", contextlib.nullcontext()),

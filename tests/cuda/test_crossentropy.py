@@ -66,32 +66,3 @@ def test_crossentropy_by_row_chunks(Bn, T, V, rows, precision, seed):
                                         dl2[r0:r0 + m], dce, row0=r0)
     check_bitwise("ce", host(ce2), host(ce))
     check_bitwise("dlogits", as_float(dl2, precision), as_float(dl, precision))
-
-
-@small
-@given(st.integers(1, 40), st.sampled_from([1, 7, 96, 129]), st.sampled_from([1.0, 30.0]),
-       st.integers(0, 2**31 - 1))
-def test_crossentropy_combine(rows, tiles, scale, seed):
-    """The row losses from each tile's (maximum, sum of exp) of a row's
-    logits (the classifier's loss in its product, gemm.py's lse variants)
-    and the target's logit: the reference's cross-entropy of the whole
-    row, and each row's maximum and sum (the whole row's sum of exp(z -
-    max)), whatever the tiles' count (fewer than a warp's lanes or more)."""
-    rng = np.random.default_rng(seed)
-    width = 8
-    V = tiles * width
-    logits = (rng.standard_normal((rows, V)) * scale).astype(np.float32)
-    ids = rng.integers(0, V, (1, rows + 1))
-    want_ce, _ = crossentropy_forward(logits[None], ids[:, 1:])
-    z = logits.astype(np.float64).reshape(rows, tiles, width)
-    m = z.max(-1)
-    part = np.stack([m, np.exp(z - m[..., None]).sum(-1)], -1).astype(np.float32)
-    target = logits[np.arange(rows), ids[0, 1:]]
-    k = kernels("bf16")
-    ce, stats = empty((rows,)), empty((rows, 2))
-    k.crossentropy_combine(dev(part.reshape(rows, 2 * tiles)), dev(target), ce, stats)
-    check_close("ce", host(ce), want_ce[0], 1e-6)
-    got = host(stats)
-    z = logits.astype(np.float64)
-    check_bitwise("maximum", got[:, 0], z.max(-1).astype(np.float32))
-    check_close("sum", got[:, 1], np.exp(z - z.max(-1, keepdims=True)).sum(-1), 1e-6)

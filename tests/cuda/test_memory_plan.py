@@ -199,16 +199,12 @@ def test_memory_plan_shares_storage_only_between_disjoint_lifetimes(config, batc
     # applies the rope (Hopper's default), the float32 da where the down product's dX
     # carries the SwiGLU backward (the own kernels), and of each layer's float32 gate/up products
     # and its mlp norm output h the ones the step does not keep (h where the products are
-    # kept; the products where the SwiGLU backward computes them again from h), and the
-    # float32 logits or the partials of the loss in the logits product, whichever the step
-    # does not use: those take no bytes of their own
+    # kept; the products where the SwiGLU backward computes them again from h): those
+    # take no bytes of their own
     unused = [b for b in acts if b.first is None]
     layers = range(config.n_layer)
     gu, h = ({f"acts.{name}[{l}]" for l in layers} for name in ("gu", "h_mlp"))
-    loss = {"acts.loss_part", "acts.loss_target", "acts.loss_stats"}
-    names = {b.name for b in unused}
-    assert loss <= names or "acts.logits" in names
-    assert names - {"acts.qkv32", "acts.da", "acts.logits"} - loss in (gu, h)
+    assert {b.name for b in unused} - {"acts.qkv32", "acts.da"} in (gu, h)
     assert all(b.offset == 0 for b in unused)
     acts = [b for b in acts if b.first is not None]
     for i, a in enumerate(acts):

@@ -16,7 +16,7 @@ from coppelius.reference.config import Config, Hyper, preset
 from coppelius.accelerated.cuda import gemm, products
 from coppelius.accelerated.cuda.program import capture
 
-from .helpers import check_bitwise, check_close, cupy, run_steps, windows
+from .helpers import check_bitwise, cupy, run_steps, windows
 
 # on a GPU; elsewhere on the CPU stand-ins (conftest.py)
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
@@ -167,72 +167,3 @@ def test_the_gate_up_products_computed_again_keep_h_not_gu(own, monkeypatch):
     named = [c.name for c in again.commands if c.kind == "product"]
     assert named.count(products.DSWIGLU_AGAIN[True]) == big.n_layer  # 2048 rows
     assert not set(products.DSWIGLU_AGAIN.values()) & {c.name for c in kept.commands}
-
-
-# a vocabulary of 1000, no multiple of the loss's tiles of 128 columns
-V1000 = Config(vocab=1000, context=16, d_model=128, n_layer=2, n_head=2, d_ff=96, steps=8,
-               interval=4)
-V1000_UNTIED = Config(vocab=1000, context=16, d_model=128, n_layer=2, n_head=2, d_ff=96,
-                      steps=8, interval=4, norm="rmsnorm", n_kv_head=1, tied=False)
-
-
-@pytest.mark.parametrize("config, chunk", [(V1000, 16), (V1000, 64), (V1000_UNTIED, 24)])
-def test_the_loss_in_the_products(own, monkeypatch, config, chunk):
-    """Where products.fused_loss holds (its row floor lowered here) the
-    classifier's loss runs in the logits product's epilogues: one
-    LOSS_FORWARD over every row, crossentropy_combine, and per chunk of
-    rows (the chunk rows set: several, the last one short) LOSS_BACKWARD,
-    with no cross-entropy kernel and no float32 logits (the plan gives
-    them no bytes). A step's row losses agree with the cuBLAS step's (which
-    sums a row in another order) within float32 rounding on the CPU
-    stand-ins (a GPU's: the operands' rounding), its G, P, M, V within
-    dlogits' bfloat16 rounding, the second step's and the held-out losses
-    within SPEC 14's bf16 tolerances; a second program's are the same bits,
-    and an eager debugging step (which taps the logits) keeps the logits'
-    path."""
-    from coppelius.accelerated.cuda import buffers
-
-    monkeypatch.setattr(products, "LOSS_MIN_ROWS", 1)
-    monkeypatch.setattr(buffers, "logits_chunk_rows", lambda rows, vocab: min(rows, chunk))
-    state = random_state(config, seed=71, t=2)
-    inputs = windows(2, seed=72, config=config, batch=4)
-    mine = capture(config, Hyper(), "bf16", 4, state.copy())
-    again = capture(config, Hyper(), "bf16", 4, state.copy())
-    # (the rule refused from here on: mine's evaluation, captured later, must still
-    # choose as its step did, on activations whose logits have no bytes)
-    monkeypatch.setattr(products, "LOSS_MAX_K", 0)
-    kept = capture(config, Hyper(), "bf16", 4, state.copy())
-    named = [c.name for c in mine.plan.commands]
-    BT = 4 * config.context
-    assert named.count(products.LOSS_FORWARD) == 1
-    assert named.count(products.LOSS_BACKWARD) == -(-BT // chunk)
-    assert named.count("crossentropy_combine") == 1
-    assert "crossentropy_forward_backward" not in named
-    assert "crossentropy_forward_backward" in [c.name for c in kept.plan.commands]
-    assert products.LOSS_FORWARD not in [c.name for c in kept.plan.commands]
-    logits = [b for b in mine.plan.buffers if b.name == "acts.logits"]
-    assert logits and all(b.first is None for b in logits)  # never touched: no bytes
-    acts = mine.activations(inputs[0])  # taps: the logits' path, whole logits to read
-    rows1, G1, s1 = run_steps(kept, inputs[:1])
-    rows2, G2, s2 = run_steps(mine, inputs[:1])
-    rows3, G3, s3 = run_steps(again, inputs[:1])
-    # one step: the same logits, the row's sum in another order (and on a GPU
-    # other products); dlogits' bfloat16 values now and then a neighbour
-    tol = 1e-5 if _emulated() else 3e-3
-    check_close("row losses", rows2, rows1, tol)
-    check_close("G", G2, G1, 3e-3)
-    for part in "PMV":
-        check_close(part, getattr(s2, part), getattr(s1, part), 3e-3)
-    # the second step from there: SPEC 14's bf16 tolerances
-    for program in (kept, mine, again):
-        program.upload_input(inputs[1])
-        program.replay_and_wait()
-    check_close("second row losses", mine.row_losses(), kept.row_losses(), 1e-2)
-    held_out = windows(1, seed=73, config=config, batch=4)[0]
-    check_close("held-out", mine.evaluate(held_out), kept.evaluate(held_out), 1e-2)
-    check_bitwise("row losses", rows3, rows2)
-    check_bitwise("G", G3, G2)
-    check_bitwise("second row losses", again.row_losses(), mine.row_losses())
-    check_bitwise("held-out", again.evaluate(held_out), mine.evaluate(held_out))
-    assert acts["logits"].shape == (4, config.context, config.vocab)
-    np.testing.assert_allclose(acts["row_losses"], rows1[0], rtol=tol, atol=tol)

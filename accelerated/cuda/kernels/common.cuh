@@ -5,19 +5,6 @@ typedef float floatX;
 #endif
 
 #define NEG_INF __int_as_float(0xff800000)
-#define LOG2E_F 1.4426950408889634f  // log2(e): exp(x) = exp2(x log2 e)
-
-// 2^x, one instruction (the multifunction unit's approximation, about 2
-// ulps); a result below float32's normal range (2^-126) is 0
-__device__ __forceinline__ float exp2_ftz(float x) {
-#if defined(__CUDA_ARCH__)
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#else
-    return exp2f(x);
-#endif
-}
 
 // Programmatic dependent launch (accelerated/cuda/dependent_launch.py): on
 // sm_90 and later every kernel of the project is launched allowed to start

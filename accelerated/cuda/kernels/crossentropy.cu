@@ -105,34 +105,3 @@ extern "C" __global__ void mean_loss(const float* ce, float* loss, int n) {
     s = block_sum(s, red);
     if (threadIdx.x == 0) loss[0] = s / (float)n;
 }
-
-// The row losses of the classifier's loss in the product's epilogue
-// (kernels/gemm_sm90.cu, EPI_LSE): a row's tiles' partials (m_t, s_t) ->
-// its maximum M = max m_t, its sum S = sum_t s_t exp(m_t - M), lanes over
-// the tiles in turn, then the lanes' sums in a fixed order (warp_sum);
-// ce = log S + M - z[target] as crossentropy_forward_backward's, and
-// stats = (M, S) for the gradient's product (EPI_DLOGITS). exp(x - m) as
-// the products compute it: exp2_ftz(x log2 e - m log2 e). One warp a row.
-extern "C" __global__ void crossentropy_combine(const float2* __restrict__ part, int tiles,
-                                                const float* __restrict__ target,
-                                                float* __restrict__ ce,
-                                                float2* __restrict__ stats, int rows) {
-    AFTER_PRIOR_GRIDS();
-    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (r >= rows) return;
-    const float2* p = part + (long long)r * tiles;
-    float mx = NEG_INF;
-    for (int i = lane; i < tiles; i += 32) mx = fmaxf(mx, p[i].x);
-    mx = warp_max(mx);
-    const float c = mx * LOG2E_F;
-    float s = 0.0f;
-    for (int i = lane; i < tiles; i += 32) {
-        const float2 t = p[i];
-        s += t.y * exp2_ftz(fmaf(t.x, LOG2E_F, -c));
-    }
-    s = warp_sum(s);
-    if (lane == 0) {
-        ce[r] = __fsub_rn(__fadd_rn(logf(s), mx), target[r]);
-        stats[r] = make_float2(mx, s);
-    }
-}

@@ -59,8 +59,6 @@ struct __align__(64) TensorMap { u64 word[16]; };
 #define EPI_BF16_TMA 5
 #define EPI_DSWIGLU 6
 #define EPI_SWIGLU_A 7
-#define EPI_LSE 8
-#define EPI_DLOGITS 9
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -657,179 +655,6 @@ __device__ __forceinline__ void rope_tables(float2 (&rc)[MT][2][R / 16], float2 
         }
 }
 
-// -- the classifier's loss in its epilogues (EPI_LSE, EPI_DLOGITS) -------------------
-// The logits product z = hf W^T never leaves the registers. EPI_LSE writes,
-// per row and tile of BN columns t, the tile's maximum m_t and sum s_t of
-// exp(z - m_t) over its columns, and the target's logit where the target
-// is among them; kernels/crossentropy.cu's crossentropy_combine then makes
-// each row's maximum M = max m_t, sum S = sum_t s_t exp(m_t - M) (the
-// tiles in order), ce = log S + M - z[target] and (M, S). EPI_DLOGITS is
-// the same product again (the same tiles, K order and bits) whose epilogue
-// writes dlogits = (exp(z - M) / S - onehot) dce, rounded to bfloat16
-// operands, through the copy engine: no float32 logits are stored. Every
-// exp(x - m) is exp2(x log2 e - m log2 e), one fma and one ex2 (exp2_ftz:
-// results below float32's normal range are 0), in every one of the three
-// kernels alike: the epilogue's instructions are the kernel's time (they
-// do not hide under the other warpgroup's products; dev/cuda/NOTES.md).
-// Targets as the cross-entropy kernel finds them: row r of the product is
-// row row0 + r = (b, t) of the batch's BT, target ids[b ids_stride + t + 1].
-struct LossArgs {
-    const int* ids;
-    int ids_stride, T, row0;
-    float2* part;         // EPI_LSE: (M, tiles) (m_t, s_t), tiles = ceil(N / BN)
-    float* target;        // EPI_LSE: (M) z[target]
-    const float2* stats;  // EPI_DLOGITS: (M) (M, S)
-    float dce;            // EPI_DLOGITS: the mean's gradient
-};
-
-// this thread's rows of a tile (from y0; columns from x0): each row's
-// target as a column of the tile (outside [0, BN): elsewhere) and, with
-// stats (EPI_DLOGITS), M log2 e and 1 / S; rows past M: no target, zeros.
-template <int MT>
-__device__ __forceinline__ void loss_rows(int (&tgt)[MT][2], float (&mx)[MT][2],
-                                          float (&inv)[MT][2], int y0, int x0, int M,
-                                          const LossArgs& L, bool stats) {
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = y0 + staged_row(m, h);
-            tgt[m][h] = -1, mx[m][h] = 0.0f, inv[m][h] = 0.0f;
-            if (r < M) {
-                const int row = L.row0 + r;
-                tgt[m][h] = __ldg(L.ids + (long long)(row / L.T) * L.ids_stride + row % L.T + 1) - x0;
-                if (stats) {
-                    const float2 st = L.stats[r];
-                    mx[m][h] = st.x * LOG2E_F;
-                    inv[m][h] = 1.0f / st.y;
-                }
-            }
-        }
-}
-
-// a row's tile of logits: this thread's maximum and sum of exp(z - max) of
-// its columns, each by the four threads of the row (two shuffles: the
-// same value in each); EDGE: the tile runs past column N (whose products
-// of the copy engine's zero rows are not the row's)
-template <int MT, int BN, bool EDGE>
-__device__ __forceinline__ void lse_sums(const float (&d)[MT][BN / 2], int x0, int N,
-                                         float (&mx)[MT][2], float (&s)[MT][2]) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float v = NEG_INF;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (!EDGE || x0 + 8 * j + 2 * (lane % 4) + e < N)
-                        v = fmaxf(v, d[m][4 * j + 2 * h + e]);
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-            mx[m][h] = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        }
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float c = mx[m][h] * LOG2E_F;
-            float v = 0.0f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (!EDGE || x0 + 8 * j + 2 * (lane % 4) + e < N)
-                        v += exp2_ftz(fmaf(d[m][4 * j + 2 * h + e], LOG2E_F, -c));
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            s[m][h] = v + __shfl_xor_sync(0xffffffffu, v, 2);
-        }
-}
-
-// the accumulator of this thread's row (m, h) at the tile's column col,
-// held by this thread (col's pair in the thread's columns: lane % 4)
-template <int MT, int BN>
-__device__ __forceinline__ float held(const float (&d)[MT][BN / 2], int m, int h, int col) {
-    float v = 0.0f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-        for (int e = 0; e < 2; e++)
-            if (8 * j + e == (col & ~6)) v = d[m][4 * j + 2 * h + e];
-    return v;
-}
-
-// whether this thread holds column col of a tile (col in [0, BN))
-template <int BN>
-__device__ __forceinline__ bool holds(int col) {
-    return col >= 0 && col < BN && (col % 8) / 2 == (int)(threadIdx.x % 4);
-}
-
-// EPI_LSE: a warpgroup's 64*MT x BN logits (columns from x0, tile tn of
-// `tiles` a row) -> part[r][tn] = (m_t, s_t) for each row r < M, and
-// target[r] where the row's target is in the tile.
-template <int MT, int BN>
-__device__ __forceinline__ void lse_tile(const float (&d)[MT][BN / 2], const int (&tgt)[MT][2],
-                                         int y0, int x0, int M, int N, int tn, int tiles,
-                                         const LossArgs& L) {
-    float mx[MT][2], s[MT][2];
-    if (x0 + BN <= N) lse_sums<MT, BN, false>(d, x0, N, mx, s);
-    else lse_sums<MT, BN, true>(d, x0, N, mx, s);
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = y0 + staged_row(m, h);
-            if (holds<BN>(tgt[m][h])) L.target[r] = held<MT, BN>(d, m, h, tgt[m][h]);
-            if (threadIdx.x % 4 == 0 && r < M)
-                L.part[(long long)r * tiles + tn] = make_float2(mx[m][h], s[m][h]);
-        }
-}
-
-// EPI_DLOGITS: the logits -> (exp(z - M) / S - onehot) dce as bfloat16
-// operands, 64 columns a chunk: each exp(z - M) times dce / S in the
-// registers, dce taken off at the target, then staged (the columns past N
-// are the copy engine's to clip). map: dlogits' (box 64 x 64*MT); tgt, mx,
-// inv: loss_rows'.
-template <int MT, int BN>
-__device__ __forceinline__ void store_tile_dlogits(float (&d)[MT][BN / 2],
-                                                   unsigned char* staging, const TensorMap* map,
-                                                   int x0, int y0, int id,
-                                                   const int (&tgt)[MT][2],
-                                                   const float (&mx)[MT][2],
-                                                   const float (&inv)[MT][2], float dce) {
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float scale = inv[m][h] * dce;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float& v = d[m][4 * j + 2 * h + e];
-                    v = exp2_ftz(fmaf(v, LOG2E_F, -mx[m][h])) * scale;
-                }
-            const int t = tgt[m][h];
-            if (holds<BN>(t)) {
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++)
-                        if (8 * j + e == (t & ~6)) d[m][4 * j + 2 * h + e] -= dce;
-            }
-        }
-    staged<MT, BN / 64>(
-        staging, id,
-        [&](int q, unsigned char* buf) {
-            fill_bf16<MT>(buf, [&](int m, int jj, int h) {
-                const int j = 8 * q + jj;
-                return make_float2(d[m][4 * j + 2 * h], d[m][4 * j + 2 * h + 1]);
-            });
-        },
-        [&](int q, unsigned char* buf) { tma_store(map, buf, x0 + 64 * q, y0); });
-}
-
 // Two schedules of the multiplying warpgroups over the block's tiles:
 // - cooperative (PINGPONG false, MT 1): a tile is 128 x BN, each warpgroup
 //   its 64 rows, both on every slab (a stage goes back when both are done);
@@ -866,8 +691,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                                         float* __restrict__ C, int ldc,
                                         unsigned short* __restrict__ H,
                                         const float* __restrict__ cs,
-                                        const float* __restrict__ sn, int T, int rotated,
-                                        const LossArgs loss = LossArgs{}) {
+                                        const float* __restrict__ sn, int T, int rotated) {
     static_assert(PINGPONG || MT == 1, "the cooperative tile is two warpgroups' 64 rows");
     static_assert(!TA || TB, "an M-major A with an N-major B (dW = dY^T X) only");
     constexpr int BM = PINGPONG ? 64 * MT : 128;  // a tile's rows
@@ -879,9 +703,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
     // EPI_F32_TMA: two staging buffers per multiplying warpgroup, after the stages
     constexpr int CHUNK = 64 * (PINGPONG ? MT : 1) * 128;
     constexpr bool STAGED = EPI == EPI_F32_TMA || EPI == EPI_ROPE || EPI == EPI_SWIGLU_TMA ||
-                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU || EPI == EPI_SWIGLU_A ||
-                            EPI == EPI_DLOGITS;
-    constexpr bool LOSS = EPI == EPI_LSE || EPI == EPI_DLOGITS;
+                            EPI == EPI_BF16_TMA || EPI == EPI_DSWIGLU || EPI == EPI_SWIGLU_A;
     constexpr bool SWI = EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_TMA ||
                          EPI == EPI_SWIGLU_A;  // the gate/up tiles
     static_assert(!TB || (!SWI && CL == 1), "the N-major B: plain tiles, no clusters");
@@ -1031,18 +853,6 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 } else if constexpr (EPI == EPI_DSWIGLU) {
                     store_tile_dswiglu<MT, BN>(d, dg_in, du_in, staging, &maps[2], tn * width,
                                                y0, 1 + c);
-                } else if constexpr (LOSS) {
-                    // the rows' targets (and statistics) after the mainloop: in a
-                    // ping-pong the other warpgroup's hides their latency, and
-                    // they take no registers through it
-                    int tgt[MT][2];
-                    float lmx[MT][2], linv[MT][2];
-                    loss_rows<MT>(tgt, lmx, linv, y0, tn * width, M, loss, EPI == EPI_DLOGITS);
-                    if constexpr (EPI == EPI_LSE)
-                        lse_tile<MT, BN>(d, tgt, y0, tn * width, M, N, tn, tiles_n, loss);
-                    else
-                        store_tile_dlogits<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c,
-                                                   tgt, lmx, linv, loss.dce);
                 } else if constexpr (EPI == EPI_BF16_TMA) {
                     store_tile_bf16<MT, BN>(d, staging, &maps[2], tn * width, y0, 1 + c);
                 } else if constexpr (EPI == EPI_SWIGLU_TMA || EPI == EPI_SWIGLU_A) {
@@ -1298,20 +1108,6 @@ extern "C" __global__ void gemm_splitk_reduce(const float* __restrict__ ws, floa
         dswiglu_again<STAGES, MT, BF, NBUF>(maps, M, N, K);                                   \
     }
 
-// the classifier's loss (EPI_LSE, EPI_DLOGITS): the targets, the partials and the
-// rows' statistics instead of C; store 0: nothing stored (dev/cuda/gemm_check.py)
-#define GEMM_KERNEL_LOSS(NAME, MT, BN, STAGES, EPI, PINGPONG)                                 \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                             \
-        NAME(const TensorMap *__restrict__ maps, int M, int N, int K,                         \
-             const int *__restrict__ ids, int ids_stride, int T, int row0,                    \
-             float2 *__restrict__ part, float *__restrict__ target,                           \
-             const float2 *__restrict__ stats, float dce, int store) {                        \
-        AFTER_PRIOR_GRIDS();                                                                  \
-        const LossArgs loss{ids, ids_stride, T, row0, part, target, stats, dce};              \
-        gemm_tn<MT, BN, STAGES, EPI, PINGPONG, 1>(maps, M, N, K, nullptr, store, nullptr,     \
-                                                  nullptr, nullptr, T, 0, loss);              \
-    }
-
 GEMM_KERNEL(gemm_f32_c_n256_s4, 1, 256, 4, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_c_n128_s6, 1, 128, 6, EPI_F32, false)
 GEMM_KERNEL(gemm_f32_p_m2n128_s6, 2, 128, 6, EPI_F32, true)
@@ -1348,7 +1144,3 @@ GEMM_KERNEL_T(gemm_dswiglu_kn_p_m1n128_s6, 1, 128, 6, EPI_DSWIGLU, true, false)
 GEMM_KERNEL_SPLIT(gemm_f32t_mn_p_m1n128_s6_splitk, 1, 128, 6, true)
 GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m2n64_s3, 2, 64, 3, 1)
 GEMM_KERNEL_AGAIN(gemm_dswiglu_again_p_m1n128_s3, 1, 128, 3, 2)
-GEMM_KERNEL_LOSS(gemm_lse_p_m2n128_s4, 2, 128, 4, EPI_LSE, true)
-GEMM_KERNEL_LOSS(gemm_lse_c_n256_s4, 1, 256, 4, EPI_LSE, false)
-GEMM_KERNEL_LOSS(gemm_dlogits_p_m2n128_s4, 2, 128, 4, EPI_DLOGITS, true)
-GEMM_KERNEL_LOSS(gemm_dlogits_c_n256_s4, 1, 256, 4, EPI_DLOGITS, false)

@@ -24,12 +24,3 @@ def k_crossentropy_forward_backward(bf16, logits, ids, stride, T, row0, ce, dlog
 
 def k_mean_loss(bf16, ce, loss, n):
     _a(loss)[0] = _a(ce)[:int(n)].mean(dtype=np.float32)
-
-
-def k_crossentropy_combine(bf16, part, tiles, target, ce, stats, rows):
-    n, tiles = int(rows), int(tiles)
-    p = _a(part).reshape(-1)[:2 * n * tiles].reshape(n, tiles, 2)
-    mx = p[:, :, 0].max(-1)
-    s = (p[:, :, 1] * np.exp(p[:, :, 0] - mx[:, None])).sum(-1, dtype=np.float32)
-    _a(ce)[:n] = np.log(s) + mx - _a(target)[:n]
-    _a(stats).reshape(-1)[:2 * n] = np.stack([mx, s], -1).reshape(-1)

@@ -6,16 +6,12 @@ variants' a is the swiglu kernel's stand-in's on the product's gu (swiglu_a:
 on a gu of its own, not stored), the rope variants' operands the rope
 kernel's stand-in's on the float32 product, the dswiglu variants' dgu and a
 the swiglu_backward kernel's on the product's da (dswiglu_again: and on
-the gate/up product computed again, as the forward's stand-in computes it);
-the loss variants' partials, each tile's maximum and sum of exp over its
-columns, and the target logits (lse), and dlogits from the rows'
-statistics (dlogits), on the float32 product."""
+the gate/up product computed again, as the forward's stand-in computes it)."""
 
 from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
 
 from .cublas import _gemm
@@ -35,43 +31,9 @@ def _rows(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
                                            writeable=True)
 
 
-def _targets(loss, M: int) -> np.ndarray:
-    """The targets of the product's M rows (gemm.Loss)."""
-    r = loss.row0 + np.arange(M)
-    flat = np.frombuffer((ctypes.c_int32 * ((r[-1] // loss.T + 1) * loss.ids_stride))
-                         .from_address(loss.ids), dtype=np.int32)
-    return flat[(r // loss.T) * loss.ids_stride + r % loss.T + 1]
-
-
-def _loss(v, loss, product: np.ndarray, C: int, ldc: int) -> None:
-    """The loss variants' outputs from the float32 logits (M, N)."""
-    M, N = product.shape
-    target = _targets(loss, M)
-    rows = np.arange(M)
-    if v.epilogue == "lse":
-        from coppelius.accelerated.cuda import gemm
-
-        tiles = gemm.loss_tiles(N, v)
-        part = _rows(loss.part, np.float32, M, 2 * tiles, 2 * tiles).reshape(M, tiles, 2)
-        for t in range(tiles):
-            z = product[:, t * v.bn:(t + 1) * v.bn]
-            m = z.max(-1)
-            part[:, t, 0] = m
-            part[:, t, 1] = np.exp(z - m[:, None]).sum(-1, dtype=np.float32)
-        _rows(loss.target, np.float32, 1, M, M)[0] = product[rows, target]
-        return
-    stats = _rows(loss.stats, np.float32, M, 2, 2)
-    p = np.exp(product - stats[:, :1]) / stats[:, 1:]
-    p[rows, target] -= np.float32(1.0)
-    _rows(C, np.uint16, M, N, ldc)[...] = (p * np.float32(loss.dce)).astype(
-        ml_dtypes.bfloat16).view(np.uint16)
-
-
 class _Plan:
-    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None,
-                 loss=None):
+    def __init__(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope=None, dswiglu=None):
         self.variant, self.shape, self.rope, self.dswiglu = variant, (M, N, K), rope, dswiglu
-        self.loss = loss
         self.operands = (A, lda, B, ldb, C, ldc, H)
 
     def launch(self, stream=None) -> None:
@@ -90,13 +52,11 @@ class _Plan:
             trans_a, trans_b = {"kk": (False, True), "kn": (False, False),
                                 "mn": (True, False)}[v.layout]
             # the float32 product is the epilogue's input only
-            fused = rope or self.dswiglu or v.epilogue == "swiglu_a" or self.loss
+            fused = rope or self.dswiglu or v.epilogue == "swiglu_a"
             product = np.empty((M, N), np.float32) if fused else None
             at, ld = (product.ctypes.data, N) if fused else (C, ldc)
             g = column_major(trans_a, trans_b, M, N, K, lda, ldb, ld)
             ct = CUDA_R_16BF if v.epilogue == "bf16_tma" else CUDA_R_32F
-            if self.loss and not ldc:  # ldc 0: nothing stored
-                return
             _gemm(g.transa, g.transb, g.m, g.n, g.k, 1.0, B, CUDA_R_16BF, g.lda, 0, A,
                   CUDA_R_16BF, g.ldb, 0, 0.0, at, ct, g.ldc, 0, 1, CUBLAS_COMPUTE_32F)
             gu = None
@@ -107,8 +67,6 @@ class _Plan:
                 _gemm(g.transa, g.transb, g.m, g.n, g.k, 1.0, d.w, CUDA_R_16BF, g.lda, 0, d.h,
                       CUDA_R_16BF, g.ldb, 0, 0.0, gu.ctypes.data, CUDA_R_32F, g.ldc, 0, 1,
                       CUBLAS_COMPUTE_32F)
-            if self.loss:
-                _loss(v, self.loss, product, C, ldc)
             if rope:
                 R = v.rope
                 half = R // 2
@@ -138,9 +96,9 @@ class FakeGemmKernels:
         self.planned = 0
 
     def plan_pointers(self, variant, M, N, K, A, lda, B, ldb, C, ldc, H=0, rope=None,
-                      dswiglu=None, loss=None) -> _Plan:
+                      dswiglu=None) -> _Plan:
         from coppelius.accelerated.cuda import gemm
 
-        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, loss)
+        gemm.check_plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
         self.planned += 1
-        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu, loss)
+        return _Plan(variant, M, N, K, A, lda, B, ldb, C, ldc, H, rope, dswiglu)
