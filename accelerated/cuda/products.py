@@ -47,7 +47,7 @@ MAX_K = 1408
 # (H200, B = 8, coppelius preset: o 9.5 against cuBLAS 11.0 us, down 26.6 against 29.6, o
 # with a bfloat16 result 8.5 against 9.2; at K = 1536 and 2816 (q | k | v, gate/up) level
 # or slower: cuBLAS's)
-BACKWARD_INPUT = {"float32": "gemm_f32t_kn_p_m2n128_s5", "bfloat16": "gemm_bf16t_kn_p_m2n128_s5"}
+BACKWARD_INPUT = {"float32": "gemm_f32t_kn_p_m2n128_s4", "bfloat16": "gemm_bf16t_kn_p_m2n128_s4"}
 MAX_K_INPUT = 1024
 # the down product's dX with the SwiGLU's backward in its epilogue (no float32 da)
 DSWIGLU = "gemm_dswiglu_kn_p_m1n128_s6"
@@ -71,13 +71,8 @@ AGAIN_MAX_K = 512
 ROPE_MAX_K, ROPE_MAX_COLUMNS = MAX_K, MAX_COLUMNS
 SWIGLU_MAX_K = MAX_K
 DSWIGLU_MAX_K, DSWIGLU_MAX_COLUMNS = MAX_K_INPUT, MAX_COLUMNS
-SWIGLU_A = "gemm_swiglua_p_m2n128_s5"
-SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s5", "gemm_swiglu_c_n128_s6"
-# the forward's plain products: up to K = 1024 the ping-pong tile, past it the cooperative
-# one. The ping-pong tiles of 128 x 128 take five stages where their staging leaves room
-# (230,496 of a block's 232,448 bytes): a slab more in flight at the warpgroups' hand-over
-# (H200, B = 8 gate/up shape: f32 47.4 -> 45.1 us, a alone 38.7 -> 37.7; dev/cuda/NOTES.md)
-FORWARD, FORWARD_WIDE_K = "gemm_f32t_p_m2n128_s5", "gemm_f32t_c_n256_s4"
+SWIGLU_A = "gemm_swiglua_p_m2n128_s4"
+SWIGLU, SWIGLU_ANY_F = "gemm_swiglut_p_m2n128_s4", "gemm_swiglu_c_n128_s6"
 ROPE = {64: "gemm_rope64_p_m1n256_s4", 128: "gemm_rope128_p_m1n256_s4"}  # by head width
 ROPE_FEW_ROWS = {64: "gemm_rope64_c_n128_s6", 128: "gemm_rope128_p_m1n128_s6"}  # M < MIN_ROWS
 
@@ -124,7 +119,7 @@ def choose(trans_a: bool, trans_b: bool, m: int, n: int, k: int, A: int, lda: in
     if trans_b:  # the forward's
         if c_type != "float32" or k > MAX_K or not _aligned(A, lda, B, ldb, C, ldc):
             return None
-        return FORWARD_WIDE_K if k > 1024 else FORWARD
+        return "gemm_f32t_c_n256_s4" if k > 1024 else "gemm_f32t_p_m2n128_s4"
     variant = BACKWARD_INPUT.get(c_type)  # dX = dY W
     if variant is None or not _input_gradient(m, n, k) or not _aligned(
             A, lda, B, ldb, C, ldc, c_item=gemm.VARIANTS[variant].c_item):

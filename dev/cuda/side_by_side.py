@@ -14,7 +14,6 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
-  stages     the ping-pong 128 x 128 products on four stages against five (products.py)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
   wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
@@ -77,8 +76,6 @@ CHANGES = {
                         ("gu again", attribute(products, "AGAIN_MAX_K", c.d_model))),
     "dependent": lambda c: (("plain", environment(dependent_launch.ENV, "off")),
                             ("dependent", environment(dependent_launch.ENV, "on"))),
-    "stages": lambda c: (("4 stages", attributes(products, **FOUR_STAGES)),
-                         ("5 stages", contextlib.nullcontext())),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
     "wide": lambda c: (("rule", contextlib.nullcontext()),
@@ -88,12 +85,6 @@ CHANGES = {
                        ("all", attributes(products, **{k: v for w in WIDE.values()
                                                        for k, v in w.items()}))),
 }
-# the ping-pong 128 x 128 products (products.py's FORWARD, SWIGLU_A, SWIGLU,
-# BACKWARD_INPUT) on four stages, as before five
-FOUR_STAGES = {"FORWARD": "gemm_f32t_p_m2n128_s4", "SWIGLU_A": "gemm_swiglua_p_m2n128_s4",
-               "SWIGLU": "gemm_swiglut_p_m2n128_s4",
-               "BACKWARD_INPUT": {"float32": "gemm_f32t_kn_p_m2n128_s4",
-                                  "bfloat16": "gemm_bf16t_kn_p_m2n128_s4"}}
 ANY = 1 << 30
 WIDE = {"rope": {"ROPE_MAX_K": ANY, "ROPE_MAX_COLUMNS": ANY},
         "swiglu": {"SWIGLU_MAX_K": ANY},
