@@ -181,19 +181,47 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
     assert g <= gemm.tiles(M, N, v)
 
 
+# the spills a compiler is known to make, by NVRTC's (major, minor): kernel -> bytes of
+# spill stores at most. NVRTC 13.0 (PyTorch's CUDA 13 environment) spills in the again
+# kernel past 8,192 rows, which was measured faster than the alternative with its spill
+# (dev/cuda/NOTES.md, "a spill with the device's compiler"); 13.5 spills nothing
+KNOWN_SPILLS = {(13, 0): {"gemm_dswiglu_again_p_m2n64_s3": 92}}
+
+
+def spills(log: str) -> dict:
+    """ptxas -v's log -> {kernel: bytes of spill stores} of every kernel."""
+    out, kernel = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            kernel = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and kernel:
+            out[kernel] = int(m.group(1))
+    return out
+
+
 def test_the_source_compiles_for_sm90a_with_wgmma():
+    """No kernel spills (but what KNOWN_SPILLS allows this NVRTC, and no
+    more), setmaxnreg is honoured (ptxas warns C7508 when it is not), and
+    every variant is in the module."""
+    import ctypes
+
     try:
         lib = gemm.nvrtc_library()
     except gemm.GemmError:
         pytest.skip("NVIDIA's NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     cubin, log = gemm.compile_cubin(lib, options=gemm.compile_options()
                                     + ["--ptxas-options=-v"])
     assert cubin[:4] == b"\x7fELF"
-    # no spills, and setmaxnreg honoured (ptxas warns C7508 when it is not)
     assert "C7508" not in log
-    assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", log), log
-    for name in gemm.VARIANTS:
-        assert f"'{name}'" in log
+    found = spills(log)
+    assert set(gemm.VARIANTS) <= set(found)
+    allowed = KNOWN_SPILLS.get((major.value, minor.value), {})
+    over = {k: b for k, b in found.items() if b > allowed.get(k, 0)}
+    assert not over, (f"NVRTC {major.value}.{minor.value} spills", over)
 
 
 def test_the_products_rule():
