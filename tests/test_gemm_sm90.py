@@ -182,14 +182,14 @@ def test_tiles_cover_the_output_once_and_the_grid_is_whole_clusters(M, N, name, 
 
 
 # the spills a compiler is known to make, by NVRTC's (major, minor): kernel -> bytes of
-# spill stores at most. NVRTC 13.0 (PyTorch's CUDA 13 environment) spills in the again
-# kernel past 8,192 rows, which was measured faster than the alternative with its spill
-# (dev/cuda/NOTES.md, "a spill with the device's compiler"); 13.5 spills nothing
-KNOWN_SPILLS = {(13, 0): {"gemm_dswiglu_again_p_m2n64_s3": 92}}
+# spill stores and loads at most. NVRTC 13.0 (PyTorch's CUDA 13 environment) spills in the
+# again kernel past 8,192 rows, which was measured faster than the alternative with its
+# spill (dev/cuda/NOTES.md, "a spill with the device's compiler"); 13.5 spills nothing
+KNOWN_SPILLS = {(13, 0): {"gemm_dswiglu_again_p_m2n64_s3": (92, 152)}}
 
 
 def spills(log: str) -> dict:
-    """ptxas -v's log -> {kernel: bytes of spill stores} of every kernel."""
+    """ptxas -v's log -> {kernel: (bytes of spill stores, of spill loads)}."""
     out, kernel = {}, None
     for line in log.splitlines():
         m = re.search(r"Function properties for (\w+)", line)
@@ -197,7 +197,7 @@ def spills(log: str) -> dict:
             kernel = m.group(1)
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and kernel:
-            out[kernel] = int(m.group(1))
+            out[kernel] = (int(m.group(1)), int(m.group(2)))
     return out
 
 
@@ -220,7 +220,8 @@ def test_the_source_compiles_for_sm90a_with_wgmma():
     found = spills(log)
     assert set(gemm.VARIANTS) <= set(found)
     allowed = KNOWN_SPILLS.get((major.value, minor.value), {})
-    over = {k: b for k, b in found.items() if b > allowed.get(k, 0)}
+    over = {k: b for k, b in found.items()
+            if any(x > y for x, y in zip(b, allowed.get(k, (0, 0))))}
     assert not over, (f"NVRTC {major.value}.{minor.value} spills", over)
 
 
