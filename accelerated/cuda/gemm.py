@@ -352,9 +352,9 @@ def module_source() -> str:
     return "\n".join(parts)
 
 
-def compile_options(watchdog: bool = False) -> list:
+def compile_options(watchdog: bool = False, trace: bool = False) -> list:
     return ["--gpu-architecture=sm_90a", "-std=c++17", "-DOPERAND_BF16",
-            *(["-DGEMM_WATCHDOG"] if watchdog else [])]
+            *(["-DGEMM_WATCHDOG"] if watchdog else []), *(["-DGEMM_TRACE"] if trace else [])]
 
 
 def _load(kind: str, names: list):
@@ -484,8 +484,8 @@ class Planned:
 class Kernels:
     """The module, compiled and loaded once (needs a Hopper GPU)."""
 
-    def __init__(self, watchdog: bool = False):
-        cubin, self.log = compile_cubin(options=compile_options(watchdog))
+    def __init__(self, watchdog: bool = False, trace: bool = False):
+        cubin, self.log = compile_cubin(options=compile_options(watchdog, trace))
         self.module = cupy.cuda.function.Module()
         self.module.load(cubin)
         self.functions = {}

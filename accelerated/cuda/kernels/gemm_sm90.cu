@@ -137,6 +137,21 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
+// With GEMM_TRACE defined (dev/cuda/epilogue_trace.py), the multiplying
+// warpgroups record the SM's clock at five points of each of their first
+// TRACE_TILES tiles into gemm_trace (block, warpgroup, tile, point): before
+// the wait for their turn, after it, after the first slab's wait, at the
+// mainloop's end and at the epilogue's end. Without it, nothing.
+#ifdef GEMM_TRACE
+#define TRACE_TILES 32
+__device__ u64 gemm_trace[132 * 2 * TRACE_TILES * 8];
+#define TRACE(point)                                                                        \
+    if (t == 0 && mine < TRACE_TILES && blockIdx.x < 132)                                 \
+        gemm_trace[((blockIdx.x * 2 + c) * TRACE_TILES + mine) * 8 + (point)] = clock64();
+#else
+#define TRACE(point)
+#endif
+
 // -- the tensor copy engine ---------------------------------------------------
 // the box of `map` at element coordinates (x along K, y along rows) -> dst,
 // completing on bar
@@ -397,11 +412,15 @@ __device__ __forceinline__ void staged(unsigned char* staging, int id, Fill fill
             else bulk_wait_read<NBUF - 1>();
         }
         warpgroup_sync(id);
+#ifndef GEMM_PROBE_NO_FILL  // dev/cuda/epilogue_trace.py's parts of the epilogue
         fill(q, buf);
+#endif
         fence_async_shared();
         warpgroup_sync(id);
         if (t == 0) {
+#ifndef GEMM_PROBE_NO_STORE
             store(q, buf);
+#endif
             bulk_commit();
         }
     }
@@ -815,11 +834,14 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             float2 dg_in[DS][DJ][2], du_in[DS][DJ][2];  // EPI_DSWIGLU: g and u (C = gu, ldc)
             if constexpr (EPI == EPI_DSWIGLU)
                 dswiglu_inputs<MT, BN>(dg_in, du_in, y0, tn * width, M, N, C, ldc);
+            TRACE(0);
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
+            TRACE(1);
             int held = -1;  // the stage the batch in flight reads
             for (int kb = k0; kb < k1; kb++) {
                 bar_wait(&full[s], phase);
+                if (kb == k0) TRACE(2);
                 unsigned char* sa = smem + s * STAGE_BYTES + (PINGPONG ? 0 : c * 64 * 128);
                 unsigned char* sb = smem + s * STAGE_BYTES + A_BYTES;
                 wgmma_fence();
@@ -838,7 +860,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             wgmma_wait<0>();
             if (held >= 0 && t == 0) release<CL>(&empty[held]);
             if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
-            mine++;
+            TRACE(3);
             // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
             // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
             if (ldc > 0) {
@@ -866,6 +888,8 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                             tn * width, M, N, C, ldc, H);
                 }
             }
+            TRACE(4);
+            mine++;
         }
         // the last stores have read their buffers before the block's memory goes
         if (STAGED && t == 0) bulk_wait_all();
@@ -965,10 +989,13 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 continue;
             }
             const int tm = i / tiles_n, tn = i % tiles_n;
+            TRACE(0);
             if (c == 1 || mine > 0) bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
+            TRACE(1);
             int held = -1;
             for (int kb = 0; kb < slabs; kb++) {
                 bar_wait(&full[s], phase);
+                if (kb == 0) TRACE(2);
                 unsigned char* sa = smem + s * STAGE_BYTES;
                 unsigned char* sw = sa + 2 * A_BYTES;
                 wgmma_fence();
@@ -1005,7 +1032,7 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
             if (t == 0) bar_arrive(&order[1 - c]);
             wgmma_wait<0>();
             if (held >= 0 && t == 0) bar_arrive(&empty[held]);
-            mine++;
+            TRACE(3);
             constexpr int PER = BF / 64;  // chunks of each output
             unsigned char* staging = smem + STAGES * STAGE_BYTES + c * NBUF * CHUNK;
             staged<MT, 3 * PER, NBUF>(
@@ -1030,6 +1057,8 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 [&](int q, unsigned char* buf) {
                     tma_store(&maps[4 + q / PER], buf, tn * BF + 64 * (q % PER), tm * BM);
                 });
+            TRACE(4);
+            mine++;
         }
         if (t == 0) bulk_wait_all();
     }

@@ -1,0 +1,130 @@
+"""A timeline of the own product kernel's ping-pong, from inside it: the
+module compiled with GEMM_TRACE (kernels/gemm_sm90.cu), so that each
+multiplying warpgroup records the multiprocessor's clock at five points of
+its tiles (before the wait for its turn, after it, after the first slab's
+wait, at the mainloop's end, at the epilogue's end), on the coppelius
+preset's B = 8 gate/up shape (M 8192, N 2816, K 512) and the SwiGLU
+backward's (dswiglu_again, F 1408). Builds with GEMM_PROBE_NO_STORE (the
+staged epilogue fills its buffers, the copy engine stores nothing) and
+GEMM_PROBE_NO_FILL (nothing filled, the buffers stored) take the epilogue
+apart. Per kernel and build, medians over every block's tiles after its
+first, in clock cycles:
+
+- mainloop: the turn's start to the last product's end (the tensor cores'
+  busy time, one warpgroup at a time);
+- first slab: the turn's start to the first slab's arrival;
+- epilogue: the mainloop's end to the epilogue's end;
+- turn wait: the epilogue's end to the turn (negative never: the wait);
+- hand-over: one warpgroup's mainloop end to the other's first slab (the
+  tensor cores idle between the two mainloops);
+- busy: the mainloops' share of the block's span.
+
+    PYTHONPATH=$PWD python dev/cuda/epilogue_trace.py
+(dev/cuda/NOTES.md, "The ping-pong's timeline")"""
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+BUILDS = {"full": [], "no store": ["-DGEMM_PROBE_NO_STORE"], "no fill": ["-DGEMM_PROBE_NO_FILL"]}
+TILES, POINTS = 32, 8  # kernels/gemm_sm90.cu: TRACE_TILES, the record's stride
+
+
+def build(extra):
+    from coppelius.accelerated.cuda import gemm
+    return gemm.compile_cubin(options=gemm.compile_options(trace=True) + extra)[0]
+
+
+def summary(trace, blocks):
+    """The medians (cycles) and the busy share of one launch's records."""
+    t = trace.reshape(-1, 2, TILES, POINTS)[:blocks].astype(np.int64)
+    ml, first, ep, wait, hand, busy = [], [], [], [], [], []
+    for b in range(blocks):
+        tiles = []  # (start of turn, first slab, mainloop end, epilogue end, warpgroup)
+        for c in range(2):
+            for j in range(TILES):
+                r = t[b, c, j]
+                if r[1] == 0:
+                    break
+                tiles.append((r[1], r[2], r[3], r[4], c, j, r[0]))
+                if j > 0:
+                    ml.append(r[3] - r[1])
+                    first.append(r[2] - r[1])
+                    ep.append(r[4] - r[3])
+                    wait.append(r[1] - r[0])
+        tiles.sort()
+        for prev, nxt in zip(tiles, tiles[1:]):
+            hand.append(nxt[1] - prev[2])
+        if tiles:
+            span = max(x[3] for x in tiles) - tiles[0][0]
+            busy.append(sum(x[2] - x[0] for x in tiles) / span)
+    med = lambda x: float(np.median(x)) if x else float("nan")  # noqa: E731
+    return med(ml), med(first), med(ep), med(wait), med(hand), med(busy)
+
+
+def main():
+    with ProcessPoolExecutor(len(BUILDS)) as pool:  # before CuPy is imported here
+        cubins = dict(zip(BUILDS, pool.map(build, BUILDS.values())))
+    import cupy as cp
+
+    from coppelius.accelerated.cuda import gemm
+    from gemm_check import bf16_bits
+
+    M, N, K = 8192, 2816, 512
+    F, D = N // 2, K
+    rng = np.random.default_rng(0)
+    A, W = bf16_bits(rng, (M, K)), bf16_bits(rng, (N, K), K ** -0.5)
+    dres, W_down = bf16_bits(rng, (M, D)), bf16_bits(rng, (D, F), F ** -0.5)
+    C = cp.empty((M, N), cp.float32)
+    a = cp.empty((M, F), cp.uint16)
+    dgu = cp.empty((M, N), cp.uint16)
+    rows = []
+    for name, cubin in cubins.items():
+        gemm.compile_cubin = lambda options=None, cubin=cubin, **kw: (cubin, "")
+        k = gemm.Kernels(trace=True)
+        plans = {"f32t": k.plan_pointers("gemm_f32t_p_m2n128_s4", M, N, K, A.data.ptr, K,
+                                         W.data.ptr, K, C.data.ptr, N),
+                 "swiglua": k.plan_pointers("gemm_swiglua_p_m2n128_s4", M, N, K, A.data.ptr, K,
+                                            W.data.ptr, K, 0, N, a.data.ptr),
+                 "again": k.plan_pointers("gemm_dswiglu_again_p_m2n64_s3", M, F, D,
+                                          dres.data.ptr, D, W_down.data.ptr, F, 0, 0,
+                                          dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr,
+                                                               A.data.ptr, D, W.data.ptr, D))}
+        if name == "full":
+            f = plans["f32t"]
+            plans = {"bare": gemm.Planned(f.function, f.grid, f.shared,
+                                          f.args[:5] + (np.int32(0),) + f.args[6:], f.maps),
+                     **plans}
+        trace = k.module.get_global("gemm_trace")
+        words = 132 * 2 * TILES * POINTS
+        for variant, plan in plans.items():
+            for _ in range(3):
+                plan.launch()
+            ev = [cp.cuda.Event() for _ in range(2)]
+            ev[0].record()
+            for _ in range(20):
+                plan.launch()
+            ev[1].record()
+            ev[1].synchronize()
+            us = cp.cuda.get_elapsed_time(*ev) * 1000 / 20
+            cp.cuda.runtime.memset(trace.ptr, 0, words * 8)
+            plan.launch()
+            cp.cuda.Device().synchronize()
+            host = np.empty(words, np.uint64)
+            cp.cuda.runtime.memcpy(host.ctypes.data, trace.ptr, words * 8,
+                                   cp.cuda.runtime.memcpyDeviceToHost)
+            rows.append((variant, name, us, *summary(host, min(plan.grid, 132))))
+            print(rows[-1], flush=True)
+    print("\n| kernel | build | us | mainloop | first slab | epilogue | turn wait | hand-over "
+          "| busy |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for v, b, us, ml, first, ep, wait, hand, busy in rows:
+        print(f"| {v} | {b} | {us:.1f} | {ml:.0f} | {first:.0f} | {ep:.0f} | {wait:.0f} "
+              f"| {hand:.0f} | {busy:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
