@@ -4,7 +4,7 @@ multiplying warpgroup records the multiprocessor's clock at five points of
 its tiles (before the wait for its turn, after it, after the first slab's
 wait, at the mainloop's end, at the epilogue's end), on the coppelius
 preset's B = 8 gate/up shape (M 8192, N 2816, K 512) and the SwiGLU
-backward's (dswiglu_again, F 1408). Builds with GEMM_PROBE_NO_STORE (the
+backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408). Builds with GEMM_PROBE_NO_STORE (the
 staged epilogue fills its buffers, the copy engine stores nothing) and
 GEMM_PROBE_NO_FILL (nothing filled, the buffers stored) take the epilogue
 apart; GEMM_STMATRIX fills the bfloat16 chunks with stmatrix (its results
@@ -92,10 +92,11 @@ def main():
                                          W.data.ptr, K, C.data.ptr, N),
                  "swiglua": k.plan_pointers("gemm_swiglua_p_m2n128_s4", M, N, K, A.data.ptr, K,
                                             W.data.ptr, K, 0, N, a.data.ptr),
-                 "again": k.plan_pointers("gemm_dswiglu_again_p_m2n64_s3", M, F, D,
-                                          dres.data.ptr, D, W_down.data.ptr, F, 0, 0,
-                                          dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr,
-                                                               A.data.ptr, D, W.data.ptr, D))}
+                 **{f"again {v}": k.plan_pointers(
+                     f"gemm_dswiglu_again_p_{v}_s3", M, F, D, dres.data.ptr, D,
+                     W_down.data.ptr, F, 0, 0,
+                     dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr, A.data.ptr, D, W.data.ptr, D))
+                    for v in ("m1n128", "m2n64")}}
         if name == "full":
             f = plans["f32t"]
             plans = {"bare": gemm.Planned(f.function, f.grid, f.shared,
@@ -120,8 +121,8 @@ def main():
             cp.cuda.runtime.memcpy(host.ctypes.data, trace.ptr, words * 8,
                                    cp.cuda.runtime.memcpyDeviceToHost)
             rows.append((variant, name, us, *summary(host, min(plan.grid, 132))))
-            if name in ("full", "stmatrix") and variant in ("swiglua", "again"):
-                out = (cp.asnumpy(a), cp.asnumpy(dgu) if variant == "again" else None)
+            if name in ("full", "stmatrix") and variant != "f32t":
+                out = (cp.asnumpy(a), cp.asnumpy(dgu) if variant.startswith("again") else None)
                 if name == "full":
                     results[variant] = out
                 else:
