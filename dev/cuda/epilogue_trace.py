@@ -4,11 +4,12 @@ multiplying warpgroup records the multiprocessor's clock at five points of
 its tiles (before the wait for its turn, after it, after the first slab's
 wait, at the mainloop's end, at the epilogue's end), on the coppelius
 preset's B = 8 gate/up shape (M 8192, N 2816, K 512) and the SwiGLU
-backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408). Builds with GEMM_PROBE_NO_STORE (the
-staged epilogue fills its buffers, the copy engine stores nothing) and
-GEMM_PROBE_NO_FILL (nothing filled, the buffers stored) take the epilogue
-apart; GEMM_STMATRIX fills the bfloat16 chunks with stmatrix (its results
-checked bitwise against the plain build's). Per kernel and build, medians over every block's tiles after its
+backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408).
+Builds with GEMM_PROBE_NO_STORE (the staged epilogue fills its buffers, the
+copy engine stores nothing) and GEMM_PROBE_NO_FILL (nothing filled, the
+buffers stored) take the epilogue apart; GEMM_STMATRIX fills the bfloat16
+chunks with stmatrix (its results checked bitwise against the plain
+build's). Per kernel and build, medians over every block's tiles after its
 first, in clock cycles:
 
 - mainloop: the turn's start to the last product's end (the tensor cores'
@@ -19,6 +20,12 @@ first, in clock cycles:
 - hand-over: one warpgroup's mainloop end to the other's first slab (the
   tensor cores idle between the two mainloops);
 - busy: the mainloops' share of the block's span.
+
+The full build also times the cooperative 128 x 256 tile (c_n256: both
+warpgroups on every slab, 64 rows each; its tile is twice the ping-pong
+one's products) and the 64 x 256 ping-pong tile (p_m1n256), bare and
+storing float32 C (and the cooperative SwiGLU a alone), and the ping-pong
+tile storing float32 C from the registers (no copy engine).
 
     PYTHONPATH=$PWD python dev/cuda/epilogue_trace.py
 (dev/cuda/NOTES.md, "The ping-pong's timeline")"""
@@ -97,12 +104,23 @@ def main():
                      W_down.data.ptr, F, 0, 0,
                      dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr, A.data.ptr, D, W.data.ptr, D))
                     for v in ("m1n128", "m2n64")}}
-        if name == "full":
-            f = plans["f32t"]
-            plans = {"bare": gemm.Planned(f.function, f.grid, f.shared,
-                                          f.args[:5] + (np.int32(0),) + f.args[6:], f.maps),
-                     **plans}
-        trace = k.module.get_global("gemm_trace")
+        if name == "full":  # the same launches storing nothing (ldc 0), and other tiles
+            bare = lambda f: gemm.Planned(f.function, f.grid, f.shared,  # noqa: E731
+                                          f.args[:5] + (np.int32(0),) + f.args[6:], f.maps)
+            other = {v: k.plan_pointers(f"gemm_f32t_{v}_s4", M, N, K, A.data.ptr, K,
+                                        W.data.ptr, K, C.data.ptr, N)
+                     for v in ("c_n256", "p_m1n256")}
+            plans = {"bare": bare(plans["f32t"]), **plans,
+                     **{f"bare {v}": bare(f) for v, f in other.items()},
+                     **{f"f32t {v}": f for v, f in other.items()},
+                     "f32 p_m2n128 (registers)": k.plan_pointers(
+                         "gemm_f32_p_m2n128_s6", M, N, K, A.data.ptr, K, W.data.ptr, K,
+                         C.data.ptr, N),
+                     "swiglua c_n256": k.plan_pointers("gemm_swiglua_c_n256_s4", M, N, K,
+                                                       A.data.ptr, K, W.data.ptr, K, 0, N,
+                                                       a.data.ptr)}
+        trace = k.module.get_global_var("gemm_trace")  # its device address
+        trace = getattr(trace, "ptr", trace)
         words = 132 * 2 * TILES * POINTS
         for variant, plan in plans.items():
             for _ in range(3):
@@ -114,14 +132,15 @@ def main():
             ev[1].record()
             ev[1].synchronize()
             us = cp.cuda.get_elapsed_time(*ev) * 1000 / 20
-            cp.cuda.runtime.memset(trace.ptr, 0, words * 8)
+            cp.cuda.runtime.memset(trace, 0, words * 8)
             plan.launch()
             cp.cuda.Device().synchronize()
             host = np.empty(words, np.uint64)
-            cp.cuda.runtime.memcpy(host.ctypes.data, trace.ptr, words * 8,
+            cp.cuda.runtime.memcpy(host.ctypes.data, trace, words * 8,
                                    cp.cuda.runtime.memcpyDeviceToHost)
             rows.append((variant, name, us, *summary(host, min(plan.grid, 132))))
-            if name in ("full", "stmatrix") and variant != "f32t":
+            if name in ("full", "stmatrix") and variant in ("swiglua", "again m1n128",
+                                                             "again m2n64"):
                 out = (cp.asnumpy(a), cp.asnumpy(dgu) if variant.startswith("again") else None)
                 if name == "full":
                     results[variant] = out
