@@ -16,8 +16,6 @@ CHANGE (CHANGES below):
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
-  stmatrix   the own products' bfloat16 epilogue chunks filled by 4-byte stores against
-             stmatrix (GEMM_STMATRIX, kernels/gemm_sm90.cu)
   wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
              + SwiGLU, down's dX + SwiGLU backward) taken at any K and N, and all three
 """
@@ -80,9 +78,6 @@ CHANGES = {
                             ("dependent", environment(dependent_launch.ENV, "on"))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
-    "stmatrix": lambda c: (("sts", contextlib.nullcontext()),
-                           ("stmatrix", attribute(gemm, "compile_options",
-                                                  defined("GEMM_STMATRIX")))),
     "wide": lambda c: (("rule", contextlib.nullcontext()),
                        ("rope", attributes(products, **WIDE["rope"])),
                        ("swiglu", attributes(products, **WIDE["swiglu"])),

@@ -453,26 +453,6 @@ __device__ __forceinline__ void fill_f32(const float (&d)[MT][BN / 2], int j0, u
 template <int MT, class Pair>
 __device__ __forceinline__ void fill_bf16(unsigned char* buf, Pair pair) {
     const int lane = threadIdx.x % 32;
-#ifdef GEMM_STMATRIX
-    // four 8 x 8 matrices an instruction (stmatrix): matrix i of groups jj, jj + 1 is
-    // (half i & 1, group jj + i / 2); lane l gives its row l % 8's address for matrix l / 8
-    const int i = lane / 8;
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int jj = 0; jj < 8; jj += 2) {
-            unsigned r[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float2 v = pair(m, jj + q / 2, q % 2);
-                r[q] = pack_bf16x2(v.x, v.y);
-            }
-            const int row = staged_row(m, 0) - lane / 4 + (i & 1) * 8 + lane % 8;
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                             smem_addr(swizzled(buf, row, (jj + i / 2) * 16))),
-                         "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-        }
-#else
 #pragma unroll
     for (int m = 0; m < MT; m++)
 #pragma unroll
@@ -484,7 +464,6 @@ __device__ __forceinline__ void fill_bf16(unsigned char* buf, Pair pair) {
                     swizzled(buf, staged_row(m, h), jj * 16 + 4 * (lane % 4))) =
                     pack_bf16x2(v.x, v.y);
             }
-#endif
 }
 
 // EPI_F32_TMA: the 64*MT x BN accumulators to C, 32 columns a chunk. map:
