@@ -7,10 +7,9 @@ preset's B = 8 gate/up shape (M 8192, N 2816, K 512) and the SwiGLU
 backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408).
 Builds with GEMM_PROBE_NO_STORE (the staged epilogue fills its buffers, the
 copy engine stores nothing) and GEMM_PROBE_NO_FILL (nothing filled, the
-buffers stored) take the epilogue apart; GEMM_STORE_EVICT_FIRST (the
-stores with the L2's evict-first policy) and GEMM_LOAD_EVICT_LAST (the
-operands' loads evict-last) try to keep the stores from evicting the
-operands. (GEMM_STMATRIX, stmatrix fills, was measured so: NOTES.md.) Per
+buffers stored) take the epilogue apart. (Two builds since removed were
+measured so: stmatrix fills and the L2's evict-first and evict-last
+policies on the copies; dev/cuda/NOTES.md, "The ping-pong's timeline".) Per
 kernel and build, medians over every block's tiles after its
 first, in clock cycles:
 
@@ -40,9 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-BUILDS = {"full": [], "no store": ["-DGEMM_PROBE_NO_STORE"], "no fill": ["-DGEMM_PROBE_NO_FILL"],
-          "evict first": ["-DGEMM_STORE_EVICT_FIRST"],
-          "evict first/last": ["-DGEMM_STORE_EVICT_FIRST", "-DGEMM_LOAD_EVICT_LAST"]}
+BUILDS = {"full": [], "no store": ["-DGEMM_PROBE_NO_STORE"], "no fill": ["-DGEMM_PROBE_NO_FILL"]}
 TILES, POINTS = 32, 8  # kernels/gemm_sm90.cu: TRACE_TILES, the record's stride
 
 

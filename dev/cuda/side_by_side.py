@@ -14,9 +14,6 @@ CHANGE (CHANGES below):
   again      the gate/up products kept (float32 gu a layer) against computed again in
              the SwiGLU backward (products.AGAIN_MAX_K set below and at d_model)
   dependent  plain launches against dependent ones (COPPELIUS_DEPENDENT_LAUNCH)
-  l2         the own products' copies with the L2's default policy against the stores
-             evict-first (GEMM_STORE_EVICT_FIRST), and also the loads evict-last
-             (GEMM_LOAD_EVICT_LAST; kernels/gemm_sm90.cu)
   sigmoid    the own products' SwiGLU epilogues with the IEEE sigmoid (SIGMOID_EXACT)
              against the fast one (kernels/swiglu.cu)
   wide       the products' rule against each fused epilogue (q | k | v + rope, gate/up
@@ -81,12 +78,6 @@ CHANGES = {
                             ("dependent", environment(dependent_launch.ENV, "on"))),
     "sigmoid": lambda c: (("exact", attribute(gemm, "compile_options", defined("SIGMOID_EXACT"))),
                           ("fast", contextlib.nullcontext())),
-    "l2": lambda c: (("plain", contextlib.nullcontext()),
-                     ("evict first", attribute(gemm, "compile_options",
-                                               defined("GEMM_STORE_EVICT_FIRST"))),
-                     ("first/last", attribute(gemm, "compile_options",
-                                              defined("GEMM_STORE_EVICT_FIRST",
-                                                      "GEMM_LOAD_EVICT_LAST")))),
     "wide": lambda c: (("rule", contextlib.nullcontext()),
                        ("rope", attributes(products, **WIDE["rope"])),
                        ("swiglu", attributes(products, **WIDE["swiglu"])),

@@ -156,19 +156,10 @@ __device__ u64 gemm_trace[132 * 2 * TRACE_TILES * 8];
 // the box of `map` at element coordinates (x along K, y along rows) -> dst,
 // completing on bar
 __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* bar, int x, int y) {
-#ifdef GEMM_LOAD_EVICT_LAST  // (dev/cuda/epilogue_trace.py: the operands kept in the L2 first)
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
-        "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y), "l"(policy) : "memory");
-#else
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
         "l"((u64)map), "r"(smem_addr(bar)), "r"(x), "r"(y) : "memory");
-#endif
 }
 
 // the same box into dst of every block of the cluster in `mask`, each
@@ -184,18 +175,9 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* m
 // the box at src (shared memory) to map's tensor at (x, y), by the copy
 // engine; the box's parts past the tensor are not written
 __device__ __forceinline__ void tma_store(const TensorMap* map, const void* src, int x, int y) {
-#ifdef GEMM_STORE_EVICT_FIRST  // (dev/cuda/epilogue_trace.py: the results leave the L2 first)
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint"
-        " [%0, {%2, %3}], [%1], %4;" ::"l"((u64)map),
-        "r"(smem_addr(src)), "r"(x), "r"(y), "l"(policy) : "memory");
-#else
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
                      (u64)map),
                  "r"(smem_addr(src)), "r"(x), "r"(y) : "memory");
-#endif
 }
 __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
