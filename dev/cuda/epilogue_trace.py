@@ -7,7 +7,9 @@ preset's B = 8 gate/up shape (M 8192, N 2816, K 512) and the SwiGLU
 backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408).
 Builds with GEMM_PROBE_NO_STORE (the staged epilogue fills its buffers, the
 copy engine stores nothing) and GEMM_PROBE_NO_FILL (nothing filled, the
-buffers stored) take the epilogue apart. (Two builds since removed were
+buffers stored) take the epilogue apart; GEMM_PROBE_STAGGER=S starts the
+cooperative tile's second warpgroup S slabs after the first (its rows'
+results checked bitwise against the full build's). (Two builds since removed were
 measured so: stmatrix fills and the L2's evict-first and evict-last
 policies on the copies; dev/cuda/NOTES.md, "The ping-pong's timeline".) Per
 kernel and build, medians over every block's tiles after its
@@ -39,7 +41,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-BUILDS = {"full": [], "no store": ["-DGEMM_PROBE_NO_STORE"], "no fill": ["-DGEMM_PROBE_NO_FILL"]}
+BUILDS = {"full": [], "no store": ["-DGEMM_PROBE_NO_STORE"], "no fill": ["-DGEMM_PROBE_NO_FILL"],
+          "stagger 1": ["-DGEMM_PROBE_STAGGER=1"], "stagger 2": ["-DGEMM_PROBE_STAGGER=2"]}
+STAGGERED = ("bare c_n256", "f32t c_n256", "swiglua c_n256")  # the builds' kernels it changes
 TILES, POINTS = 32, 8  # kernels/gemm_sm90.cu: TRACE_TILES, the record's stride
 
 
@@ -91,7 +95,7 @@ def main():
     C = cp.empty((M, N), cp.float32)
     a = cp.empty((M, F), cp.uint16)
     dgu = cp.empty((M, N), cp.uint16)
-    rows = []
+    rows, kept = [], {}
     for name, cubin in cubins.items():
         gemm.compile_cubin = lambda options=None, cubin=cubin, **kw: (cubin, "")
         k = gemm.Kernels(trace=True)
@@ -104,24 +108,28 @@ def main():
                      W_down.data.ptr, F, 0, 0,
                      dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr, A.data.ptr, D, W.data.ptr, D))
                     for v in ("m1n128", "m2n64")}}
-        if name == "full":  # the same launches storing nothing (ldc 0), and other tiles
-            bare = lambda f: gemm.Planned(f.function, f.grid, f.shared,  # noqa: E731
-                                          f.args[:5] + (np.int32(0),) + f.args[6:], f.maps)
-            other = {v: k.plan_pointers(f"gemm_f32t_{v}_s4", M, N, K, A.data.ptr, K,
-                                        W.data.ptr, K, C.data.ptr, N)
-                     for v in ("c_n256", "p_m1n256")}
-            plans = {"bare": bare(plans["f32t"]), **plans,
-                     **{f"bare {v}": bare(f) for v, f in other.items()},
-                     **{f"f32t {v}": f for v, f in other.items()},
-                     "f32 p_m2n128 (registers)": k.plan_pointers(
-                         "gemm_f32_p_m2n128_s6", M, N, K, A.data.ptr, K, W.data.ptr, K,
-                         C.data.ptr, N),
-                     "swiglua c_n256": k.plan_pointers("gemm_swiglua_c_n256_s4", M, N, K,
-                                                       A.data.ptr, K, W.data.ptr, K, 0, N,
-                                                       a.data.ptr)}
+        # the same launches storing nothing (ldc 0), and other tiles
+        bare = lambda f: gemm.Planned(f.function, f.grid, f.shared,  # noqa: E731
+                                      f.args[:5] + (np.int32(0),) + f.args[6:], f.maps)
+        other = {v: k.plan_pointers(f"gemm_f32t_{v}_s4", M, N, K, A.data.ptr, K,
+                                    W.data.ptr, K, C.data.ptr, N)
+                 for v in ("c_n256", "p_m1n256")}
+        plans = {"bare": bare(plans["f32t"]), **plans,
+                 **{f"bare {v}": bare(f) for v, f in other.items()},
+                 **{f"f32t {v}": f for v, f in other.items()},
+                 "f32 p_m2n128 (registers)": k.plan_pointers(
+                     "gemm_f32_p_m2n128_s6", M, N, K, A.data.ptr, K, W.data.ptr, K,
+                     C.data.ptr, N),
+                 "swiglua c_n256": k.plan_pointers("gemm_swiglua_c_n256_s4", M, N, K,
+                                                   A.data.ptr, K, W.data.ptr, K, 0, N,
+                                                   a.data.ptr)}
         trace = k.module.get_global_var("gemm_trace")  # its device address
         trace = getattr(trace, "ptr", trace)
         words = 132 * 2 * TILES * POINTS
+        if name.startswith("stagger"):
+            plans = {v: p for v, p in plans.items() if v in STAGGERED}
+        elif name != "full":
+            plans = {v: p for v, p in plans.items() if v in ("f32t", "swiglua") or "again" in v}
         for variant, plan in plans.items():
             for _ in range(3):
                 plan.launch()
@@ -139,6 +147,13 @@ def main():
             cp.cuda.runtime.memcpy(host.ctypes.data, trace, words * 8,
                                    cp.cuda.runtime.memcpyDeviceToHost)
             rows.append((variant, name, us, *summary(host, min(plan.grid, 132))))
+            if variant in ("f32t c_n256", "swiglua c_n256"):
+                out = cp.asnumpy(C if variant.startswith("f32t") else a)
+                if name == "full":
+                    kept[variant] = out
+                else:
+                    print(f"{variant} {name}: bitwise the full build's: "
+                          f"{bool((out == kept[variant]).all())}")
             print(rows[-1], flush=True)
     print("\n| kernel | build | us | mainloop | first slab | epilogue | turn wait | hand-over "
           "| busy |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

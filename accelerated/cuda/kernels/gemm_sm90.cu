@@ -837,6 +837,10 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             TRACE(0);
             if (PINGPONG && (c == 1 || mine > 0))  // the other's mainloop before this one
                 bar_wait(&order[c], (c == 1 ? mine : mine - 1) & 1);
+#ifdef GEMM_PROBE_STAGGER  // (dev/cuda/epilogue_trace.py) cooperative: the second warpgroup
+            // starts GEMM_PROBE_STAGGER slabs after the first, so that their epilogues part
+            if (!PINGPONG && CL == 1 && c == 1 && mine == 0) bar_wait(&order[1], 0);
+#endif
             TRACE(1);
             int held = -1;  // the stage the batch in flight reads
             for (int kb = k0; kb < k1; kb++) {
@@ -854,6 +858,11 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous batch is done: its stage goes back
                 if (held >= 0 && t == 0) release<CL>(&empty[held]);
+#ifdef GEMM_PROBE_STAGGER
+                if (!PINGPONG && CL == 1 && c == 0 && mine == 0 && t == 0 &&
+                    kb == min(k1, k0 + GEMM_PROBE_STAGGER) - 1)
+                    bar_arrive(&order[1]);
+#endif
                 held = s;
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
