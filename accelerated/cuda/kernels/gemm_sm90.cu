@@ -145,12 +145,14 @@ __device__ __forceinline__ void cluster_sync() {
 #ifdef GEMM_TRACE
 #define TRACE_TILES 32
 __device__ u64 gemm_trace[132 * 2 * TRACE_TILES * 8];
-#define TRACE(point)                                                                        \
-    if (t == 0 && mine < TRACE_TILES && blockIdx.x < 132)                                 \
-        gemm_trace[((blockIdx.x * 2 + c) * TRACE_TILES + mine) * 8 + (point)] = clock64();
+#define TRACE_AT(point, tile)                                                               \
+    if (t == 0 && (tile) < TRACE_TILES && blockIdx.x < 132)                               \
+        gemm_trace[((blockIdx.x * 2 + c) * TRACE_TILES + (tile)) * 8 + (point)] = clock64();
 #else
-#define TRACE(point)
+#define TRACE_AT(point, tile)
 #endif
+#define TRACE(point) TRACE_AT(point, mine)  // before the tile's count moves on
+#define TRACE_DONE(point) TRACE_AT(point, mine - 1)  // after
 
 // -- the tensor copy engine ---------------------------------------------------
 // the box of `map` at element coordinates (x along K, y along rows) -> dst,
@@ -869,7 +871,8 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
             wgmma_wait<0>();
             if (held >= 0 && t == 0) release<CL>(&empty[held]);
             if (PINGPONG && t == 0) bar_arrive(&order[1 - c]);
-            TRACE(3);
+            mine++;
+            TRACE_DONE(3);
             // the accumulators: per 8 columns j, (row, 2 columns) twice, 8 rows
             // apart (ldc 0: none stored, dev/cuda/gemm_check.py's time of the rest)
             if (ldc > 0) {
@@ -897,8 +900,7 @@ __device__ __forceinline__ void gemm_tn(const TensorMap* __restrict__ maps, int 
                             tn * width, M, N, C, ldc, H);
                 }
             }
-            TRACE(4);
-            mine++;
+            TRACE_DONE(4);
         }
         // the last stores have read their buffers before the block's memory goes
         if (STAGED && t == 0) bulk_wait_all();
@@ -1041,7 +1043,8 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
             if (t == 0) bar_arrive(&order[1 - c]);
             wgmma_wait<0>();
             if (held >= 0 && t == 0) bar_arrive(&empty[held]);
-            TRACE(3);
+            mine++;
+            TRACE_DONE(3);
             constexpr int PER = BF / 64;  // chunks of each output
             unsigned char* staging = smem + STAGES * STAGE_BYTES + c * NBUF * CHUNK;
             staged<MT, 3 * PER, NBUF>(
@@ -1066,8 +1069,7 @@ __device__ __forceinline__ void dswiglu_again(const TensorMap* __restrict__ maps
                 [&](int q, unsigned char* buf) {
                     tma_store(&maps[4 + q / PER], buf, tn * BF + 64 * (q % PER), tm * BM);
                 });
-            TRACE(4);
-            mine++;
+            TRACE_DONE(4);
         }
         if (t == 0) bulk_wait_all();
     }
