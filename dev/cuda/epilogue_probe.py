@@ -22,29 +22,46 @@ import cupy as cp  # noqa: E402
 from coppelius.accelerated.cuda import gemm  # noqa: E402
 from gemm_check import bf16_bits  # noqa: E402
 
-M, N, K = 8192, 2816, 512
-rng = np.random.default_rng(0)
-A, W = bf16_bits(rng, (M, K)), bf16_bits(rng, (N, K), K ** -0.5)
-C = cp.empty((M, N), cp.float32)
-a = cp.empty((M, N // 2), cp.uint16)
-k = gemm.Kernels()
-plans = {"f32t": k.plan_pointers("gemm_f32t_p_m2n128_s4", M, N, K, A.data.ptr, K, W.data.ptr, K,
-                                 C.data.ptr, N),
-         "swiglua": k.plan_pointers("gemm_swiglua_p_m2n128_s4", M, N, K, A.data.ptr, K,
-                                    W.data.ptr, K, 0, N, a.data.ptr)}
-f = plans["f32t"]  # the same launch storing nothing (ldc 0: gemm_check.py's bare)
-plans["bare"] = gemm.Planned(f.function, f.grid, f.shared,
-                             f.args[:5] + (np.int32(0),) + f.args[6:], f.maps)
-for name, plan in plans.items():
+
+def bare(plan):
+    """The same launch storing nothing (ldc 0: gemm_check.py's bare)."""
+    return gemm.Planned(plan.function, plan.grid, plan.shared,
+                        plan.args[:5] + (np.int32(0),) + plan.args[6:], plan.maps)
+
+
+def launch_us(plan, count=20):
+    """Mean microseconds of a launch over `count` back to back (after three)."""
     for _ in range(3):
         plan.launch()
-    cp.cuda.Device().synchronize()
-    if os.environ.get("PROBE_UNTIMED"):  # under the profiler: the three launches only
-        continue
     ev = [cp.cuda.Event() for _ in range(2)]
     ev[0].record()
-    for _ in range(20):
+    for _ in range(count):
         plan.launch()
     ev[1].record()
     ev[1].synchronize()
-    print(name, f"{cp.cuda.get_elapsed_time(*ev) * 1000 / 20:.1f} us", flush=True)
+    return cp.cuda.get_elapsed_time(*ev) * 1000 / count
+
+
+def main():
+    M, N, K = 8192, 2816, 512
+    rng = np.random.default_rng(0)
+    A, W = bf16_bits(rng, (M, K)), bf16_bits(rng, (N, K), K ** -0.5)
+    C = cp.empty((M, N), cp.float32)
+    a = cp.empty((M, N // 2), cp.uint16)
+    k = gemm.Kernels()
+    plans = {"f32t": k.plan_pointers("gemm_f32t_p_m2n128_s4", M, N, K, A.data.ptr, K,
+                                     W.data.ptr, K, C.data.ptr, N),
+             "swiglua": k.plan_pointers("gemm_swiglua_p_m2n128_s4", M, N, K, A.data.ptr, K,
+                                        W.data.ptr, K, 0, N, a.data.ptr)}
+    plans["bare"] = bare(plans["f32t"])
+    for name, plan in plans.items():
+        if os.environ.get("PROBE_UNTIMED"):  # under the profiler: three launches only
+            for _ in range(3):
+                plan.launch()
+            cp.cuda.Device().synchronize()
+            continue
+        print(name, f"{launch_us(plan):.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -85,6 +85,7 @@ def main():
     import cupy as cp
 
     from coppelius.accelerated.cuda import gemm
+    from epilogue_probe import bare, launch_us
     from gemm_check import bf16_bits
 
     M, N, K = 8192, 2816, 512
@@ -109,8 +110,6 @@ def main():
                      dswiglu=gemm.Dswiglu(dgu.data.ptr, a.data.ptr, A.data.ptr, D, W.data.ptr, D))
                     for v in ("m1n128", "m2n64")}}
         # the same launches storing nothing (ldc 0), and other tiles
-        bare = lambda f: gemm.Planned(f.function, f.grid, f.shared,  # noqa: E731
-                                      f.args[:5] + (np.int32(0),) + f.args[6:], f.maps)
         other = {v: k.plan_pointers(f"gemm_f32t_{v}_s4", M, N, K, A.data.ptr, K,
                                     W.data.ptr, K, C.data.ptr, N)
                  for v in ("c_n256", "p_m1n256")}
@@ -131,15 +130,7 @@ def main():
         elif name != "full":
             plans = {v: p for v, p in plans.items() if v in ("f32t", "swiglua") or "again" in v}
         for variant, plan in plans.items():
-            for _ in range(3):
-                plan.launch()
-            ev = [cp.cuda.Event() for _ in range(2)]
-            ev[0].record()
-            for _ in range(20):
-                plan.launch()
-            ev[1].record()
-            ev[1].synchronize()
-            us = cp.cuda.get_elapsed_time(*ev) * 1000 / 20
+            us = launch_us(plan)
             cp.cuda.runtime.memset(trace, 0, words * 8)
             plan.launch()
             cp.cuda.Device().synchronize()
