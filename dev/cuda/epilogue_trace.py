@@ -8,12 +8,12 @@ backward's (dswiglu_again m1n128, the B = 8 step's, and m2n64; F 1408).
 Builds with GEMM_PROBE_NO_STORE (the staged epilogue fills its buffers, the
 copy engine stores nothing) and GEMM_PROBE_NO_FILL (nothing filled, the
 buffers stored) take the epilogue apart; GEMM_PROBE_STAGGER=S starts the
-cooperative tile's second warpgroup S slabs after the first (its rows'
-results checked bitwise against the full build's). (Two builds since removed were
-measured so: stmatrix fills and the L2's evict-first and evict-last
-policies on the copies; dev/cuda/NOTES.md, "The ping-pong's timeline".) Per
-kernel and build, medians over every block's tiles after its
-first, in clock cycles:
+cooperative tile's second warpgroup S slabs after the first (its results
+checked bitwise against the full build's). Two builds since removed were
+measured so too: stmatrix fills, and the L2's evict-first and evict-last
+policies on the copies (dev/cuda/NOTES.md, "The ping-pong's timeline").
+Per kernel and build, medians over every block's tiles after its first,
+in clock cycles:
 
 - mainloop: the turn's start to the last product's end (the tensor cores'
   busy time, one warpgroup at a time);
@@ -57,7 +57,7 @@ def summary(trace, blocks):
     t = trace.reshape(-1, 2, TILES, POINTS)[:blocks].astype(np.int64)
     ml, first, ep, wait, hand, busy = [], [], [], [], [], []
     for b in range(blocks):
-        tiles = []  # (start of turn, first slab, mainloop end, epilogue end, warpgroup)
+        tiles = []  # (turn, first slab, mainloop end, epilogue end, warpgroup, tile, wait)
         for c in range(2):
             for j in range(TILES):
                 r = t[b, c, j]

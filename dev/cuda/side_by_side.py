@@ -91,9 +91,9 @@ WIDE = {"rope": {"ROPE_MAX_K": ANY, "ROPE_MAX_COLUMNS": ANY},
         "dswiglu": {"DSWIGLU_MAX_K": ANY, "DSWIGLU_MAX_COLUMNS": ANY}}
 
 
-def defined(*names: str):
-    """gemm.compile_options with -D name for each name"""
-    return lambda *args, **kw: COMPILE_OPTIONS(*args, **kw) + [f"-D{n}" for n in names]
+def defined(name: str):
+    """gemm.compile_options with -D name"""
+    return lambda *args, **kw: COMPILE_OPTIONS(*args, **kw) + [f"-D{name}"]
 
 
 COMPILE_OPTIONS = gemm.compile_options
